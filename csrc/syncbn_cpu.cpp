@@ -1,0 +1,732 @@
+// CPU kernels of the synchronized-BatchNorm primitives (see syncbn.h for the maths).
+//
+// Layout of this file: helpers, kernels, host entry points.
+//
+// Two memory layouts are handled natively, with the inner loop always over the contiguous
+// dimension so that the compiler vectorizes it:
+//   * channels-first (NCHW contiguous): channel c is N rows of S contiguous values, rows strided
+//     by C * S. Inner loops run over S in fixed-width "lanes" of L values; values that straddle a
+//     row boundary are staged into a small buffer so that every full group of L takes the vector
+//     path, whatever S is (7x7 maps included).
+//   * channels-last (NHWC / NDHWC dense, and (N, C) matrices): N * S rows of C contiguous values;
+//     inner loops run over C with per-channel accumulator arrays.
+// Statistics accumulate in acc_t (float for half/bfloat16/float, double for double) and partial
+// results from lanes, threads and chunks are merged in double with Chan's formula.
+#include "syncbn.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <vector>
+
+namespace syncbn {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Helpers
+// ------------------------------------------------------------------------------------------------
+
+// Lanes per vector group: 32 floats = four AVX2 registers in flight, enough independent chains to
+// hide FMA latency; 16 doubles is the same number of bytes.
+template <typename acc_t>
+constexpr int kLanes = sizeof(acc_t) == 4 ? 32 : 16;
+// Elements per parallel task for elementwise kernels (amortizes the OpenMP fork).
+constexpr int64_t kElemGrain = 32768;
+// Rows of channels-last input accumulated in acc_t before flushing into double accumulators.
+constexpr int64_t kFlushRows = 256;
+// Lane groups accumulated in acc_t before flushing into double accumulators.
+constexpr int64_t kFlushGroups = 128;
+
+enum class Layout { kChannelsFirst, kChannelsLast };
+
+struct Geometry {
+  int64_t N;  // batch
+  int64_t C;  // channels
+  int64_t S;  // elements per (n, c): product of the spatial sizes
+  Layout layout;
+};
+
+bool is_channels_last_dense(const at::Tensor& t) { return t.movedim(1, -1).is_contiguous(); }
+
+// Channels-first and channels-last index identically when S == 1; channels-last then vectorizes
+// over C, so it is preferred.
+Geometry geometry_of(const at::Tensor& x) {
+  Geometry g{x.size(0), x.size(1), 1, Layout::kChannelsLast};
+  for (int64_t d = 2; d < x.dim(); ++d) g.S *= x.size(d);
+  if (g.S != 1 && x.is_contiguous()) g.layout = Layout::kChannelsFirst;
+  return g;
+}
+
+// The input in one of the two supported layouts (a copy only for other strides).
+at::Tensor dense_input(const at::Tensor& x) {
+  if (x.is_contiguous() || is_channels_last_dense(x)) return x;
+  return x.contiguous();
+}
+
+// `t` with exactly the strides of `like` (a copy only when they differ).
+at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like) {
+  if (t.strides() == like.strides()) return t;
+  return at::empty_like(like).copy_(t);
+}
+
+at::ScalarType acc_dtype_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Count, mean and sum of squared deviations, merged with Chan's pairwise formula.
+struct Welford {
+  double n = 0, mean = 0, m2 = 0;
+
+  void push(double x) {
+    n += 1;
+    const double d = x - mean;
+    mean += d / n;
+    m2 += d * (x - mean);
+  }
+
+  void merge(double nb, double mean_b, double m2_b) {
+    if (nb == 0) return;
+    if (n == 0) {
+      n = nb, mean = mean_b, m2 = m2_b;
+      return;
+    }
+    const double nt = n + nb;
+    const double d = mean_b - mean;
+    mean += d * (nb / nt);
+    m2 += m2_b + d * d * (n * nb / nt);
+    n = nt;
+  }
+
+  void merge(const Welford& o) { merge(o.n, o.mean, o.m2); }
+};
+
+// L independent Welford accumulators sharing one count (each lane sees one value per group), on
+// values shifted by a per-channel constant so that fp32 keeps its precision for large means.
+template <typename acc_t, int L>
+struct WelfordLanes {
+  acc_t mean[L] = {};
+  acc_t m2[L] = {};
+  int64_t n = 0;
+
+  template <typename scalar_t>
+  inline void push(const scalar_t* __restrict p, acc_t shift) {
+    ++n;
+    const acc_t r = acc_t(1) / static_cast<acc_t>(n);
+#pragma GCC ivdep
+    for (int l = 0; l < L; ++l) {
+      const acc_t y = static_cast<acc_t>(p[l]) - shift;
+      const acc_t d = y - mean[l];
+      mean[l] += d * r;
+      m2[l] += d * (y - mean[l]);
+    }
+  }
+
+  void merge_into(Welford& out, acc_t shift) const {
+    for (int l = 0; l < L; ++l) {
+      out.merge(static_cast<double>(n), static_cast<double>(shift) + mean[l], m2[l]);
+    }
+  }
+};
+
+// Feeds the values of channel c, rows [n0, n1), of K channels-first tensors with the same
+// geometry to `group(ptrs)` in groups of exactly L consecutive values (a group that straddles two
+// rows is staged), then the fewer-than-L leftovers to `tail(ptrs, count)`.
+template <int L, int K, typename scalar_t, typename Group, typename Tail>
+void visit_channel_groups(
+    const std::array<const scalar_t*, K>& base, const Geometry& g, int64_t c, int64_t n0,
+    int64_t n1, Group&& group, Tail&& tail) {
+  scalar_t stage[K][L];
+  std::array<const scalar_t*, K> staged;
+  for (int j = 0; j < K; ++j) staged[j] = stage[j];
+  std::array<const scalar_t*, K> ptrs;
+  int k = 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t off = (n * g.C + c) * g.S;
+    int64_t i = 0;
+    if (k > 0) {
+      for (; k < L && i < g.S; ++k, ++i) {
+        for (int j = 0; j < K; ++j) stage[j][k] = base[j][off + i];
+      }
+      if (k == L) {
+        group(staged);
+        k = 0;
+      }
+    }
+    for (; i + L <= g.S; i += L) {
+      for (int j = 0; j < K; ++j) ptrs[j] = base[j] + off + i;
+      group(ptrs);
+    }
+    for (; i < g.S; ++i, ++k) {
+      for (int j = 0; j < K; ++j) stage[j][k] = base[j][off + i];
+    }
+  }
+  tail(staged, k);
+}
+
+// Splits channels-first work into C * P tasks (channel, row range) so that small C still uses
+// every thread; returns P.
+int64_t row_splits(const Geometry& g) {
+  const int64_t threads = at::get_num_threads();
+  if (g.C >= threads || g.N <= 1) return 1;
+  return std::min<int64_t>(g.N, (threads + g.C - 1) / g.C);
+}
+
+// Row chunks for channels-last reductions: one per thread, at least 16 rows each.
+int64_t row_chunks(int64_t rows) {
+  const int64_t threads = at::get_num_threads();
+  return std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+void welford_stats_channels_first(
+    const scalar_t* x, const Geometry& g, acc_t* mean_out, acc_t* m2_out) {
+  constexpr int L = kLanes<acc_t>;
+  const int64_t P = row_splits(g);
+  std::vector<Welford> partial(g.C * P);
+  at::parallel_for(0, g.C * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task / P, p = task % P;
+      const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
+      const acc_t shift = static_cast<acc_t>(x[c * g.S]);
+      WelfordLanes<acc_t, L> lanes;
+      Welford& out = partial[task];
+      visit_channel_groups<L, 1, scalar_t>(
+          {x}, g, c, n0, n1, [&](const std::array<const scalar_t*, 1>& q) { lanes.push(q[0], shift); },
+          [&](const std::array<const scalar_t*, 1>& q, int count) {
+            for (int i = 0; i < count; ++i) out.push(static_cast<double>(q[0][i]));
+          });
+      lanes.merge_into(out, shift);
+    }
+  });
+  for (int64_t c = 0; c < g.C; ++c) {
+    Welford w;
+    for (int64_t p = 0; p < P; ++p) w.merge(partial[c * P + p]);
+    mean_out[c] = static_cast<acc_t>(w.mean);
+    m2_out[c] = static_cast<acc_t>(w.m2);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void welford_stats_channels_last(
+    const scalar_t* x, const Geometry& g, acc_t* mean_out, acc_t* m2_out) {
+  const int64_t rows = g.N * g.S, C = g.C;
+  const int64_t chunks = row_chunks(rows);
+  std::vector<acc_t> shift(C);
+  for (int64_t c = 0; c < C; ++c) shift[c] = static_cast<acc_t>(x[c]);
+  std::vector<Welford> partial(chunks * C);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> mean(C), m2(C);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      std::fill(mean.begin(), mean.end(), acc_t(0));
+      std::fill(m2.begin(), m2.end(), acc_t(0));
+      acc_t* __restrict mp = mean.data();
+      acc_t* __restrict vp = m2.data();
+      const acc_t* __restrict sp = shift.data();
+      int64_t n = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* __restrict row = x + r * C;
+        const acc_t inv = acc_t(1) / static_cast<acc_t>(++n);
+#pragma GCC ivdep
+        for (int64_t c = 0; c < C; ++c) {
+          const acc_t y = static_cast<acc_t>(row[c]) - sp[c];
+          const acc_t d = y - mp[c];
+          mp[c] += d * inv;
+          vp[c] += d * (y - mp[c]);
+        }
+      }
+      for (int64_t c = 0; c < C; ++c) {
+        partial[chunk * C + c].merge(
+            static_cast<double>(n), static_cast<double>(sp[c]) + mp[c], vp[c]);
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    Welford w;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) w.merge(partial[chunk * C + c]);
+    mean_out[c] = static_cast<acc_t>(w.mean);
+    m2_out[c] = static_cast<acc_t>(w.m2);
+  }
+}
+
+template <typename acc_t>
+void chan_merge(
+    const acc_t* counts, const acc_t* means, const acc_t* m2s, int64_t W, int64_t C, double eps,
+    bool unbiased, acc_t* mean_out, acc_t* invstd_out, acc_t* var_out) {
+  at::parallel_for(0, C, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      // Two passes over the W ranks in double: the weighted mean first, then the deviations
+      // of the rank means from it, which stay accurate when the mean is far from zero.
+      double n = 0, sum = 0;
+      for (int64_t w = 0; w < W; ++w) {
+        const double nw = counts[w];
+        n += nw;
+        sum += nw * static_cast<double>(means[w * C + c]);
+      }
+      const double mean = sum / std::max(n, 1.0);
+      double m2 = 0;
+      for (int64_t w = 0; w < W; ++w) {
+        const double nw = counts[w];
+        if (nw == 0) continue;
+        const double d = static_cast<double>(means[w * C + c]) - mean;
+        m2 += static_cast<double>(m2s[w * C + c]) + nw * d * d;
+      }
+      mean_out[c] = static_cast<acc_t>(mean);
+      invstd_out[c] = static_cast<acc_t>(1.0 / std::sqrt(m2 / std::max(n, 1.0) + eps));
+      var_out[c] = static_cast<acc_t>(m2 / std::max(unbiased ? n - 1 : n, 1.0));
+    }
+  });
+}
+
+// Per-channel affine coefficients: y = (x - mean) * scale + shift.
+template <typename acc_t>
+struct Affine {
+  std::vector<acc_t> mean, scale, shift;
+};
+
+template <typename acc_t>
+Affine<acc_t> normalize_coefficients(
+    const acc_t* mean, const acc_t* invstd, const acc_t* weight, const acc_t* bias, int64_t C) {
+  Affine<acc_t> a{std::vector<acc_t>(mean, mean + C), std::vector<acc_t>(C), std::vector<acc_t>(C)};
+  for (int64_t c = 0; c < C; ++c) {
+    a.scale[c] = invstd[c] * (weight ? weight[c] : acc_t(1));
+    a.shift[c] = bias ? bias[c] : acc_t(0);
+  }
+  return a;
+}
+
+// dx = (dy - mean_dy - (x - mean) * k) * iw, in the same "Affine" shape: scale = iw,
+// shift = -mean_dy, extra = k.
+template <typename acc_t>
+struct BackwardCoefficients {
+  std::vector<acc_t> mean, iw, mean_dy, k;
+};
+
+template <typename acc_t>
+BackwardCoefficients<acc_t> backward_coefficients(
+    const acc_t* mean, const acc_t* invstd, const acc_t* weight, const acc_t* sum_dy,
+    const acc_t* sum_dy_xmu, double count, int64_t C) {
+  BackwardCoefficients<acc_t> b{
+      std::vector<acc_t>(mean, mean + C), std::vector<acc_t>(C), std::vector<acc_t>(C),
+      std::vector<acc_t>(C)};
+  const double inv_n = 1.0 / std::max(count, 1.0);
+  for (int64_t c = 0; c < C; ++c) {
+    const double is = invstd[c];
+    b.iw[c] = static_cast<acc_t>(is * (weight ? static_cast<double>(weight[c]) : 1.0));
+    b.mean_dy[c] = static_cast<acc_t>(sum_dy[c] * inv_n);
+    b.k[c] = static_cast<acc_t>(sum_dy_xmu[c] * inv_n * is * is);
+  }
+  return b;
+}
+
+template <typename scalar_t, typename acc_t>
+void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const Affine<acc_t>& a) {
+  if (g.layout == Layout::kChannelsFirst) {
+    const int64_t S = g.S;
+    at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const int64_t c = r % g.C;
+        const acc_t m = a.mean[c], sc = a.scale[c], sh = a.shift[c];
+        const scalar_t* __restrict xr = x + r * S;
+        scalar_t* __restrict yr = y + r * S;
+        for (int64_t s = 0; s < S; ++s) {
+          yr[s] = static_cast<scalar_t>((static_cast<acc_t>(xr[s]) - m) * sc + sh);
+        }
+      }
+    });
+  } else {
+    const int64_t C = g.C;
+    const acc_t* __restrict mp = a.mean.data();
+    const acc_t* __restrict scp = a.scale.data();
+    const acc_t* __restrict shp = a.shift.data();
+    at::parallel_for(0, g.N * g.S, std::max<int64_t>(1, kElemGrain / C), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* __restrict xr = x + r * C;
+        scalar_t* __restrict yr = y + r * C;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < C; ++c) {
+          yr[c] = static_cast<scalar_t>((static_cast<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]);
+        }
+      }
+    });
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_reduce_channels_first(
+    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
+    acc_t* sum_dy_xmu) {
+  constexpr int L = kLanes<acc_t>;
+  const int64_t P = row_splits(g);
+  std::vector<double> part_dy(g.C * P), part_dyx(g.C * P);
+  at::parallel_for(0, g.C * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task / P, p = task % P;
+      const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
+      const acc_t m = mean[c];
+      acc_t a_dy[L] = {}, a_dyx[L] = {};
+      double t_dy = 0, t_dyx = 0;
+      int64_t groups = 0;
+      auto flush = [&]() {
+        for (int l = 0; l < L; ++l) {
+          t_dy += a_dy[l];
+          t_dyx += a_dyx[l];
+          a_dy[l] = a_dyx[l] = 0;
+        }
+      };
+      visit_channel_groups<L, 2, scalar_t>(
+          {dy, x}, g, c, n0, n1,
+          [&](const std::array<const scalar_t*, 2>& q) {
+            const scalar_t* __restrict d = q[0];
+            const scalar_t* __restrict v = q[1];
+#pragma GCC ivdep
+            for (int l = 0; l < L; ++l) {
+              const acc_t dv = static_cast<acc_t>(d[l]);
+              a_dy[l] += dv;
+              a_dyx[l] += dv * (static_cast<acc_t>(v[l]) - m);
+            }
+            if (++groups == kFlushGroups) {
+              flush();
+              groups = 0;
+            }
+          },
+          [&](const std::array<const scalar_t*, 2>& q, int count) {
+            for (int i = 0; i < count; ++i) {
+              const double dv = static_cast<double>(q[0][i]);
+              t_dy += dv;
+              t_dyx += dv * (static_cast<double>(q[1][i]) - m);
+            }
+          });
+      flush();
+      part_dy[task] = t_dy;
+      part_dyx[task] = t_dyx;
+    }
+  });
+  for (int64_t c = 0; c < g.C; ++c) {
+    double s_dy = 0, s_dyx = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      s_dy += part_dy[c * P + p];
+      s_dyx += part_dyx[c * P + p];
+    }
+    sum_dy[c] = static_cast<acc_t>(s_dy);
+    sum_dy_xmu[c] = static_cast<acc_t>(s_dyx);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_reduce_channels_last(
+    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
+    acc_t* sum_dy_xmu) {
+  const int64_t rows = g.N * g.S, C = g.C;
+  const int64_t chunks = row_chunks(rows);
+  std::vector<double> part_dy(chunks * C, 0.0), part_dyx(chunks * C, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> a_dy(C), a_dyx(C);
+    acc_t* __restrict pdy = a_dy.data();
+    acc_t* __restrict pdyx = a_dyx.data();
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      double* t_dy = part_dy.data() + chunk * C;
+      double* t_dyx = part_dyx.data() + chunk * C;
+      for (int64_t f0 = r0; f0 < r1; f0 += kFlushRows) {
+        std::fill(a_dy.begin(), a_dy.end(), acc_t(0));
+        std::fill(a_dyx.begin(), a_dyx.end(), acc_t(0));
+        const int64_t f1 = std::min(r1, f0 + kFlushRows);
+        for (int64_t r = f0; r < f1; ++r) {
+          const scalar_t* __restrict d = dy + r * C;
+          const scalar_t* __restrict v = x + r * C;
+#pragma GCC ivdep
+          for (int64_t c = 0; c < C; ++c) {
+            const acc_t dv = static_cast<acc_t>(d[c]);
+            pdy[c] += dv;
+            pdyx[c] += dv * (static_cast<acc_t>(v[c]) - mean[c]);
+          }
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          t_dy[c] += pdy[c];
+          t_dyx[c] += pdyx[c];
+        }
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    double s_dy = 0, s_dyx = 0;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      s_dy += part_dy[chunk * C + c];
+      s_dyx += part_dyx[chunk * C + c];
+    }
+    sum_dy[c] = static_cast<acc_t>(s_dy);
+    sum_dy_xmu[c] = static_cast<acc_t>(s_dyx);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void backward_elemt_kernel(
+    const scalar_t* dy, const scalar_t* x, scalar_t* dx, const Geometry& g,
+    const BackwardCoefficients<acc_t>& b) {
+  if (g.layout == Layout::kChannelsFirst) {
+    const int64_t S = g.S;
+    at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t c = r % g.C;
+        const acc_t m = b.mean[c], iw = b.iw[c], mdy = b.mean_dy[c], k = b.k[c];
+        const scalar_t* __restrict d = dy + r * S;
+        const scalar_t* __restrict v = x + r * S;
+        scalar_t* __restrict o = dx + r * S;
+        for (int64_t s = 0; s < S; ++s) {
+          o[s] = static_cast<scalar_t>(
+              (static_cast<acc_t>(d[s]) - mdy - (static_cast<acc_t>(v[s]) - m) * k) * iw);
+        }
+      }
+    });
+  } else {
+    const int64_t C = g.C;
+    const acc_t* __restrict mp = b.mean.data();
+    const acc_t* __restrict iwp = b.iw.data();
+    const acc_t* __restrict mdyp = b.mean_dy.data();
+    const acc_t* __restrict kp = b.k.data();
+    at::parallel_for(0, g.N * g.S, std::max<int64_t>(1, kElemGrain / C), [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const scalar_t* __restrict d = dy + r * C;
+        const scalar_t* __restrict v = x + r * C;
+        scalar_t* __restrict o = dx + r * C;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < C; ++c) {
+          o[c] = static_cast<scalar_t>(
+              (static_cast<acc_t>(d[c]) - mdyp[c] - (static_cast<acc_t>(v[c]) - mp[c]) * kp[c]) *
+              iwp[c]);
+        }
+      }
+    });
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host entry points: argument checks, layout, dtype dispatch
+// ------------------------------------------------------------------------------------------------
+
+void check_input(const at::Tensor& input) {
+  TORCH_CHECK(input.defined(), "syncbn: `input` is undefined");
+  TORCH_CHECK(
+      input.dim() >= 2, "syncbn: `input` must have shape (N, C, *) with at least 2 dims, got ",
+      input.dim(), "-D input of shape ", input.sizes());
+  const auto t = input.scalar_type();
+  TORCH_CHECK(
+      t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+      "syncbn: `input` must be float16, bfloat16, float32 or float64, got ", t);
+  TORCH_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
+  TORCH_CHECK(input.device().is_cpu(), "syncbn: `input` must be a CPU tensor for the _cpu kernels");
+}
+
+void check_channel_vector(
+    const at::Tensor& v, const char* name, const at::Tensor& input, bool require_acc_dtype) {
+  TORCH_CHECK(v.defined(), "syncbn: `", name, "` is undefined");
+  TORCH_CHECK(
+      v.dim() == 1 && v.numel() == input.size(1), "syncbn: `", name, "` must have shape [",
+      input.size(1), "] (one value per channel of `input`), got ", v.sizes());
+  TORCH_CHECK(
+      v.device() == input.device(), "syncbn: `", name, "` is on ", v.device(), " but `input` is on ",
+      input.device());
+  if (require_acc_dtype) {
+    const auto acc = acc_dtype_of(input.scalar_type());
+    TORCH_CHECK(
+        v.scalar_type() == acc, "syncbn: `", name, "` must be ", acc, " for ",
+        input.scalar_type(), " input, got ", v.scalar_type());
+  } else {
+    TORCH_CHECK(
+        at::isFloatingType(v.scalar_type()), "syncbn: `", name, "` must be floating point, got ",
+        v.scalar_type());
+  }
+}
+
+void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
+  TORCH_CHECK(grad_out.defined(), "syncbn: `grad_out` is undefined");
+  TORCH_CHECK(
+      grad_out.sizes() == input.sizes(), "syncbn: `grad_out` has shape ", grad_out.sizes(),
+      " but `input` has shape ", input.sizes());
+  TORCH_CHECK(
+      grad_out.scalar_type() == input.scalar_type(), "syncbn: `grad_out` dtype ",
+      grad_out.scalar_type(), " differs from `input` dtype ", input.scalar_type());
+  TORCH_CHECK(grad_out.device() == input.device(), "syncbn: `grad_out` and `input` devices differ");
+}
+
+// A per-channel optional parameter converted to the acc dtype (nullptr data when absent).
+at::Tensor optional_acc(
+    const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input) {
+  if (!v.has_value() || !v->defined()) return at::Tensor();
+  check_channel_vector(*v, name, input, /*require_acc_dtype=*/false);
+  return v->to(acc_dtype_of(input.scalar_type())).contiguous();
+}
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
+  check_input(input_);
+  const at::Tensor input = dense_input(input_);
+  const Geometry g = geometry_of(input);
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
+  at::Tensor mean = at::zeros({g.C}, opts);
+  at::Tensor m2 = at::zeros({g.C}, opts);
+  if (g.N * g.S == 0) return {mean, m2};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    if (g.layout == Layout::kChannelsFirst) {
+      welford_stats_channels_first<scalar_t, acc_t>(
+          x, g, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+    } else {
+      welford_stats_channels_last<scalar_t, acc_t>(
+          x, g, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+    }
+  });
+  return {mean, m2};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
+    const at::Tensor& counts_, const at::Tensor& means_, const at::Tensor& m2s_, double eps,
+    bool unbiased) {
+  TORCH_CHECK(counts_.dim() == 1, "syncbn: `counts` must be 1-D [world], got ", counts_.sizes());
+  const int64_t W = counts_.size(0);
+  TORCH_CHECK(
+      means_.dim() == 2 && means_.size(0) == W, "syncbn: `means` must have shape [", W,
+      ", C] to match `counts`, got ", means_.sizes());
+  TORCH_CHECK(
+      m2s_.sizes() == means_.sizes(), "syncbn: `m2s` must have the shape of `means` ",
+      means_.sizes(), ", got ", m2s_.sizes());
+  const auto acc = means_.scalar_type();
+  TORCH_CHECK(
+      acc == at::kFloat || acc == at::kDouble, "syncbn: `means` must be float32 or float64, got ",
+      acc);
+  TORCH_CHECK(
+      counts_.scalar_type() == acc && m2s_.scalar_type() == acc,
+      "syncbn: `counts`, `means` and `m2s` must share one dtype");
+  TORCH_CHECK(
+      counts_.device().is_cpu() && means_.device().is_cpu() && m2s_.device().is_cpu(),
+      "syncbn: `counts`, `means` and `m2s` must be CPU tensors for the _cpu kernels");
+  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  const at::Tensor counts = counts_.contiguous(), means = means_.contiguous(), m2s = m2s_.contiguous();
+  const int64_t C = means.size(1);
+  at::Tensor mean = at::empty({C}, means.options());
+  at::Tensor invstd = at::empty({C}, means.options());
+  at::Tensor var = at::empty({C}, means.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cpu", [&] {
+    chan_merge<scalar_t>(
+        counts.const_data_ptr<scalar_t>(), means.const_data_ptr<scalar_t>(),
+        m2s.const_data_ptr<scalar_t>(), W, C, eps, unbiased, mean.mutable_data_ptr<scalar_t>(),
+        invstd.mutable_data_ptr<scalar_t>(), var.mutable_data_ptr<scalar_t>());
+  });
+  return {mean, invstd, var};
+}
+
+at::Tensor normalize_cpu(
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  check_input(input_);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const at::Tensor w = optional_acc(weight, "weight", input);
+  const at::Tensor b = optional_acc(bias, "bias", input);
+  at::Tensor output = at::empty_like(input);
+  if (input.numel() == 0) return output;
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "normalize_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto coeff = normalize_coefficients<acc_t>(
+        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
+        data_or_null<acc_t>(b), g.C);
+    normalize_kernel<scalar_t, acc_t>(
+        input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(), g, coeff);
+  });
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
+    bool bias_grad) {
+  check_input(input_);
+  check_grad_out(grad_out_, input_);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const Geometry g = geometry_of(input);
+  at::Tensor sum_dy = at::zeros({g.C}, mean.options());
+  at::Tensor sum_dy_xmu = at::zeros({g.C}, mean.options());
+  if (input.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
+      const scalar_t* x = input.const_data_ptr<scalar_t>();
+      const acc_t* m = mean.const_data_ptr<acc_t>();
+      if (g.layout == Layout::kChannelsFirst) {
+        backward_reduce_channels_first<scalar_t, acc_t>(
+            dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+      } else {
+        backward_reduce_channels_last<scalar_t, acc_t>(
+            dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+      }
+    });
+  }
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) check_channel_vector(*weight, "weight", input, false);
+  const auto param_dtype = has_weight ? weight->scalar_type() : mean.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
+  if (bias_grad) grad_bias = sum_dy.to(param_dtype);
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+}
+
+at::Tensor backward_elemt_cpu(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
+    const at::Tensor& sum_dy_xmu_, const at::Tensor& count) {
+  check_input(input_);
+  check_grad_out(grad_out_, input_);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  check_channel_vector(sum_dy_, "sum_dy", input_, true);
+  check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
+  TORCH_CHECK(
+      count.numel() == 1 && count.device() == input_.device(),
+      "syncbn: `count` must be a one-element tensor on the input's device, got shape ",
+      count.sizes(), " on ", count.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const at::Tensor sum_dy = sum_dy_.contiguous(), sum_dy_xmu = sum_dy_xmu_.contiguous();
+  const at::Tensor w = optional_acc(weight, "weight", input);
+  at::Tensor grad_in = at::empty_like(input);
+  if (input.numel() == 0) return grad_in;
+  const Geometry g = geometry_of(input);
+  const double n = count.item<double>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_elemt_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto coeff = backward_coefficients<acc_t>(
+        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
+        sum_dy.const_data_ptr<acc_t>(), sum_dy_xmu.const_data_ptr<acc_t>(), n, g.C);
+    backward_elemt_kernel<scalar_t, acc_t>(
+        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+        grad_in.mutable_data_ptr<scalar_t>(), g, coeff);
+  });
+  return grad_in;
+}
+
+}  // namespace syncbn

@@ -1,0 +1,294 @@
+"""Choice of kernel implementation and lazy JIT build of the C++ extension (layer 2).
+
+``SYNCBN_IMPL`` selects the implementation of the primitives:
+
+* ``auto`` (default): the compiled extension where it has kernels for the tensor's device, else the
+  pure-PyTorch reference, with ONE warning naming the cause and the build directory.
+* ``ext``: the extension or an error (a failed build raises instead of falling back).
+* ``ref``: always the reference (:mod:`syncbn_lightning.reference`).
+
+The extension is built on first use, never at import or test collection. Its build directory is
+``$SYNCBN_CACHE_DIR/<key>`` (default root ``~/.cache/syncbn_lightning``, created ``0700``), where
+the key hashes the sources, headers, compiler flags and the torch/CUDA/Python versions, so a
+change of any of them triggers a rebuild and never loads a stale binary. Builds are serialized
+across processes with an ``flock`` (released by the kernel if the builder dies); holding it, a
+leftover ``lock`` file from torch's builder can only come from a build that was killed, and is
+removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from . import reference
+
+__all__ = ["IMPL_ENV", "get_impl", "ops_for", "load_extension", "build_dir", "ExtensionBuildError"]
+
+IMPL_ENV = "SYNCBN_IMPL"
+CACHE_ENV = "SYNCBN_CACHE_DIR"
+BUILD_TIMEOUT_ENV = "SYNCBN_BUILD_TIMEOUT"
+_IMPLS = ("auto", "ext", "ref")
+
+log = logging.getLogger(__name__)
+
+
+class ExtensionBuildError(RuntimeError):
+    """The C++ extension could not be built or loaded."""
+
+
+def get_impl() -> str:
+    """The implementation requested by ``SYNCBN_IMPL`` (``auto``, ``ext`` or ``ref``).
+
+    Raises:
+        ValueError: when the variable holds anything else.
+    """
+    value = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if value not in _IMPLS:
+        raise ValueError(
+            f"{IMPL_ENV}={os.environ[IMPL_ENV]!r} is not valid: use one of {', '.join(_IMPLS)}"
+        )
+    return value
+
+
+def _csrc_dir() -> Path:
+    """Where the C++/CUDA sources are: a source checkout's ``csrc/`` or the installed copy."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here / "_csrc"):
+        if (candidate / "syncbn.h").is_file():
+            return candidate
+    raise ExtensionBuildError(
+        f"the C++ sources (syncbn.h) are neither in {here.parent / 'csrc'} "
+        f"nor in {here / '_csrc'}; reinstall syncbn_lightning"
+    )
+
+
+def _cuda_build_enabled(csrc: Path) -> bool:
+    """Whether to compile the CUDA twins: only with a CUDA torch, a toolkit and ``.cu`` sources."""
+    from torch.utils import cpp_extension
+
+    return bool(
+        torch.version.cuda
+        and torch.cuda.is_available()
+        and cpp_extension.CUDA_HOME
+        and any(csrc.glob("*.cu"))
+    )
+
+
+def _cpu_arch_flags() -> list[str]:
+    # Named ISA flags rather than -march=native: the cache key then says exactly what the binary
+    # needs, and a cache shared by different hosts of the same capability stays valid.
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def _build_spec() -> dict[str, Any]:
+    csrc = _csrc_dir()
+    with_cuda = _cuda_build_enabled(csrc)
+    sources = sorted(csrc.glob("*.cpp")) + (sorted(csrc.glob("*.cu")) if with_cuda else [])
+    headers = sorted(csrc.glob("*.h")) + sorted(csrc.glob("*.cuh"))
+    cflags = ["-O3", "-DNDEBUG", "-fopenmp", *_cpu_arch_flags()] + (
+        ["-DWITH_CUDA"] if with_cuda else []
+    )
+    cuda_cflags = ["-O3", "-DNDEBUG", "-DWITH_CUDA", "--use_fast_math"] if with_cuda else []
+    digest = hashlib.sha256()
+    for path in sources + headers:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for item in (
+        cflags,
+        cuda_cflags,
+        torch.__version__,
+        torch.version.cuda,
+        sys.version_info[:2],
+        platform.machine(),
+    ):
+        digest.update(repr(item).encode())
+    key = digest.hexdigest()[:16]
+    return {
+        "name": f"syncbn_lightning_ext_{key}",
+        "key": key,
+        "sources": [str(p) for p in sources],
+        "include": str(csrc),
+        "cflags": cflags,
+        "cuda_cflags": cuda_cflags,
+        "with_cuda": with_cuda,
+    }
+
+
+def _cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "syncbn_lightning"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+def build_dir() -> Path:
+    """The build directory for the current sources, flags and versions (created if needed)."""
+    path = _cache_root() / _build_spec()["key"]
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@contextmanager
+def _build_lock(directory: Path, timeout_s: float) -> Iterator[None]:
+    """Exclusive inter-process lock on ``directory``; raises after ``timeout_s`` of waiting."""
+    with open(directory / ".syncbn_build.flock", "w") as handle:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ExtensionBuildError(
+                        f"waited {timeout_s:.0f} s for another process building the extension in "
+                        f"{directory}; if no build is running, that process is hung: kill it, or "
+                        f"raise {BUILD_TIMEOUT_ENV}"
+                    ) from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_ext_lock = threading.Lock()
+_ext_module: ModuleType | None = None
+_ext_error: ExtensionBuildError | None = None
+
+
+def load_extension() -> ModuleType:
+    """Build (first time) and import the extension; cached per process.
+
+    Raises:
+        ExtensionBuildError: when the build or import fails; the message holds the compiler's
+            output tail and the build directory. A failure is remembered for the process.
+    """
+    global _ext_module, _ext_error
+    with _ext_lock:
+        if _ext_module is not None:
+            return _ext_module
+        if _ext_error is not None:
+            raise _ext_error
+        try:
+            _ext_module = _build_and_import()
+        except ExtensionBuildError as exc:
+            _ext_error = exc
+            raise
+        except Exception as exc:  # compiler missing, ninja missing, import errors, ...
+            text = str(exc).strip()
+            where = _safe_build_dir()
+            _ext_error = ExtensionBuildError(
+                f"building the C++ extension failed ({type(exc).__name__}) in {where}: "
+                f"...{text[-2000:]}\nIf a previous build was killed, a leftover `lock` file in "
+                f"that directory makes torch wait forever; syncbn_lightning removes it when it "
+                f"holds the build lock, or delete the directory by hand."
+            )
+            raise _ext_error from exc
+        return _ext_module
+
+
+def _safe_build_dir() -> str:
+    try:
+        return str(build_dir())
+    except Exception:
+        return "<unknown build directory>"
+
+
+def _build_and_import() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    spec = _build_spec()
+    directory = build_dir()
+    timeout_s = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
+    with _build_lock(directory, timeout_s):
+        stale = directory / "lock"
+        if stale.exists():
+            warnings.warn(
+                f"syncbn_lightning: removing a stale build lock {stale} left by a killed build",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            stale.unlink()
+        started = time.perf_counter()
+        module = cpp_extension.load(
+            name=spec["name"],
+            sources=spec["sources"],
+            extra_include_paths=[spec["include"]],
+            extra_cflags=spec["cflags"],
+            extra_cuda_cflags=spec["cuda_cflags"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            with_cuda=spec["with_cuda"],
+            verbose=False,
+        )
+    log.info(
+        "syncbn_lightning extension %s ready in %.1f s (%s)",
+        spec["name"],
+        time.perf_counter() - started,
+        directory,
+    )
+    return module
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def ops_for(tensor: torch.Tensor) -> Any:
+    """The primitives to use for ``tensor``: the extension module or :mod:`reference`.
+
+    Both expose ``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce`` and
+    ``backward_elemt`` with identical signatures.
+
+    Raises:
+        ValueError: on an invalid ``SYNCBN_IMPL``.
+        ExtensionBuildError: with ``SYNCBN_IMPL=ext`` when the extension cannot serve ``tensor``.
+    """
+    impl = get_impl()
+    if impl == "ref":
+        return reference
+    try:
+        ext = load_extension()
+    except ExtensionBuildError as exc:
+        if impl == "ext":
+            raise
+        _warn_once(
+            "build",
+            f"syncbn_lightning: C++ extension unavailable, using the pure-PyTorch reference "
+            f"(slower, same results). Cause: {str(exc)[:600]} Build dir: {_safe_build_dir()}. "
+            f"Set {IMPL_ENV}=ref to silence this, or {IMPL_ENV}=ext to make it an error.",
+        )
+        return reference
+    if tensor.device.type == "cpu" or (tensor.is_cuda and ext.with_cuda):
+        return ext
+    message = (
+        f"syncbn_lightning: the C++ extension has no kernels for {tensor.device.type} tensors in "
+        f"this build; using the pure-PyTorch reference for them"
+    )
+    if impl == "ext":
+        raise ExtensionBuildError(message + f" is not allowed with {IMPL_ENV}=ext")
+    _warn_once(f"device:{tensor.device.type}", message + ".")
+    return reference

@@ -1,0 +1,235 @@
+"""The ``SyncBatchNorm`` module (layer 4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .function import SyncBatchNormFunction
+from .groups import _group_key, sync_group_size
+
+__all__ = ["SyncBatchNorm"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""BatchNorm whose batch statistics are computed over a group of processes, on CPU and GPU.
+
+    A drop-in for :class:`torch.nn.SyncBatchNorm` (same constructor and state_dict) that also runs
+    on CPU tensors with the gloo backend, where torch's own refuses. Accepts any input of shape
+    ``(N, C, *)``: 2-D to 5-D, channels-first or channels-last, float16/bfloat16/float32/float64.
+
+    Args:
+        num_features: ``C``, the number of channels of the input (dim 1).
+        eps: added to the variance for numerical stability. Default: ``1e-5``.
+        momentum: weight of the new batch in the running-stat update
+            ``running = (1 - momentum) * running + momentum * batch``; ``None`` uses the cumulative
+            average ``1 / num_batches_tracked``. Default: ``0.1``.
+        affine: learn a per-channel scale (weight) and shift (bias). Default: ``True``.
+        track_running_stats: keep ``running_mean``/``running_var`` for evaluation; if ``False``,
+            batch statistics are used in eval mode too (local to each rank). Default: ``True``.
+        process_group: the ranks to synchronize with (see :func:`new_sync_group`); ``None`` means
+            the default (world) group. Default: ``None``.
+        device: device of the parameters and buffers. Default: ``None``.
+        dtype: dtype of the parameters and buffers. Default: ``None``.
+        force_sync: run the synchronized kernels and the collectives even when the group has a
+            single rank (or torch.distributed is not initialized); for benchmarks and tests.
+            Default: ``False``.
+        unbiased_running_var: update ``running_var`` with the unbiased group variance (torch); set
+            ``False`` for the TF/Keras convention of the biased variance. Default: ``True``.
+
+    Shape:
+        - Input: ``(N, C, *)``; Output: same shape, dtype and memory format.
+
+    Raises:
+        TypeError / ValueError: on invalid constructor arguments or inputs; the message names the
+            argument and the fix.
+
+    Example:
+        >>> import torch
+        >>> from syncbn_lightning import SyncBatchNorm
+        >>> bn = SyncBatchNorm(8)
+        >>> y = bn(torch.randn(4, 8, 5, 5))   # no process group: exactly nn.BatchNorm2d
+        >>> y.shape
+        torch.Size([4, 8, 5, 5])
+
+    Note:
+        While training with a group of more than one rank, the mean and variance are those of the
+        concatenation of all ranks' batches: each rank contributes its count ``n_r``, mean and
+        ``M2`` and they are merged count-weighted (Chan et al.), so uneven batches are exact and a
+        rank with an empty batch still joins the collectives (it must: every rank calls every layer
+        in the same order). The output is normalized with the biased group variance; ``running_var``
+        is updated with the unbiased one, ``M2 / (n - 1)`` over the whole group's count ``n``.
+        ``num_batches_tracked`` counts forward calls, as in torch. In eval mode with running stats
+        the layer communicates nothing; without running stats it normalizes each rank's batch
+        locally. Outside torch.distributed, or with a group of one rank, the layer computes exactly
+        what ``nn.BatchNorm*`` computes (it calls the same function). Gradients of weight and bias
+        are the local ones; DDP averages them like any other parameter gradient.
+    """
+
+    _version = 2  # torch's _NormBase layout; bump with a migration in _load_from_state_dict.
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        force_sync: bool = False,
+        unbiased_running_var: bool = True,
+    ) -> None:
+        _validate_hyperparameters(num_features, eps, momentum, process_group)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = process_group
+        self.force_sync = bool(force_sync)
+        self.unbiased_running_var = bool(unbiased_running_var)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"SyncBatchNorm expects input of shape (N, C, *) with at least 2 dims, got "
+                f"{input.dim()}-D input of shape {tuple(input.shape)}"
+            )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input(input)
+        world_size = sync_group_size(self.process_group) if self.training else 1
+        if world_size == 1 and not (self.training and self.force_sync):
+            return super().forward(input)
+        return self._forward_sync(input, world_size)
+
+    def _forward_sync(self, input: torch.Tensor, world_size: int) -> torch.Tensor:
+        output, mean, var, total = SyncBatchNormFunction.apply(
+            input,
+            self.weight,
+            self.bias,
+            float(self.eps),
+            _group_key(self.process_group),
+            world_size,
+            self.unbiased_running_var,
+        )
+        if self.track_running_stats and self.running_mean is not None:
+            self._update_running_stats(mean, var, total, input)
+        return output
+
+    @torch.no_grad()
+    def _update_running_stats(
+        self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor, input: torch.Tensor
+    ) -> None:
+        assert self.num_batches_tracked is not None and self.running_var is not None
+        self.num_batches_tracked.add_(1)
+        # An all-empty group has nothing to average in (torch leaves the stats as they are). Only a
+        # rank with < 2 local values can be in such a group, so only it reads the count.
+        if input.numel() // input.shape[1] < 2 and int(total.item()) == 0:
+            return
+        if self.momentum is None:
+            factor: Any = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
+        else:
+            factor = self.momentum
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_(var.to(self.running_var.dtype), factor)
+
+    def _check_input(self, input: torch.Tensor) -> None:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(
+                f"SyncBatchNorm input must be a torch.Tensor, got {type(input).__name__}"
+            )
+        self._check_input_dim(input)
+        if not input.is_floating_point():
+            raise TypeError(
+                f"SyncBatchNorm input must be floating point (float16, bfloat16, float32, "
+                f"float64), got {input.dtype}: convert it, e.g. input.float()"
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm input has {input.shape[1]} channels (dim 1) but the layer was "
+                f"built with num_features={self.num_features}: use "
+                f"SyncBatchNorm({input.shape[1]}) or fix the preceding layer "
+                f"(input shape {tuple(input.shape)})"
+            )
+        reference = next((t for t in (self.weight, self.running_mean) if t is not None), None)
+        if reference is None:
+            return
+        if reference.device != input.device:
+            raise ValueError(
+                f"SyncBatchNorm input is on {input.device} but the layer's parameters/buffers are "
+                f"on {reference.device}: move the model with model.to({str(input.device)!r})"
+            )
+        if self.weight is not None and not _dtypes_compatible(input.dtype, self.weight.dtype):
+            raise TypeError(
+                f"SyncBatchNorm input dtype {input.dtype} does not match the layer's weight dtype "
+                f"{self.weight.dtype}: cast the model (model.to({input.dtype})) or the input; "
+                f"float16/bfloat16 inputs may also use float32 parameters"
+            )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # Versions < 2 (torch < 0.4.1) lack num_batches_tracked; _NormBase fills it in. Our own
+        # layout is torch's version 2, so plain BatchNorm and SyncBatchNorm checkpoints load into
+        # each other unchanged. A future layout change bumps _version and migrates here.
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.force_sync:
+            text += ", force_sync=True"
+        if not self.unbiased_running_var:
+            text += ", unbiased_running_var=False"
+        return text
+
+
+def _dtypes_compatible(input_dtype: torch.dtype, param_dtype: torch.dtype) -> bool:
+    return input_dtype == param_dtype or (
+        input_dtype in _HALF_DTYPES and param_dtype == torch.float32
+    )
+
+
+def _validate_hyperparameters(
+    num_features: Any, eps: Any, momentum: Any, process_group: Any
+) -> None:
+    if isinstance(num_features, bool) or not isinstance(num_features, int):
+        raise TypeError(
+            f"num_features must be an int (the number of channels), got "
+            f"{type(num_features).__name__} {num_features!r}"
+        )
+    if num_features <= 0:
+        raise ValueError(f"num_features must be > 0 (the number of channels), got {num_features}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float > 0, got {type(eps).__name__} {eps!r}")
+    if not eps > 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite float > 0 (e.g. 1e-5), got {eps}")
+    if momentum is not None:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise TypeError(
+                f"momentum must be a float in [0, 1] or None (cumulative average), got "
+                f"{type(momentum).__name__} {momentum!r}"
+            )
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(
+                f"momentum must be in [0, 1] or None (cumulative average), got {momentum}; torch "
+                f"convention: the weight of the new batch (TF/Keras momentum m is 1 - m here)"
+            )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup or None (world), got "
+            f"{type(process_group).__name__}; create one with syncbn_lightning.new_sync_group()"
+        )

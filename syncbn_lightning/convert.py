@@ -1,0 +1,167 @@
+"""Converting a model's BatchNorm layers to :class:`SyncBatchNorm` and back (layer 5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
+
+from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+
+__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormXd"]
+
+# Attributes every _NormBase has; everything else of the original module is kept for the revert.
+_NORM_STATE = (
+    "_parameters",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_modules",
+    "training",
+    "num_features",
+    "eps",
+    "momentum",
+    "affine",
+    "track_running_stats",
+)
+_ORIGINAL = "_syncbn_original"
+
+
+class BatchNormXd(_BatchNorm):
+    """Plain BatchNorm for inputs of any rank ``(N, C, *)``.
+
+    What :func:`revert_sync_batchnorm` turns a :class:`SyncBatchNorm` into when the layer was not
+    made by :func:`convert_sync_batchnorm` (so its original class is unknown).
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def convert_sync_batchnorm(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    force_sync: bool = False,
+    unbiased_running_var: bool = True,
+) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
+
+    ``BatchNorm1d/2d/3d``, their subclasses and ``torch.nn.SyncBatchNorm`` are converted; layers
+    that already are :class:`SyncBatchNorm` are left alone (so the call is idempotent), and so is
+    everything that is not a ``_BatchNorm``. Each new layer shares the original's Parameter and
+    buffer *objects* (an optimizer built before or after the conversion holds the same tensors) and
+    keeps its ``training`` flag, ``requires_grad``, hyper-parameters and state_dict keys.
+
+    Args:
+        module: the model, or a single BatchNorm layer.
+        process_group: the sync group of every converted layer (``None``: the whole world).
+        force_sync: passed to every :class:`SyncBatchNorm`.
+        unbiased_running_var: passed to every :class:`SyncBatchNorm`.
+
+    Returns:
+        ``module`` with its BatchNorm children replaced in place, or the new layer if ``module``
+        itself is a BatchNorm layer.
+
+    Raises:
+        ValueError: when a lazy BatchNorm has not been initialized yet (run one forward first).
+        TypeError: when ``process_group`` is not a ProcessGroup or None.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> net = convert_sync_batchnorm(net)
+        >>> type(net[1]).__name__
+        'SyncBatchNorm'
+    """
+    _validate_hyperparameters(1, 1e-5, None, process_group)
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        return _to_sync(module, process_group, force_sync, unbiased_running_var)
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(
+            child,
+            process_group,
+            force_sync=force_sync,
+            unbiased_running_var=unbiased_running_var,
+        )
+        if converted is not child:
+            module.add_module(name, converted)
+    return module
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` becomes its original class.
+
+    A layer made by the converter comes back as exactly the class it was (``BatchNorm2d`` as
+    ``BatchNorm2d``, with its input-dim check; a subclass with its extra attributes), sharing the
+    current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
+    are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd`.
+
+    Args:
+        module: the model, or a single layer.
+
+    Returns:
+        ``module`` with its SyncBatchNorm children replaced in place, or the reverted layer if
+        ``module`` itself is a SyncBatchNorm.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8)))
+        >>> type(revert_sync_batchnorm(net)[0]).__name__
+        'BatchNorm2d'
+    """
+    if isinstance(module, SyncBatchNorm):
+        return _from_sync(module)
+    for name, child in module.named_children():
+        reverted = revert_sync_batchnorm(child)
+        if reverted is not child:
+            module.add_module(name, reverted)
+    return module
+
+
+def _to_sync(
+    bn: _BatchNorm,
+    process_group: dist.ProcessGroup | None,
+    force_sync: bool,
+    unbiased_running_var: bool,
+) -> SyncBatchNorm:
+    if isinstance(bn, _LazyNormBase) and bn.has_uninitialized_params():
+        raise ValueError(
+            f"cannot convert the uninitialized lazy layer {bn!r}: run one forward pass first so "
+            f"that num_features is known"
+        )
+    sync = SyncBatchNorm.__new__(SyncBatchNorm)
+    nn.Module.__init__(sync)
+    # Share the very same Parameter and buffer objects (and their order, hence the state_dict).
+    for attr in _NORM_STATE:
+        object.__setattr__(sync, attr, _copy_container(getattr(bn, attr)))
+    sync.process_group = process_group
+    sync.force_sync = bool(force_sync)
+    sync.unbiased_running_var = bool(unbiased_running_var)
+    if hasattr(bn, "qconfig"):
+        sync.qconfig = bn.qconfig
+    original = {k: v for k, v in vars(bn).items() if k not in _NORM_STATE}
+    object.__setattr__(sync, _ORIGINAL, (type(bn), original))
+    return sync
+
+
+def _from_sync(sync: SyncBatchNorm) -> nn.Module:
+    cls, original = getattr(sync, _ORIGINAL, (BatchNormXd, None))
+    bn = cls.__new__(cls)
+    if original is None:
+        nn.Module.__init__(bn)
+    else:
+        bn.__dict__.update(original)
+    for attr in _NORM_STATE:
+        object.__setattr__(bn, attr, _copy_container(getattr(sync, attr)))
+    if isinstance(bn, nn.SyncBatchNorm):
+        bn.process_group = sync.process_group
+    return bn
+
+
+def _copy_container(value: Any) -> Any:
+    """A new dict/set with the same entries (tensors shared), or the value itself for scalars."""
+    return type(value)(value) if isinstance(value, (dict, set)) else value

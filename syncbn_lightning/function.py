@@ -1,0 +1,140 @@
+"""The synchronized BatchNorm autograd Function (layer 3).
+
+Forward, per layer call:
+    1. local per-channel statistics ``(count, mean, m2)`` with Welford (kernel ``local_stats``);
+    2. ONE ``all_gather_single`` (``all_gather_into_tensor``) of every rank's packed row
+       ``[count, mean[C], m2[C]]``;
+    3. count-weighted Chan merge of the gathered rows (``merge_stats``): mean, invstd, running var;
+    4. elementwise normalization (``normalize``).
+
+Backward:
+    1. local ``sum(dy)`` and ``sum(dy * (x - mean))`` (``backward_reduce``), plus the local
+       weight/bias gradients, which are NOT all-reduced here (DDP averages parameter gradients);
+    2. ONE ``all_reduce`` (sum) of the packed ``[sum_dy[C], sum_dy_xmu[C]]``, only when the input
+       needs a gradient;
+    3. the elementwise input gradient (``backward_elemt``) with the group-wide count.
+
+"Synchronized" means the group is normalized as one batch: with per-rank counts ``n_r`` the mean is
+``sum_r n_r mean_r / sum_r n_r``, so uneven batches are exact, and a rank with an empty batch
+(``N = 0``) contributes ``n_r = 0`` but still joins both collectives. The protocol needs no
+host-device synchronization; the host reads the gathered counts only when the local batch has fewer
+than 2 values per channel, to raise torch's error when the whole group has just one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ._backend import ops_for
+from .groups import _group_from_key, _group_key
+
+__all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """``apply(input, weight, bias, eps, group_key, world_size, unbiased)``.
+
+    Returns ``(output, mean, var, count)``: the normalized input (differentiable), and, not
+    differentiable, the group mean, the group variance for the running-stat update (unbiased when
+    ``unbiased``) and the group's element count per channel (0-d tensor).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        group_key: int,
+        world_size: int,
+        unbiased: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ops = ops_for(input)
+        channels = input.shape[1]
+        local_count = input.numel() // channels
+        mean_l, m2_l = ops.local_stats(input)
+        count_l = torch.full((1,), local_count, dtype=mean_l.dtype, device=mean_l.device)
+        packed = torch.cat([count_l, mean_l, m2_l])
+        if world_size > 1:
+            gathered = packed.new_empty(world_size * packed.numel())
+            _all_gather_single(gathered, packed, group=_group_from_key(group_key))
+            gathered = gathered.view(world_size, -1)
+        else:
+            gathered = packed.unsqueeze(0)
+        counts = gathered[:, 0]
+        if local_count < 2:
+            _check_group_count(int(counts.sum().item()), input, world_size)
+        mean, invstd, var = ops.merge_stats(
+            counts, gathered[:, 1 : channels + 1], gathered[:, channels + 1 :], eps, unbiased
+        )
+        total = counts.sum()
+        output = ops.normalize(input, mean, invstd, weight, bias)
+        ctx.save_for_backward(input, weight, mean, invstd, total)
+        ctx.group_key = group_key
+        ctx.world_size = world_size
+        ctx.mark_non_differentiable(mean, var, total)
+        return output, mean, var, total
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: torch.Tensor, *_unused: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        input, weight, mean, invstd, total = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if not (need_input or need_weight or need_bias):
+            return (None,) * 7
+        ops = ops_for(input)
+        grad_output = _like(grad_output, input)
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = ops.backward_reduce(
+            grad_output, input, mean, invstd, weight, need_weight, need_bias
+        )
+        grad_input = None
+        if need_input:
+            if ctx.world_size > 1:
+                packed = torch.cat([sum_dy, sum_dy_xmu])
+                dist.all_reduce(packed, group=_group_from_key(ctx.group_key))
+                sum_dy, sum_dy_xmu = packed.chunk(2)
+            grad_input = ops.backward_elemt(
+                grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total
+            )
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def sync_batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    process_group: dist.ProcessGroup | None,
+    world_size: int,
+    unbiased: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Functional form of :class:`SyncBatchNormFunction` taking a process group object."""
+    return SyncBatchNormFunction.apply(
+        input, weight, bias, eps, _group_key(process_group), world_size, unbiased
+    )
+
+
+# torch 2.13 renamed all_gather_into_tensor (output = inputs concatenated along dim 0).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check_group_count(total: int, input: torch.Tensor, world_size: int) -> None:
+    if total == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {input.size()} "
+            f"(1 value per channel in the whole sync group of {world_size} rank(s))"
+        )
+
+
+def _like(grad: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``input``'s strides (the kernels index both tensors the same way)."""
+    if grad.stride() == input.stride():
+        return grad
+    return torch.empty_like(input).copy_(grad)

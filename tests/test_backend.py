@@ -1,0 +1,115 @@
+"""Layer 2: implementation choice, lazy cached build, fallback, stale build locks.
+
+Scenarios that involve building run in fresh interpreters, with their own cache directory where the
+build must not touch the shared one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from syncbn_lightning import _backend
+from syncbn_lightning import reference as R
+
+
+def _python(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-W", "always::RuntimeWarning", "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_invalid_impl_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYNCBN_IMPL", "fast")
+    with pytest.raises(ValueError, match=r"SYNCBN_IMPL='fast' is not valid: use one of auto, ext"):
+        _backend.ops_for(torch.zeros(1))
+
+
+def test_ref_selects_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYNCBN_IMPL", "REF")
+    assert _backend.ops_for(torch.zeros(1)) is R
+
+
+def test_ext_on_cpu_selects_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYNCBN_IMPL", "ext")
+    ops = _backend.ops_for(torch.zeros(1))
+    assert ops is _backend.load_extension()
+    assert ops.with_cuda is False or torch.cuda.is_available()
+
+
+def test_cache_directory_is_private_and_keyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SYNCBN_CACHE_DIR", str(tmp_path / "cache"))
+    path = _backend.build_dir()
+    assert path.parent == tmp_path / "cache"
+    assert len(path.name) == 16 and path.name in _backend._build_spec()["name"]
+    for p in (path, path.parent):
+        assert p.stat().st_mode & 0o077 == 0, f"{p} must not be accessible to group/others"
+
+
+def test_import_and_plain_use_build_nothing(tmp_path: Path) -> None:
+    result = _python(
+        """
+        import torch, syncbn_lightning as s
+        bn = s.SyncBatchNorm(3)
+        bn(torch.randn(4, 3, 2, 2))            # no process group: plain BatchNorm path
+        s.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+        """,
+        {"SYNCBN_CACHE_DIR": str(tmp_path)},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_build_falls_back_once_with_the_cause(tmp_path: Path) -> None:
+    code = """
+        import torch, syncbn_lightning as s
+        bn = s.SyncBatchNorm(3, force_sync=True)
+        x = torch.randn(4, 3, 5)
+        for _ in range(3):
+            y = bn(x)
+        torch.testing.assert_close(y, torch.nn.functional.batch_norm(x, None, None, training=True))
+        print("FORWARD-OK")
+    """
+    env = {"SYNCBN_CACHE_DIR": str(tmp_path), "CXX": "/bin/false", "SYNCBN_IMPL": "auto"}
+    auto = _python(code, env)
+    assert auto.returncode == 0, auto.stderr
+    assert "FORWARD-OK" in auto.stdout
+    assert auto.stderr.count("C++ extension unavailable") == 1, auto.stderr
+    assert "Build dir: " + str(tmp_path) in auto.stderr
+
+    strict = _python(code, {**env, "SYNCBN_IMPL": "ext"})
+    assert strict.returncode != 0
+    assert "ExtensionBuildError: building the C++ extension failed" in strict.stderr
+    assert "lock" in strict.stderr  # the message explains stale build locks
+
+
+def test_stale_lock_from_a_killed_build_is_removed() -> None:
+    _backend.load_extension()  # built (or loaded) under the default cache
+    lock = _backend.build_dir() / "lock"
+    lock.write_text("")  # what a build killed mid-way leaves behind
+    result = _python(
+        """
+        from syncbn_lightning import _backend
+        _backend.load_extension()
+        print("LOADED")
+        """,
+        {},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "LOADED" in result.stdout
+    assert "removing a stale build lock" in result.stderr
+    assert not lock.exists()
