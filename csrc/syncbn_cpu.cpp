@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace syncbn {
@@ -43,6 +45,36 @@ constexpr int64_t kFlushRows = 256;
 constexpr int64_t kFlushGroups = 128;
 
 enum class Layout { kChannelsFirst, kChannelsLast };
+
+// Conversions between storage and accumulation types. bfloat16 is spelled out with branch-free bit
+// operations (round to nearest even, NaN kept quiet) so that the compiler vectorizes the loops;
+// c10's own conversion has a NaN branch that blocks it.
+template <typename acc_t, typename scalar_t>
+inline acc_t to_acc(scalar_t v) {
+  return static_cast<acc_t>(v);
+}
+
+template <>
+inline float to_acc<float, c10::BFloat16>(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename scalar_t, typename acc_t>
+inline scalar_t from_acc(acc_t v) {
+  return static_cast<scalar_t>(v);
+}
+
+template <>
+inline c10::BFloat16 from_acc<c10::BFloat16, float>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t out = v != v ? 0x7FC0u : rounded;
+  return c10::BFloat16(static_cast<uint16_t>(out), c10::BFloat16::from_bits());
+}
 
 struct Geometry {
   int64_t N;  // batch
@@ -113,17 +145,24 @@ struct WelfordLanes {
   acc_t m2[L] = {};
   int64_t n = 0;
 
+  // `groups` consecutive groups of L values starting at p. The accumulators are copied into
+  // locals for the loop so that they live in registers rather than round-tripping through memory
+  // (store-forwarding latency and 4K-aliasing stalls against the input stream).
   template <typename scalar_t>
-  inline void push(const scalar_t* __restrict p, acc_t shift) {
-    ++n;
-    const acc_t r = acc_t(1) / static_cast<acc_t>(n);
-#pragma GCC ivdep
-    for (int l = 0; l < L; ++l) {
-      const acc_t y = static_cast<acc_t>(p[l]) - shift;
-      const acc_t d = y - mean[l];
-      mean[l] += d * r;
-      m2[l] += d * (y - mean[l]);
+  inline void push(const scalar_t* __restrict p, int64_t groups, acc_t shift) {
+    acc_t lm[L], lv[L];
+    for (int l = 0; l < L; ++l) lm[l] = mean[l], lv[l] = m2[l];
+    for (int64_t g = 0; g < groups; ++g, p += L) {
+      const acc_t r = acc_t(1) / static_cast<acc_t>(++n);
+#pragma GCC unroll 32
+      for (int l = 0; l < L; ++l) {
+        const acc_t y = to_acc<acc_t>(p[l]) - shift;
+        const acc_t d = y - lm[l];
+        lm[l] += d * r;
+        lv[l] += d * (y - lm[l]);
+      }
     }
+    for (int l = 0; l < L; ++l) mean[l] = lm[l], m2[l] = lv[l];
   }
 
   void merge_into(Welford& out, acc_t shift) const {
@@ -134,8 +173,9 @@ struct WelfordLanes {
 };
 
 // Feeds the values of channel c, rows [n0, n1), of K channels-first tensors with the same
-// geometry to `group(ptrs)` in groups of exactly L consecutive values (a group that straddles two
-// rows is staged), then the fewer-than-L leftovers to `tail(ptrs, count)`.
+// geometry to `groups(ptrs, count)`: `count` consecutive groups of exactly L values each (a group
+// that straddles two rows is staged and passed alone), then the fewer-than-L leftovers to
+// `tail(ptrs, count)`.
 template <int L, int K, typename scalar_t, typename Group, typename Tail>
 void visit_channel_groups(
     const std::array<const scalar_t*, K>& base, const Geometry& g, int64_t c, int64_t n0,
@@ -153,13 +193,14 @@ void visit_channel_groups(
         for (int j = 0; j < K; ++j) stage[j][k] = base[j][off + i];
       }
       if (k == L) {
-        group(staged);
+        group(staged, 1);
         k = 0;
       }
     }
-    for (; i + L <= g.S; i += L) {
+    if (const int64_t full = (g.S - i) / L; full > 0) {
       for (int j = 0; j < K; ++j) ptrs[j] = base[j] + off + i;
-      group(ptrs);
+      group(ptrs, full);
+      i += full * L;
     }
     for (; i < g.S; ++i, ++k) {
       for (int j = 0; j < K; ++j) stage[j][k] = base[j][off + i];
@@ -196,11 +237,14 @@ void welford_stats_channels_first(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task / P, p = task % P;
       const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
-      const acc_t shift = static_cast<acc_t>(x[c * g.S]);
+      const acc_t shift = to_acc<acc_t>(x[c * g.S]);
       WelfordLanes<acc_t, L> lanes;
       Welford& out = partial[task];
       visit_channel_groups<L, 1, scalar_t>(
-          {x}, g, c, n0, n1, [&](const std::array<const scalar_t*, 1>& q) { lanes.push(q[0], shift); },
+          {x}, g, c, n0, n1,
+          [&](const std::array<const scalar_t*, 1>& q, int64_t groups) {
+            lanes.push(q[0], groups, shift);
+          },
           [&](const std::array<const scalar_t*, 1>& q, int count) {
             for (int i = 0; i < count; ++i) out.push(static_cast<double>(q[0][i]));
           });
@@ -221,7 +265,7 @@ void welford_stats_channels_last(
   const int64_t rows = g.N * g.S, C = g.C;
   const int64_t chunks = row_chunks(rows);
   std::vector<acc_t> shift(C);
-  for (int64_t c = 0; c < C; ++c) shift[c] = static_cast<acc_t>(x[c]);
+  for (int64_t c = 0; c < C; ++c) shift[c] = to_acc<acc_t>(x[c]);
   std::vector<Welford> partial(chunks * C);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> mean(C), m2(C);
@@ -238,7 +282,7 @@ void welford_stats_channels_last(
         const acc_t inv = acc_t(1) / static_cast<acc_t>(++n);
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          const acc_t y = static_cast<acc_t>(row[c]) - sp[c];
+          const acc_t y = to_acc<acc_t>(row[c]) - sp[c];
           const acc_t d = y - mp[c];
           mp[c] += d * inv;
           vp[c] += d * (y - mp[c]);
@@ -304,8 +348,9 @@ Affine<acc_t> normalize_coefficients(
   return a;
 }
 
-// dx = (dy - mean_dy - (x - mean) * k) * iw, in the same "Affine" shape: scale = iw,
-// shift = -mean_dy, extra = k.
+// Per-channel coefficients of dx = (dy - mean_dy - (x - mean) * k) * iw, with mean_dy and k from
+// the group-wide sums and count. (x - mean) stays explicit: folding it into an offset would cancel
+// catastrophically for large means.
 template <typename acc_t>
 struct BackwardCoefficients {
   std::vector<acc_t> mean, iw, mean_dy, k;
@@ -339,7 +384,7 @@ void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const A
         const scalar_t* __restrict xr = x + r * S;
         scalar_t* __restrict yr = y + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          yr[s] = static_cast<scalar_t>((static_cast<acc_t>(xr[s]) - m) * sc + sh);
+          yr[s] = from_acc<scalar_t>((to_acc<acc_t>(xr[s]) - m) * sc + sh);
         }
       }
     });
@@ -354,7 +399,7 @@ void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const A
         scalar_t* __restrict yr = y + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          yr[c] = static_cast<scalar_t>((static_cast<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]);
+          yr[c] = from_acc<scalar_t>((to_acc<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]);
         }
       }
     });
@@ -373,30 +418,40 @@ void backward_reduce_channels_first(
       const int64_t c = task / P, p = task % P;
       const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
       const acc_t m = mean[c];
-      acc_t a_dy[L] = {}, a_dyx[L] = {};
       double t_dy = 0, t_dyx = 0;
-      int64_t groups = 0;
+      // Lane sums persist across calls (a 7x7 row holds ~1.5 groups) and are flushed into double
+      // every kFlushGroups groups; within a call they are copied into registers.
+      acc_t s_dy[L] = {}, s_dyx[L] = {};
+      int64_t pending = 0;
       auto flush = [&]() {
         for (int l = 0; l < L; ++l) {
-          t_dy += a_dy[l];
-          t_dyx += a_dyx[l];
-          a_dy[l] = a_dyx[l] = 0;
+          t_dy += s_dy[l];
+          t_dyx += s_dyx[l];
+          s_dy[l] = s_dyx[l] = 0;
         }
+        pending = 0;
       };
       visit_channel_groups<L, 2, scalar_t>(
           {dy, x}, g, c, n0, n1,
-          [&](const std::array<const scalar_t*, 2>& q) {
-            const scalar_t* __restrict d = q[0];
-            const scalar_t* __restrict v = q[1];
-#pragma GCC ivdep
-            for (int l = 0; l < L; ++l) {
-              const acc_t dv = static_cast<acc_t>(d[l]);
-              a_dy[l] += dv;
-              a_dyx[l] += dv * (static_cast<acc_t>(v[l]) - m);
-            }
-            if (++groups == kFlushGroups) {
-              flush();
-              groups = 0;
+          [&](const std::array<const scalar_t*, 2>& q, int64_t groups) {
+            for (int64_t g0 = 0; g0 < groups;) {
+              const int64_t g1 = std::min(groups, g0 + kFlushGroups - pending);
+              acc_t a_dy[L], a_dyx[L];
+              for (int l = 0; l < L; ++l) a_dy[l] = s_dy[l], a_dyx[l] = s_dyx[l];
+              for (int64_t gi = g0; gi < g1; ++gi) {
+                const scalar_t* __restrict d = q[0] + gi * L;
+                const scalar_t* __restrict v = q[1] + gi * L;
+#pragma GCC unroll 32
+                for (int l = 0; l < L; ++l) {
+                  const acc_t dv = to_acc<acc_t>(d[l]);
+                  a_dy[l] += dv;
+                  a_dyx[l] += dv * (to_acc<acc_t>(v[l]) - m);
+                }
+              }
+              for (int l = 0; l < L; ++l) s_dy[l] = a_dy[l], s_dyx[l] = a_dyx[l];
+              pending += g1 - g0;
+              if (pending == kFlushGroups) flush();
+              g0 = g1;
             }
           },
           [&](const std::array<const scalar_t*, 2>& q, int count) {
@@ -446,9 +501,9 @@ void backward_reduce_channels_last(
           const scalar_t* __restrict v = x + r * C;
 #pragma GCC ivdep
           for (int64_t c = 0; c < C; ++c) {
-            const acc_t dv = static_cast<acc_t>(d[c]);
+            const acc_t dv = to_acc<acc_t>(d[c]);
             pdy[c] += dv;
-            pdyx[c] += dv * (static_cast<acc_t>(v[c]) - mean[c]);
+            pdyx[c] += dv * (to_acc<acc_t>(v[c]) - mean[c]);
           }
         }
         for (int64_t c = 0; c < C; ++c) {
@@ -483,8 +538,8 @@ void backward_elemt_kernel(
         const scalar_t* __restrict v = x + r * S;
         scalar_t* __restrict o = dx + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          o[s] = static_cast<scalar_t>(
-              (static_cast<acc_t>(d[s]) - mdy - (static_cast<acc_t>(v[s]) - m) * k) * iw);
+          o[s] = from_acc<scalar_t>(
+              (to_acc<acc_t>(d[s]) - mdy - (to_acc<acc_t>(v[s]) - m) * k) * iw);
         }
       }
     });
@@ -501,8 +556,8 @@ void backward_elemt_kernel(
         scalar_t* __restrict o = dx + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          o[c] = static_cast<scalar_t>(
-              (static_cast<acc_t>(d[c]) - mdyp[c] - (static_cast<acc_t>(v[c]) - mp[c]) * kp[c]) *
+          o[c] = from_acc<scalar_t>(
+              (to_acc<acc_t>(d[c]) - mdyp[c] - (to_acc<acc_t>(v[c]) - mp[c]) * kp[c]) *
               iwp[c]);
         }
       }
