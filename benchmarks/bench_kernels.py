@@ -223,8 +223,16 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "steps do not pay page faults for fresh memory; measures the kernels rather than the "
         "allocator",
     )
+    parser.add_argument(
+        "--no-group",
+        action="store_true",
+        help="run without any process group: ext/ref then issue no collectives (what a layer "
+        "costs outside torch.distributed); sumsq needs a group and is left out",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
+    if args.no_group:
+        args.impls = [impl for impl in args.impls if impl != "sumsq"]
     for name, least in (("repeats", 1), ("warmup", 0), ("threads", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
@@ -477,7 +485,9 @@ def _header(args: argparse.Namespace, device: torch.device) -> list[str]:
         f"{args.warmup} warm-up steps, implementations interleaved step by step.",
         "ext/ref: syncbn_lightning.SyncBatchNorm(force_sync=True) with SYNCBN_IMPL=ext/ref; "
         "torch: nn.BatchNorm2d; sumsq: E[x], E[x^2] + differentiable all_reduce, autograd "
-        "backward. One-rank gloo group; bf16 inputs use float32 parameters.",
+        "backward. "
+        + ("No process group (no collectives). " if args.no_group else "One-rank gloo group. ")
+        + "bf16 inputs use float32 parameters.",
         "Memory: "
         + (
             "--malloc-reuse (glibc keeps freed memory for reuse: far fewer page faults per step)."
@@ -508,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = _header(args, device) + _table_head(args.impls)
     print("\n".join(report), flush=True)
     before = _cpu_seconds()
-    with _single_rank_group():
+    with contextlib.nullcontext() if args.no_group else _single_rank_group():
         for case in cases:  # rows are printed as they are measured
             _measure(case, args.impls, device, args.repeats, args.warmup)
             report.append(_table_row(case, args.impls))
