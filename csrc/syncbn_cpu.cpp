@@ -227,6 +227,35 @@ int64_t row_chunks(int64_t rows) {
 // Kernels
 // ------------------------------------------------------------------------------------------------
 
+// Folds partial results part[c * c_stride + p * p_stride], p < parts, into per-channel outputs:
+// Chan-merged Welford partials into (mean, m2), and summed partial sums into (sum_dy, sum_dy_xmu).
+template <typename acc_t>
+void fold_welford_partials(
+    const std::vector<Welford>& part, int64_t C, int64_t parts, int64_t c_stride,
+    int64_t p_stride, acc_t* mean_out, acc_t* m2_out) {
+  for (int64_t c = 0; c < C; ++c) {
+    Welford w;
+    for (int64_t p = 0; p < parts; ++p) w.merge(part[c * c_stride + p * p_stride]);
+    mean_out[c] = static_cast<acc_t>(w.mean);
+    m2_out[c] = static_cast<acc_t>(w.m2);
+  }
+}
+
+template <typename acc_t>
+void fold_sum_partials(
+    const std::vector<double>& part_dy, const std::vector<double>& part_dyx, int64_t C,
+    int64_t parts, int64_t c_stride, int64_t p_stride, acc_t* sum_dy, acc_t* sum_dy_xmu) {
+  for (int64_t c = 0; c < C; ++c) {
+    double s_dy = 0, s_dyx = 0;
+    for (int64_t p = 0; p < parts; ++p) {
+      s_dy += part_dy[c * c_stride + p * p_stride];
+      s_dyx += part_dyx[c * c_stride + p * p_stride];
+    }
+    sum_dy[c] = static_cast<acc_t>(s_dy);
+    sum_dy_xmu[c] = static_cast<acc_t>(s_dyx);
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 void welford_stats_channels_first(
     const scalar_t* x, const Geometry& g, acc_t* mean_out, acc_t* m2_out) {
@@ -251,12 +280,7 @@ void welford_stats_channels_first(
       lanes.merge_into(out, shift);
     }
   });
-  for (int64_t c = 0; c < g.C; ++c) {
-    Welford w;
-    for (int64_t p = 0; p < P; ++p) w.merge(partial[c * P + p]);
-    mean_out[c] = static_cast<acc_t>(w.mean);
-    m2_out[c] = static_cast<acc_t>(w.m2);
-  }
+  fold_welford_partials(partial, g.C, P, P, 1, mean_out, m2_out);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -294,12 +318,7 @@ void welford_stats_channels_last(
       }
     }
   });
-  for (int64_t c = 0; c < C; ++c) {
-    Welford w;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) w.merge(partial[chunk * C + c]);
-    mean_out[c] = static_cast<acc_t>(w.mean);
-    m2_out[c] = static_cast<acc_t>(w.m2);
-  }
+  fold_welford_partials(partial, C, chunks, 1, C, mean_out, m2_out);
 }
 
 template <typename acc_t>
@@ -459,15 +478,7 @@ void backward_reduce_channels_first(
       part_dyx[task] = t_dyx;
     }
   });
-  for (int64_t c = 0; c < g.C; ++c) {
-    double s_dy = 0, s_dyx = 0;
-    for (int64_t p = 0; p < P; ++p) {
-      s_dy += part_dy[c * P + p];
-      s_dyx += part_dyx[c * P + p];
-    }
-    sum_dy[c] = static_cast<acc_t>(s_dy);
-    sum_dy_xmu[c] = static_cast<acc_t>(s_dyx);
-  }
+  fold_sum_partials(part_dy, part_dyx, g.C, P, P, 1, sum_dy, sum_dy_xmu);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -506,15 +517,7 @@ void backward_reduce_channels_last(
       }
     }
   });
-  for (int64_t c = 0; c < C; ++c) {
-    double s_dy = 0, s_dyx = 0;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      s_dy += part_dy[chunk * C + c];
-      s_dyx += part_dyx[chunk * C + c];
-    }
-    sum_dy[c] = static_cast<acc_t>(s_dy);
-    sum_dy_xmu[c] = static_cast<acc_t>(s_dyx);
-  }
+  fold_sum_partials(part_dy, part_dyx, C, chunks, 1, C, sum_dy, sum_dy_xmu);
 }
 
 template <typename scalar_t, typename acc_t>
