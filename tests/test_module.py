@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from functools import cache
 from typing import Any
 
@@ -464,3 +465,26 @@ def test_functional_form_matches_f_batch_norm() -> None:
     torch.testing.assert_close(y, F.batch_norm(x, None, None, training=True), rtol=1e-5, atol=1e-6)
     assert count.item() == 20
     torch.testing.assert_close(var, x.var((0, 2), correction=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["auto", "ref"])
+def test_cuda_tensors_are_served_by_the_reference_path(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the CUDA kernels land, CUDA inputs take the reference primitives (never refused)."""
+    monkeypatch.setenv("SYNCBN_IMPL", impl)
+    torch.manual_seed(5)
+    ours = SyncBatchNorm(3, force_sync=True).cuda()
+    theirs = nn.BatchNorm2d(3).cuda()
+    x = (torch.randn(4, 3, 6, 6, device="cuda") * 2 + 1).requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # auto: "no CUDA kernels", once
+        y = ours(x)
+    y2 = theirs(x2)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    assert rel_err(y, y2) < 1e-5 and rel_err(x.grad, x2.grad) < 1e-5
+    assert rel_err(ours.running_var, theirs.running_var) < 1e-5
