@@ -55,7 +55,13 @@ IMPLS = ("ext", "ref", "torch", "sumsq")
 DEFAULT_SHAPES = ((8, 64, 56, 56), (2, 256, 28, 28), (32, 512, 7, 7), (16, 256, 56, 56))
 LAYOUTS = ("NCHW", "channels_last")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
 # glibc mallopt parameters (malloc.h) and the values --malloc-reuse sets.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MALLOC_REUSE = (
@@ -449,7 +455,7 @@ def _table_row(case: Case, impls: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _summary(cases: Sequence[Case]) -> list[str]:
+def _summary(cases: Sequence[Case], no_group: bool) -> list[str]:
     """One line per goal: how many rows meet it, and every row that does not."""
     lines = ["", "Goals:"]
     for title, layouts, column, bound, sense in GOALS:
@@ -467,7 +473,8 @@ def _summary(cases: Sequence[Case]) -> list[str]:
         lines.append(text)
     counts = {impl: sorted({c.collectives[impl] for c in cases}) for impl in cases[0].collectives}
     lines.append(
-        "- torch.distributed collectives per step (one-rank gloo group): "
+        "- torch.distributed collectives per step "
+        + ("(no process group): " if no_group else "(one-rank gloo group): ")
         + ", ".join(f"{impl} {'/'.join(map(str, n))}" for impl, n in counts.items())
         + "; an implementation with 0 times no communication at all."
     )
@@ -523,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             _measure(case, args.impls, device, args.repeats, args.warmup)
             report.append(_table_row(case, args.impls))
             print(report[-1], flush=True)
-    summary = _summary(cases) + _contention_line(before, _cpu_seconds())
+    summary = _summary(cases, args.no_group) + _contention_line(before, _cpu_seconds())
     print("\n".join(summary), flush=True)
     if args.out is not None:
         args.out.write_text("\n".join(report + summary) + "\n")

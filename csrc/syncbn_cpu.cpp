@@ -46,9 +46,9 @@ constexpr int64_t kFlushGroups = 128;
 
 enum class Layout { kChannelsFirst, kChannelsLast };
 
-// Conversions between storage and accumulation types. bfloat16 is spelled out with branch-free bit
-// operations (round to nearest even, NaN kept quiet) so that the compiler vectorizes the loops;
-// c10's own conversion has a NaN branch that blocks it.
+// Conversions between storage and accumulation types. bfloat16 is spelled out as branch-free bit
+// operations (round to nearest even, NaN kept quiet) that the vectorizer handles directly; c10's
+// conversion has a NaN branch. (Not measured in isolation: it went in with other changes.)
 template <typename acc_t, typename scalar_t>
 inline acc_t to_acc(scalar_t v) {
   return static_cast<acc_t>(v);

@@ -124,8 +124,12 @@ def sync_batch_norm(
     )
 
 
-# torch 2.13 renamed all_gather_into_tensor (output = inputs concatenated along dim 0).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """``output`` = every rank's ``input`` concatenated along dim 0 (torch 2.13 renamed
+    ``all_gather_into_tensor`` to ``all_gather_single``); looked up per call so that wrappers
+    installed on ``torch.distributed`` (profilers, counters) see it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def _check_group_count(total: int, input: torch.Tensor, world_size: int) -> None:
