@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -11,9 +11,32 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .function import SyncBatchNormFunction
 from .groups import _group_key, sync_group_size
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "BatchRecord"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class BatchRecord(NamedTuple):
+    """What a :class:`SyncBatchNorm` layer saw in its last training forward.
+
+    Kept for monitoring (batch-size tracking, train/test-gap metrics) without any extra
+    communication or host synchronization: the tensors are the ones the forward computed anyway.
+
+    Attributes:
+        local_samples: ``N`` of this rank's input.
+        samples: 0-d tensor, the sum of ``N`` over the sync group; ``None`` when the layer did not
+            synchronize (group of one rank), in which case the group is this rank alone.
+        mean: the group's batch mean per channel (``None`` without synchronization).
+        var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
+            ``unbiased_running_var=False``; ``None`` without synchronization).
+        count: 0-d tensor, the group's number of values per channel (``None`` without sync).
+    """
+
+    local_samples: int
+    samples: torch.Tensor | None = None
+    mean: torch.Tensor | None = None
+    var: torch.Tensor | None = None
+    count: torch.Tensor | None = None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -72,6 +95,10 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     _version = 2  # torch's _NormBase layout; bump with a migration in _load_from_state_dict.
+    #: The last training forward's :class:`BatchRecord` (``None`` before the first one); read and
+    #: cleared by :class:`~syncbn_lightning.SyncBNCallback`. A class default, so layers made by the
+    #: converter (which bypasses ``__init__``) have it too.
+    last_batch: BatchRecord | None = None
 
     def __init__(
         self,
@@ -104,11 +131,13 @@ class SyncBatchNorm(_BatchNorm):
         self._check_input(input)
         world_size = sync_group_size(self.process_group) if self.training else 1
         if world_size == 1 and not (self.training and self.force_sync):
+            if self.training:
+                self.last_batch = BatchRecord(int(input.shape[0]))
             return super().forward(input)
         return self._forward_sync(input, world_size)
 
     def _forward_sync(self, input: torch.Tensor, world_size: int) -> torch.Tensor:
-        output, mean, var, total = SyncBatchNormFunction.apply(
+        output, mean, var, total, samples = SyncBatchNormFunction.apply(
             input,
             self.weight,
             self.bias,
@@ -117,6 +146,7 @@ class SyncBatchNorm(_BatchNorm):
             world_size,
             self.unbiased_running_var,
         )
+        self.last_batch = BatchRecord(int(input.shape[0]), samples, mean, var, total)
         if self.track_running_stats and self.running_mean is not None:
             self._update_running_stats(mean, var, total, input)
         return output

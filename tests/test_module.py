@@ -233,7 +233,7 @@ def _large_mean_worker(rank: int, world: int) -> dict[str, Any]:
     results = {}
     for impl in ("ext", "ref"):
         os.environ["SYNCBN_IMPL"] = impl
-        _, mean, var, _ = sync_batch_norm(x, None, None, 1e-5, None, world, unbiased=False)
+        _, mean, var, _, _ = sync_batch_norm(x, None, None, 1e-5, None, world, unbiased=False)
         results[impl] = (mean.double(), var.double())
     # the detectron2-style computation, for contrast: E[x^2] - E[x]^2 in float32
     sums = torch.stack([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))])
@@ -461,7 +461,7 @@ def test_mixed_precision_input_with_float32_parameters() -> None:
 
 def test_functional_form_matches_f_batch_norm() -> None:
     x = torch.randn(5, 3, 4)
-    y, _mean, var, count = sync_batch_norm(x, None, None, 1e-5, None, 1)
+    y, _mean, var, count, _samples = sync_batch_norm(x, None, None, 1e-5, None, 1)
     torch.testing.assert_close(y, F.batch_norm(x, None, None, training=True), rtol=1e-5, atol=1e-6)
     assert count.item() == 20
     torch.testing.assert_close(var, x.var((0, 2), correction=1))
