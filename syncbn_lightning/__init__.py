@@ -4,11 +4,17 @@ Public API:
     SyncBatchNorm: drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU.
     convert_sync_batchnorm / revert_sync_batchnorm: swap a model's BatchNorm layers and back.
     new_sync_group: split the world into consecutive groups of ranks that normalize together.
+    update_bn_stats: PreciseBN, population statistics over real batches.
+    SyncBNCallback / SyncBNLayerSync: the Lightning callback and plugin (imported on first use,
+        so that ``import syncbn_lightning`` does not import Lightning).
 """
+
+from typing import Any
 
 from .batchnorm import SyncBatchNorm
 from .convert import BatchNormXd, convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import new_sync_group
+from .precise_bn import update_bn_stats
 
 __all__ = [
     "SyncBatchNorm",
@@ -16,5 +22,19 @@ __all__ = [
     "revert_sync_batchnorm",
     "new_sync_group",
     "BatchNormXd",
+    "update_bn_stats",
+    "SyncBNCallback",
+    "SyncBNLayerSync",
 ]
+_LIGHTNING_NAMES = ("SyncBNCallback", "SyncBNLayerSync")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_NAMES:
+        from . import callback
+
+        return getattr(callback, name)
+    raise AttributeError(f"module 'syncbn_lightning' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

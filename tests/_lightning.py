@@ -1,0 +1,159 @@
+"""Small Lightning models and helpers for the callback tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from syncbn_lightning import SyncBatchNorm
+
+
+def make_data(n: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` images 3x8x8 with channel offsets (so BN statistics matter) and 4-class labels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 8, 8, generator=g) * 2.0 + torch.tensor([1.0, -2.0, 0.5]).view(1, 3, 1, 1)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return x, y
+
+
+def make_net(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+class BNNet(pl.LightningModule):
+    """Conv/BN net on fixed synthetic data.
+
+    Args:
+        batch_size: per-rank batch, or a list giving each rank its own batch size.
+        n: dataset size. lr: SGD learning rate.
+        build_in_configure_model: create the network in ``configure_model`` instead of __init__.
+    """
+
+    def __init__(
+        self,
+        batch_size: int | list[int] = 2,
+        n: int = 32,
+        lr: float = 0.1,
+        build_in_configure_model: bool = False,
+    ) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.n = n
+        self.lr = lr
+        self.net: nn.Module | None = None if build_in_configure_model else make_net()
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = make_net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def _loader(self) -> DataLoader:
+        data = TensorDataset(*make_data(self.n))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        batch = self.batch_size[rank] if isinstance(self.batch_size, list) else self.batch_size
+        sampler = DistributedSampler(data, world, rank, shuffle=False) if world > 1 else None
+        return DataLoader(data, batch_size=batch, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+class Probe(Callback):
+    """Saves what each rank ends up with to ``<out>/rank<r>.pt`` when training ends."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.optimizer_param_ids: list[int] = []
+        self.info: dict[str, Any] = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer_param_ids = [
+            id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]
+        ]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        layers = [m for m in pl_module.modules() if isinstance(m, SyncBatchNorm)]
+        self.info = {
+            "state": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "sync_layers": len(layers),
+            "group_sizes": [
+                dist.get_world_size(m.process_group) if dist.is_initialized() else 1 for m in layers
+            ],
+            "momentum": [m.momentum for m in layers],
+            "optimizer_holds_model_params": sorted(self.optimizer_param_ids)
+            == sorted(id(p) for p in pl_module.parameters()),
+            "ddp_forward_sync_buffers": getattr(
+                trainer.strategy.model, "forward_sync_buffers", None
+            ),
+            "callback_metrics": {
+                cb.__class__.__name__: dict(getattr(cb, "last_metrics", {}))
+                for cb in trainer.callbacks
+            },
+        }
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.info["fit_end_bn_classes"] = [
+            type(m).__name__ for m in pl_module.modules() if isinstance(m, _BatchNorm)
+        ]
+        torch.save(self.info, os.path.join(self.out, f"rank{trainer.global_rank}.pt"))
+
+
+def load_ranks(out: str, world: int) -> list[dict[str, Any]]:
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def trainer(world: int, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
+    """A CPU ``ddp_spawn`` Trainer with our own DistributedSampler (no shuffling)."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": world,
+        "strategy": "ddp_spawn",
+        "max_steps": 4,
+        "use_distributed_sampler": False,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
