@@ -45,6 +45,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
+from _common import env_var
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -309,23 +310,6 @@ def _malloc_reuse() -> None:
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    """Set (or leave alone, for ``None``) an environment variable, restoring it afterwards."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
-@contextlib.contextmanager
 def _single_rank_group() -> Iterator[None]:
     """A one-rank gloo default process group over a temporary file store."""
     with tempfile.TemporaryDirectory(prefix="bench_kernels_") as tmp:
@@ -399,7 +383,7 @@ def _count_collectives(step: Callable[[], None], impl: str, device: torch.device
 
 def _timed(step: Callable[[], None], impl: str, device: torch.device) -> float:
     """Seconds of one ``step`` under ``SYNCBN_IMPL`` for ``impl`` (synchronizing CUDA)."""
-    with _env(_backend.IMPL_ENV, impl if impl in ("ext", "ref") else None):
+    with env_var(_backend.IMPL_ENV, impl if impl in ("ext", "ref") else None):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()

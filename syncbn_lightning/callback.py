@@ -259,8 +259,10 @@ class SyncBNCallback(Callback):
         at the end of training, a per-layer table. Sample counts ride in SyncBN's own
         collective; only measurement steps add one all_gather.
 
-        Running statistics with ``group_size`` smaller than the world: DDP's per-forward buffer
-        broadcast is switched off (``forward_sync_buffers=False``), so each group keeps its own
+        Running statistics with ``group_size`` smaller than the world (and with ``"auto"``, whose
+        size is only known at train start): DDP's per-forward buffer broadcast is switched off
+        (``forward_sync_buffers=False``; DDP's one-time sync at construction stays), so each group
+        keeps its own
         EMA while training. At the reconciliation points listed under ``reconcile`` every rank
         replaces them with the average over all ranks (equal-sized groups, so this is
         count-weighted), which is the EMA of the global batch mean and the mean of the groups'
