@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 from collections.abc import Iterator
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -22,3 +24,12 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo, else what :mod:`platform` knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown CPU"

@@ -40,7 +40,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import env_var
+from _common import cpu_model, env_var
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -382,21 +381,12 @@ def _goal_line(summaries: Sequence[Summary]) -> list[str]:
     return ["", f"{title}: {'met' if ratio <= bound else 'NOT met'} ({ratio:.2f}x)"]
 
 
-def _cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo, else what :mod:`platform` knows."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def _header(args: argparse.Namespace, threads: int) -> list[str]:
     """The run's context: versions, threads, CPUs, and what exactly was timed."""
     timed = args.steps - args.warmup
     return [
         f"# bench_ddp_step: torch {torch.__version__}, lightning {pl.__version__}, "
-        f"threads per rank={threads}, cpu_count={os.cpu_count()}, CPU: {_cpu_model()}",
+        f"threads per rank={threads}, cpu_count={os.cpu_count()}, CPU: {cpu_model()}",
         "",
         f"Lightning Trainer, accelerator=cpu, strategy=ddp_spawn (gloo), {args.world} ranks, "
         f"batch {args.batch} x 3x{args.image_size}x{args.image_size} per rank, "

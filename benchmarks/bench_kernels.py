@@ -32,7 +32,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -45,7 +44,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import env_var
+from _common import cpu_model, env_var
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -247,15 +246,6 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available to this torch")
     return args
-
-
-def _cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo, else what :mod:`platform` knows."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def _cpu_seconds() -> tuple[float, float, float] | None:
@@ -470,7 +460,7 @@ def _header(args: argparse.Namespace, device: torch.device) -> list[str]:
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     return [
         f"# bench_kernels: device={device.type}{gpu}, torch {torch.__version__}, "
-        f"threads={torch.get_num_threads()}, CPU: {_cpu_model()}",
+        f"threads={torch.get_num_threads()}, CPU: {cpu_model()}",
         "",
         f"Median forward+backward time per step (ms) over {args.repeats} repeats after "
         f"{args.warmup} warm-up steps, implementations interleaved step by step.",
