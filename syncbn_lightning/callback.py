@@ -598,9 +598,13 @@ class SyncBNCallback(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        # Runs on every rank: Trainer.save_checkpoint is collective, so collectives are safe here.
+        if not self._active:
+            return
+        self._fold_unlogged_samples(pl_module, checkpoint)
         if not (self.reconcile and self._groups_differ()):
             return
-        self._reconcile(pl_module)  # runs on every rank: Trainer.save_checkpoint is collective
+        self._reconcile(pl_module)
         state = checkpoint.get("state_dict")
         if isinstance(state, dict):
             for name, bn in running_stat_layers(pl_module):
@@ -608,6 +612,18 @@ class SyncBNCallback(Callback):
                     full = f"{name}.{key}" if name else key
                     if full in state:
                         state[full] = getattr(bn, key).detach().clone()
+
+    def _fold_unlogged_samples(
+        self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Add every rank's samples since the last measurement to ``samples_seen`` (one gather),
+        so that the checkpoint, which keeps only rank 0's callback state, counts them all."""
+        local = torch.tensor([float(self._since_log_local)], dtype=torch.float64)
+        self._samples_seen += int(gather_rows(local.to(_comm_device(pl_module))).sum())
+        self._since_log_local = 0
+        saved = checkpoint.get("callbacks", {}).get(self.state_key)
+        if isinstance(saved, dict):
+            saved.update(samples_seen=self._samples_seen, since_log_local=0)
 
     def _precise_bn(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loader = trainer.train_dataloader

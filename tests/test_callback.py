@@ -206,7 +206,9 @@ def test_wandb_offline_run_holds_metrics(tmp_path, monkeypatch):
 
 
 def test_resume_mid_fit_continues_and_checkpoint_loads_into_plain_model(tmp_path):
-    # 8 samples, 2 ranks x 2: 2 steps per epoch. Stop after epoch 1, resume for epoch 2.
+    # 8 samples over 2 ranks taking batches of 3 and 2: steps of 3+2 and 1+2 samples, 2 per epoch.
+    # Stop after epoch 1, resume for epoch 2. Measured at steps 1 and 4 only, so the checkpoint
+    # falls between measurements with unequal per-rank counts (1 and 2) not yet logged.
     ckpt_dir = tmp_path / "ckpt"
     first = ModelCheckpoint(dirpath=str(ckpt_dir), save_top_k=-1)
     epochs = {"max_steps": -1, "max_epochs": 1}
@@ -214,8 +216,8 @@ def test_resume_mid_fit_continues_and_checkpoint_loads_into_plain_model(tmp_path
         tmp_path,
         "first",
         2,
-        [SyncBNCallback(log_every_n_steps=1), first],
-        BNNet(n=8),
+        [SyncBNCallback(log_every_n_steps=4), first],
+        BNNet(batch_size=[3, 2], n=8),
         enable_checkpointing=True,
         **epochs,
     )
@@ -225,18 +227,23 @@ def test_resume_mid_fit_continues_and_checkpoint_loads_into_plain_model(tmp_path
         tmp_path,
         "resumed",
         2,
-        [SyncBNCallback(log_every_n_steps=1, revert_on_fit_end=True)],
-        BNNet(n=8),
+        [SyncBNCallback(log_every_n_steps=4, revert_on_fit_end=True)],
+        BNNet(batch_size=[3, 2], n=8),
         ckpt_path=ckpt,
         **epochs,
     )
     straight = _fit(
-        tmp_path, "straight", 2, [SyncBNCallback(log_every_n_steps=1)], BNNet(n=8), **epochs
+        tmp_path,
+        "straight",
+        2,
+        [SyncBNCallback(log_every_n_steps=4)],
+        BNNet(batch_size=[3, 2], n=8),
+        **epochs,
     )
     for key, value in straight[0]["state"].items():
         assert rel_err(resumed[0]["state"][key].double(), value.double()) <= 1e-6, key
     metrics = resumed[0]["callback_metrics"]["SyncBNCallback"]
-    assert metrics["bn/samples_seen"] == 16.0  # 4 steps x 2 ranks x 2 samples, across the resume
+    assert metrics["bn/samples_seen"] == 16.0  # 2 epochs x 8 samples, across the resume
     assert metrics == pytest.approx(straight[0]["callback_metrics"]["SyncBNCallback"])
     checkpoint = torch.load(ckpt, weights_only=False)
     plain = BNNet()
