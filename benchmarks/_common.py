@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
 
 
 @contextlib.contextmanager
@@ -33,3 +36,24 @@ def cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def count_collectives(names: Iterable[str], counts: dict[str, int]) -> contextlib.ExitStack:
+    """Wrap the ``torch.distributed`` functions ``names`` so that each call adds 1 to
+    ``counts[name]``; the returned stack (usable as ``with``) restores them when closed.
+
+    Names this torch does not have are skipped.
+    """
+    stack = contextlib.ExitStack()
+    for name in names:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counting(*args: Any, _name: str = name, _fn: Any = original, **kwargs: Any) -> Any:
+            counts[_name] = counts.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, counting)
+        stack.callback(setattr, dist, name, original)
+    return stack

@@ -54,7 +54,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import cpu_model, env_var
+from _common import count_collectives, cpu_model, env_var
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -209,7 +209,7 @@ class StepTimer(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx == self.count_step:
-            self._counting = _count_collectives(self.collectives)
+            self._counting = count_collectives(COLLECTIVES, self.collectives)
         self._start = time.perf_counter()
 
     def on_train_batch_end(
@@ -233,27 +233,6 @@ class StepTimer(pl.Callback):
             "threads": torch.get_num_threads(),
         }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-
-
-def _count_collectives(counts: dict[str, int]) -> contextlib.ExitStack:
-    """Wrap the ``torch.distributed`` collectives so that each call adds 1 to ``counts[name]``.
-
-    Returns:
-        An exit stack whose ``close()`` restores the original functions.
-    """
-    stack = contextlib.ExitStack()
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def counting(*args: Any, _name: str = name, _fn: Any = original, **kwargs: Any) -> Any:
-            counts[_name] = counts.get(_name, 0) + 1
-            return _fn(*args, **kwargs)
-
-        setattr(dist, name, counting)
-        stack.callback(setattr, dist, name, original)
-    return stack
 
 
 def _quiet_known_warnings() -> None:

@@ -39,12 +39,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import cpu_model, env_var
+from _common import count_collectives, cpu_model, env_var
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -353,22 +352,10 @@ def _step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[]
 
 def _count_collectives(step: Callable[[], None], impl: str, device: torch.device) -> int:
     """How many torch.distributed collectives one (untimed) ``step`` of ``impl`` issues."""
-    calls = 0
-
-    def counting(original: Callable[..., object]) -> Callable[..., object]:
-        def wrapper(*args: object, **kwargs: object) -> object:
-            nonlocal calls
-            calls += 1
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    with contextlib.ExitStack() as stack:
-        for name in COLLECTIVES:
-            original = getattr(dist, name)
-            stack.enter_context(mock.patch.object(dist, name, counting(original)))
+    counts: dict[str, int] = {}
+    with count_collectives(COLLECTIVES, counts):
         _timed(step, impl, device)
-    return calls
+    return sum(counts.values())
 
 
 def _timed(step: Callable[[], None], impl: str, device: torch.device) -> float:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .batchnorm import BatchRecord, SyncBatchNorm
+from .batchnorm import BatchRecord, SyncBatchNorm, _validate_hyperparameters
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import new_sync_group
 from .metrics import (
@@ -108,8 +108,6 @@ def _validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
 
 def _validate_overrides(momentum: Any, eps: Any) -> None:
     """Check ``momentum``/``eps`` overrides with the module's own validation (None = keep)."""
-    from .batchnorm import _validate_hyperparameters
-
     _validate_hyperparameters(1, 1e-5 if eps is None else eps, momentum, None)
 
 
@@ -487,12 +485,12 @@ class SyncBNCallback(Callback):
         records: dict[int, BatchRecord | None],
     ) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
+        rank = dist.get_rank() if dist.is_initialized() else 0
         offset = 0
         for name, bn in layers:
             c = bn.num_features
             means, variances = stats[:, offset : offset + c], stats[:, offset + c : offset + 2 * c]
             offset += 2 * c
-            rank = dist.get_rank() if dist.is_initialized() else 0
             mean, var = means[rank], variances[rank]
             values = {"divergence": rank_divergence(means, variances, bn.eps)}
             if name in self._snapshot:
