@@ -17,3 +17,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a, e = actual.detach().double(), expected.detach().double()
     scale = e.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     return ((a - e).abs().max() / scale).item()
+
+
+def sum_err(actual: torch.Tensor, truth: torch.Tensor, abs_sum: torch.Tensor) -> float:
+    """Error of a computed sum relative to the sum of its terms' magnitudes, ``max|a - t| / Σ|x|``.
+
+    A floating-point sum of terms ``x_i`` is only accurate to ``O(n·eps)·Σ|x_i|``, not to the
+    size of the result: when the terms nearly cancel (Σdy of random gradients), the result is
+    tiny and the normwise error of a correct kernel can be arbitrarily large. ``truth`` is the sum
+    in float64 and ``abs_sum`` the float64 sum of ``|x_i|``, per channel.
+    """
+    if truth.numel() == 0:
+        return 0.0
+    scale = abs_sum.double().clamp_min(torch.finfo(torch.float64).tiny)
+    return ((actual.detach().double() - truth.double()).abs() / scale).max().item()

@@ -6,9 +6,11 @@ every floating dtype, empty batches, and the argument checks that must raise ins
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
-from _numerics import rel_err
+from _numerics import rel_err, sum_err
 
 from syncbn_lightning import _backend
 from syncbn_lightning import reference as R
@@ -46,10 +48,22 @@ def _layouts(x: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _backward_sums(
+    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """float64 truth and sum of |term| per channel of sum dy, sum dy*(x-mean), grad w, grad b."""
+    dims = [d for d in range(x.dim()) if d != 1]
+    view = [1, -1] + [1] * (x.dim() - 2)
+    g, xmu = dy.double(), x.double() - mean.double().view(view)
+    terms = [g, g * xmu, g * xmu * invstd.double().view(view), g]
+    return [(t.sum(dims), t.abs().sum(dims)) for t in terms]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernels_match_reference(ext, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    torch.manual_seed(hash((shape, str(dtype))) % 2**31)
+    # A stable seed: the builtin hash() of a str changes with PYTHONHASHSEED from run to run.
+    torch.manual_seed(zlib.crc32(repr((shape, str(dtype))).encode()))
     acc = R.acc_dtype(dtype)
     base = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype)
     for x in _layouts(base):
@@ -78,9 +92,9 @@ def test_kernels_match_reference(ext, dtype: torch.dtype, shape: tuple[int, ...]
 
         dy = torch.randn(x.shape, dtype=torch.float64).to(dtype)
         got = ext.backward_reduce(dy, x, g_mean, g_invstd, w, True, True)
+        for g, (truth, abs_sum) in zip(got, _backward_sums(dy, x, g_mean, g_invstd), strict=True):
+            assert g.dtype == acc and sum_err(g, truth, abs_sum) <= stat_tol
         want = R.backward_reduce(dy, x, g_mean, g_invstd, w, True, True)
-        for g, r in zip(got, want, strict=False):
-            assert rel_err(g, r) <= stat_tol
         total = counts.sum()
         gx = ext.backward_elemt(dy, x, g_mean, g_invstd, w, got[0], got[1], total)
         rx = R.backward_elemt(dy, x, g_mean, g_invstd, w, want[0], want[1], total)
