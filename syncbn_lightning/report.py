@@ -1,0 +1,544 @@
+"""PNG report of a training run (or a Hydra multirun sweep) from its ``CSVLogger`` metrics.
+
+Lightning's ``CSVLogger`` writes ``<save_dir>/<name>/version_<n>/metrics.csv``: a ``step`` column,
+an ``epoch`` column and one column per metric, with empty cells where a metric was not logged at
+that row. This module reads every ``metrics.csv`` below a run directory and draws one figure per
+panel, step on the x axis. Runs need the ``csv`` logger (``logger=csv``, or the default
+``logger=wandb_csv``); a W&B-only run has no ``metrics.csv`` to read.
+
+Usage::
+
+    python -m syncbn_lightning.report RUN_DIR [--out DIR]
+
+or from Python ``render(run_dir, out_dir=None)``. ``RUN_DIR`` is a job's output directory or a
+Hydra multirun sweep directory (``multirun/<date>/<time>/`` holding ``0/``, ``1/``, ...). With
+several ``metrics.csv`` files every line's label starts with the job directory (``0: val/mAP``),
+so the jobs of a sweep overlay in one figure: one colour per job, one line style per metric.
+Figures go to ``DIR`` (default ``RUN_DIR/report/``); a panel with no data writes no file.
+
+PNGs:
+    * ``batch_size.png``: ``bn/global_batch_size`` (samples normalized together per optimizer step,
+      summed over ranks) and ``bn/norm_batch_size`` (the smallest group any BatchNorm normalized
+      over): the effective batch sizes that SyncBatchNorm produced.
+    * ``drift.png`` (log y): ``bn/drift_mean_max``, ``bn/drift_var_max`` (how far the running
+      statistics moved since the previous measurement, worst layer) and ``bn/divergence_max`` (how
+      far the ranks' running means are apart; exactly 0 when every rank syncs with every other).
+    * ``gap.png`` (log y): ``bn/gap_mean_max`` and ``bn/gap_std_max``, the train/test inconsistency
+      between the last synchronized batch statistics and the running statistics, worst layer.
+    * ``map.png``: validation quality, ``val/mAP``, ``val/mAP50`` and ``val/acc``.
+    * ``loss.png``: every ``train/*`` metric (the training losses).
+
+All ``bn/*`` statistics are dimensionless (units of the running standard deviation, see
+:mod:`syncbn_lightning.metrics`). On log panels points that are not positive (a divergence of
+exactly 0) are kept: the axis becomes ``symlog`` with its linear range below the smallest positive
+value, so zeros sit at the bottom instead of vanishing. Non-finite values (``inf``, ``nan``) are not
+drawn.
+
+:data:`PANELS` and :func:`panel_series` are public so that other front ends (the W&B dashboard)
+draw the same panels. Importing this module is cheap: it imports neither Lightning nor Hydra, and
+matplotlib only when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import fnmatch
+import logging
+import math
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "PANELS",
+    "Panel",
+    "Series",
+    "find_metrics_files",
+    "main",
+    "panel_lines",
+    "panel_series",
+    "read_metrics",
+    "read_run",
+    "render",
+]
+
+log = logging.getLogger(__name__)
+
+Series: TypeAlias = dict[str, list[tuple[int, float]]]
+"""Metric name (or line label) -> ``(step, value)`` points sorted by step."""
+
+METRICS_FILE = "metrics.csv"
+_INDEX_COLUMNS = frozenset({"step", "epoch"})
+_CSV_HINT = (
+    "runs need Lightning's CSVLogger to write metrics.csv: train with the `csv` logger, "
+    "e.g. `logger=csv` or the default `logger=wandb_csv`"
+)
+_MARKER_MAX_POINTS = 40  # draw point markers on sparse lines (e.g. one val/mAP per epoch)
+_LINE_STYLES = ("-", "--", ":", "-.")
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One figure of the report: which metrics it overlays and how its y axis looks.
+
+    Args:
+        name: File stem of the figure (``<name>.png``) and a short key for other front ends.
+        title: Figure title.
+        metrics: Metric names or :mod:`fnmatch` patterns (``"train/*"``), drawn in this order;
+            the metrics a pattern matches are drawn in sorted order.
+        ylabel: Label of the y axis.
+        log_y: Logarithmic y axis (``symlog`` when some values are not positive).
+
+    Raises:
+        TypeError: ``metrics`` is a single string instead of a tuple of strings.
+        ValueError: ``name`` is empty or is not usable as a file name.
+
+    Example:
+        >>> lr = Panel("lr", "Learning rate", ("lr",), ylabel="lr", log_y=True)
+        >>> panel_series(lr, {"lr": [(0, 0.1)], "val/mAP": [(0, 0.5)]})
+        {'lr': [(0, 0.1)]}
+    """
+
+    name: str
+    title: str
+    metrics: tuple[str, ...]
+    ylabel: str = ""
+    log_y: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.metrics, str) or not all(isinstance(m, str) for m in self.metrics):
+            raise TypeError(
+                f"Panel {self.name!r}: metrics must be a tuple of metric names or patterns, got "
+                f"{self.metrics!r}; write metrics=({self.metrics!r},) for a single one"
+            )
+        object.__setattr__(self, "metrics", tuple(self.metrics))
+        if not self.name or any(c in self.name for c in "/\\") or self.name in {".", ".."}:
+            raise ValueError(
+                f"Panel name {self.name!r} is used as a file name (<name>.png); "
+                "use a non-empty name without path separators, e.g. 'batch_size'"
+            )
+
+
+PANELS: tuple[Panel, ...] = (
+    Panel(
+        "batch_size",
+        "BatchNorm batch size",
+        ("bn/global_batch_size", "bn/norm_batch_size"),
+        ylabel="samples",
+    ),
+    Panel(
+        "drift",
+        "Running-statistics drift and rank divergence (max over layers)",
+        ("bn/drift_mean_max", "bn/drift_var_max", "bn/divergence_max"),
+        ylabel="relative change",
+        log_y=True,
+    ),
+    Panel(
+        "gap",
+        "Train/test gap: batch vs running statistics (max over layers)",
+        ("bn/gap_mean_max", "bn/gap_std_max"),
+        ylabel="relative gap",
+        log_y=True,
+    ),
+    Panel("map", "Validation", ("val/mAP", "val/mAP50", "val/acc"), ylabel="score"),
+    Panel("loss", "Training losses", ("train/*",), ylabel="loss"),
+)
+"""The report's panels, in the order they are drawn."""
+
+
+def read_metrics(csv_path: str | Path) -> Series:
+    """Read a Lightning ``CSVLogger`` ``metrics.csv`` into per-metric ``(step, value)`` points.
+
+    Empty cells (a metric not logged at that row) are skipped, as are the ``step`` and ``epoch``
+    columns themselves. Cells that are not numbers are skipped with one warning per column.
+
+    Args:
+        csv_path: Path of a ``metrics.csv``.
+
+    Returns:
+        Metric name -> points sorted by step (stable: points logged at the same step keep their
+        file order). Metrics with no value at all are left out; an empty file gives ``{}``.
+
+    Raises:
+        FileNotFoundError: ``csv_path`` does not exist.
+        ValueError: The file has a header but no ``step`` column, so it is not a ``CSVLogger``
+            metrics file.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "metrics.csv"
+        >>> _ = p.write_text("epoch,step,train/loss,val/mAP\\n0,1,0.9,\\n0,0,1.0,0.5\\n")
+        >>> read_metrics(p)
+        {'train/loss': [(0, 1.0), (1, 0.9)], 'val/mAP': [(0, 0.5)]}
+    """
+    path = Path(csv_path)
+    series: Series = {}
+    bad_columns: set[str] = set()
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            log.warning("%s is empty; no metrics read from it", path)
+            return {}
+        if "step" not in reader.fieldnames:
+            raise ValueError(
+                f"{path} has no 'step' column (columns: {reader.fieldnames}); csv_path must be a "
+                "metrics.csv written by Lightning's CSVLogger"
+            )
+        columns = [c for c in reader.fieldnames if c not in _INDEX_COLUMNS]
+        for row in reader:
+            step = _parse_step(row.get("step"))
+            if step is None:
+                log.debug("%s line %d: no usable step, row skipped", path, reader.line_num)
+                continue
+            for column in columns:
+                cell = row.get(column)
+                if cell is None or not cell.strip():
+                    continue
+                try:
+                    value = float(cell)
+                except ValueError:
+                    if column not in bad_columns:
+                        bad_columns.add(column)
+                        log.warning(
+                            "%s: column %r holds non-numeric values (e.g. %r); they are skipped",
+                            path,
+                            column,
+                            cell,
+                        )
+                    continue
+                series.setdefault(column, []).append((step, value))
+    for points in series.values():
+        points.sort(key=lambda p: p[0])
+    return series
+
+
+def _parse_step(cell: str | None) -> int | None:
+    """``int`` of a ``step`` cell (Lightning writes ``"12"``, tolerate ``"12.0"``), else None."""
+    if cell is None or not cell.strip():
+        return None
+    try:
+        value = float(cell)
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) else None
+
+
+def _natural_key(path: Path) -> tuple[tuple[int, int, str], ...]:
+    """Sort key putting job ``2/`` before job ``10/``."""
+    key = []
+    for part in path.parts:
+        for chunk in re.split(r"(\d+)", part):
+            key.append((0, int(chunk), "") if chunk.isdigit() else (1, 0, chunk))
+    return tuple(key)
+
+
+def find_metrics_files(run_dir: str | Path) -> list[Path]:
+    """Every ``metrics.csv`` below ``run_dir`` (at any depth), in natural order.
+
+    Natural order compares digit runs as numbers, so the jobs of a sweep come as ``0, 1, 2, 10``.
+
+    Args:
+        run_dir: A job's output directory or a multirun sweep directory.
+
+    Returns:
+        The files' paths (``run_dir`` joined with their relative paths); empty when there are none
+        or ``run_dir`` is not a directory.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    files = [p for p in root.rglob(METRICS_FILE) if p.is_file()]
+    return sorted(files, key=lambda p: _natural_key(p.relative_to(root)))
+
+
+def _job_labels(root: Path, files: Sequence[Path]) -> list[str]:
+    """Label of each file's job: ``""`` for a single file, else the first directory below root.
+
+    When first directories repeat (one job with several ``version_<n>`` directories) the whole
+    relative directory is used so that labels stay unique.
+    """
+    if len(files) == 1:
+        return [""]
+    rel_dirs = [f.parent.relative_to(root) for f in files]
+    firsts = [d.parts[0] if d.parts else "." for d in rel_dirs]
+    if len(set(firsts)) == len(firsts):
+        return firsts
+    return [d.as_posix() for d in rel_dirs]
+
+
+def read_run(run_dir: str | Path) -> dict[str, Series]:
+    """Read every ``metrics.csv`` below ``run_dir``, keyed by job label.
+
+    Args:
+        run_dir: A job's output directory or a multirun sweep directory.
+
+    Returns:
+        Job label -> that job's metrics (see :func:`read_metrics`). The label is ``""`` when there
+        is a single ``metrics.csv``, else the job's directory relative to ``run_dir`` (its first
+        component, e.g. ``"0"``; the whole relative directory when first components repeat).
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist, is not a directory, or holds no
+            ``metrics.csv``.
+        ValueError: A ``metrics.csv`` is malformed (see :func:`read_metrics`).
+    """
+    root = Path(run_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"RUN_DIR {str(root)!r} does not exist; {_CSV_HINT}")
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"RUN_DIR {str(root)!r} is not a directory; pass the job's (or the sweep's) output "
+            "directory that holds metrics.csv files below it"
+        )
+    files = find_metrics_files(root)
+    if not files:
+        raise FileNotFoundError(
+            f"RUN_DIR {str(root)!r} holds no {METRICS_FILE} (searched {root / '**' / METRICS_FILE}"
+            f"); {_CSV_HINT}"
+        )
+    labels = _job_labels(root, files)
+    runs: dict[str, Series] = {}
+    for label, path in zip(labels, files, strict=True):
+        log.debug("reading %s as job %r", path, label)
+        runs[label] = read_metrics(path)
+    return runs
+
+
+def panel_series(panel: Panel, metrics: Mapping[str, Sequence[tuple[int, float]]]) -> Series:
+    """The metrics of ``metrics`` that ``panel`` draws, with its patterns resolved.
+
+    Each entry of ``panel.metrics`` is looked up as an exact name first, then as an
+    :func:`fnmatch.fnmatchcase` pattern (whose matches are taken in sorted order). Metrics without
+    points are left out; a metric matched twice appears once.
+
+    Args:
+        panel: The panel, e.g. one of :data:`PANELS`.
+        metrics: Metric name -> ``(step, value)`` points, e.g. from :func:`read_metrics` or a W&B
+            run history.
+
+    Returns:
+        Metric name -> points (copied lists), in the panel's order; empty when the panel has no
+        data.
+
+    Example:
+        >>> loss = next(p for p in PANELS if p.name == "loss")
+        >>> panel_series(loss, {"val/mAP": [(0, 0.5)], "train/loss": [(0, 1.0)]})
+        {'train/loss': [(0, 1.0)]}
+    """
+    out: Series = {}
+    for pattern in panel.metrics:
+        if pattern in metrics:
+            names = [pattern]
+        else:
+            names = sorted(n for n in metrics if fnmatch.fnmatchcase(n, pattern))
+        for name in names:
+            points = metrics[name]
+            if name not in out and len(points) > 0:
+                out[name] = [(int(s), float(v)) for s, v in points]
+    return out
+
+
+@dataclass(frozen=True)
+class _Line:
+    job: str
+    metric: str
+    points: list[tuple[int, float]]
+
+    @property
+    def label(self) -> str:
+        return f"{self.job}: {self.metric}" if self.job else self.metric
+
+
+def _lines(
+    panel: Panel, runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
+) -> list[_Line]:
+    return [
+        _Line(job, metric, points)
+        for job, metrics in runs.items()
+        for metric, points in panel_series(panel, metrics).items()
+    ]
+
+
+def panel_lines(
+    panel: Panel, runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
+) -> Series:
+    """The lines of ``panel`` over the jobs of ``runs``, keyed by their legend labels.
+
+    Args:
+        panel: The panel to draw.
+        runs: Job label -> metrics, e.g. from :func:`read_run`. A job labelled ``""`` (a single
+            run) gives bare metric names as labels; others give ``"<job>: <metric>"``.
+
+    Returns:
+        Legend label -> points, jobs in ``runs`` order and metrics in panel order.
+
+    Example:
+        >>> mAP = next(p for p in PANELS if p.name == "map")
+        >>> panel_lines(mAP, {"0": {"val/mAP": [(9, 0.3)]}, "1": {"val/mAP": [(9, 0.4)]}})
+        {'0: val/mAP': [(9, 0.3)], '1: val/mAP': [(9, 0.4)]}
+    """
+    return {line.label: line.points for line in _lines(panel, runs)}
+
+
+def _y_scale(values: Sequence[float]) -> tuple[str, dict[str, Any]]:
+    """``(scale, kwargs)`` for ``Axes.set_yscale`` on a log panel with these (finite) values.
+
+    ``log`` when every value is positive; ``symlog`` with its linear range below the smallest
+    positive magnitude when some are not (zeros stay visible); ``linear`` when none is positive.
+    """
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values):
+        return "log", {}
+    magnitudes = [abs(v) for v in values if v != 0]
+    if not positive or not magnitudes:
+        return "linear", {}
+    return "symlog", {"linthresh": min(magnitudes)}
+
+
+def _figure(panel: Panel, lines: Sequence[_Line]) -> Figure:
+    """Draw ``lines`` into a new Agg-backed figure (no pyplot, so no global backend state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.0, 4.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    jobs = list(dict.fromkeys(line.job for line in lines))
+    metrics = list(dict.fromkeys(line.metric for line in lines))
+    cycle = _color_cycle()
+    finite_values: list[float] = []
+    for i, line in enumerate(lines):
+        points = [(s, v) for s, v in line.points if math.isfinite(v)]
+        if not points:
+            continue
+        steps, values = zip(*points, strict=True)
+        finite_values.extend(values)
+        if len(jobs) > 1:  # a sweep: one colour per job, one line style per metric
+            color = cycle[jobs.index(line.job) % len(cycle)]
+            style = _LINE_STYLES[metrics.index(line.metric) % len(_LINE_STYLES)]
+        else:
+            color, style = cycle[i % len(cycle)], "-"
+        ax.plot(
+            steps,
+            values,
+            label=line.label,
+            color=color,
+            linestyle=style,
+            linewidth=1.3,
+            marker="o" if len(points) <= _MARKER_MAX_POINTS else None,
+            markersize=3,
+        )
+    if panel.log_y and finite_values:
+        scale, kwargs = _y_scale(finite_values)
+        ax.set_yscale(scale, **kwargs)
+    ax.set_title(panel.title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small", ncol=1 if len(ax.lines) <= 8 else 2)
+    return fig
+
+
+def _color_cycle() -> list[str]:
+    import matplotlib as mpl
+
+    colors = mpl.rcParams["axes.prop_cycle"].by_key().get("color")
+    return list(colors) if colors else ["C0"]
+
+
+def render(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    *,
+    panels: Sequence[Panel] = PANELS,
+) -> list[Path]:
+    """Write one PNG per panel that has data for the run (or sweep) in ``run_dir``.
+
+    Args:
+        run_dir: A job's output directory or a multirun sweep directory; every ``metrics.csv``
+            below it is read (see :func:`read_run` for how jobs are labelled).
+        out_dir: Where the figures go, created if needed. Defaults to ``<run_dir>/report/``.
+        panels: The panels to draw. Defaults to :data:`PANELS`.
+
+    Returns:
+        The written paths ``<out_dir>/<panel.name>.png``, in panel order. Panels without data (or
+        with only non-finite values) are skipped and write nothing.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist or holds no ``metrics.csv``.
+        ValueError: A ``metrics.csv`` is malformed.
+
+    Example:
+        >>> render("multirun/2024-05-01/12-00-00")  # doctest: +SKIP
+        [PosixPath('multirun/2024-05-01/12-00-00/report/batch_size.png'), ...]
+    """
+    runs = read_run(run_dir)
+    out = Path(run_dir) / "report" if out_dir is None else Path(out_dir)
+    written: list[Path] = []
+    for panel in panels:
+        lines = [
+            line for line in _lines(panel, runs) if any(math.isfinite(v) for _, v in line.points)
+        ]
+        if not lines:
+            log.debug("panel %r: no data, skipped", panel.name)
+            continue
+        fig = _figure(panel, lines)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{panel.name}.png"
+        fig.savefig(path)
+        log.info("wrote %s (%d lines)", path, len(lines))
+        written.append(path)
+    if not written:
+        log.warning(
+            "%s: no panel has data (metrics found: %s)",
+            run_dir,
+            sorted({m for metrics in runs.values() for m in metrics}),
+        )
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m syncbn_lightning.report RUN_DIR [--out DIR]``.
+
+    Args:
+        argv: Arguments without the program name. Defaults to ``sys.argv[1:]``.
+
+    Returns:
+        0 after printing each written path; 2 after printing ``error: ...`` to stderr when
+        ``RUN_DIR`` has no metrics (or a ``metrics.csv`` is malformed).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m syncbn_lightning.report",
+        description="Draw PNG figures of a run's (or a Hydra sweep's) CSVLogger metrics.",
+    )
+    parser.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a job output directory or a multirun sweep directory with metrics.csv below it",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", default=None, help="output directory (default: RUN_DIR/report)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        paths = render(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    if not paths:
+        print(f"warning: no panel has data in {args.run_dir}; nothing written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,458 @@
+"""A synthetic detection dataset in COCO format: coloured circles, squares and triangles.
+
+:func:`generate_shapes` writes, under ``root``::
+
+    train/000000.png ...                  RGB PNGs, image_size x image_size
+    val/000000.png ...
+    annotations/instances_train.json      COCO "instances" files; images[i].file_name is
+    annotations/instances_val.json        relative to the split directory
+
+Each image has a smooth, slightly noisy background and ``min_objects..max_objects`` filled shapes
+of distinct colours that contrast clearly with it. Category ids start at 1 as in COCO
+(1 circle, 2 square, 3 triangle). A box is the exact pixel extent ``[x, y, w, h]`` of the shape
+as drawn (the pixel ``(i, j)`` covers ``[i, i + 1) x [j, j + 1)``), for the whole shape even
+where a later shape covers part of it; ``area`` is its number of pixels. A shape is never placed
+where its box would overlap an earlier one's with IoU > 0.3 or cover more than half of the
+smaller of the two boxes, and shapes are drawn largest first, so every shape stays mostly visible.
+
+The output depends only on the parameters (and the Pillow version, through PNG encoding): the
+train and val splits draw from two random streams derived from ``seed``. Generation is
+idempotent and safe when several processes (DDP ranks, nodes sharing a file system) call it at
+once: each writes into its own temporary sibling of ``root`` and publishes it with one atomic
+``os.rename``; the losers delete their copy and use the winner's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw
+from tqdm import tqdm
+
+__all__ = ["CATEGORIES", "generate_shapes"]
+
+log = logging.getLogger(__name__)
+
+CATEGORIES: tuple[dict[str, Any], ...] = (
+    {"id": 1, "name": "circle"},
+    {"id": 2, "name": "square"},
+    {"id": 3, "name": "triangle"},
+)
+"""The COCO categories of the dataset, ids starting at 1."""
+
+_FORMAT_VERSION = 1  # bump when the drawing changes, so that old datasets are not reused
+_INFO_KEY = "syncbn_shapes"
+_SPLITS = ("train", "val")
+_MAX_IOU = 0.3  # a new shape's nominal box may not overlap an earlier one's with IoU > this
+_MAX_COVERED = 0.5  # ... nor cover more than half of the smaller box (containment)
+_PLACEMENT_TRIES = 50
+_COLOUR_TRIES = 64
+_MIN_BACKGROUND_DISTANCE = 140.0  # RGB Euclidean distance of an object colour to the background
+_MIN_OBJECT_DISTANCE = 60.0  # ... and to the other objects of the image
+_BACKGROUND_JITTER = 24  # per-channel spread of the smooth background around its base colour
+_NOISE_ALPHA = 0.1  # weight of uniform noise blended into the background
+
+
+def _check_params(
+    *,
+    num_train: int,
+    num_val: int,
+    image_size: int,
+    min_objects: int,
+    max_objects: int,
+    min_size: int,
+    max_size: int,
+    seed: int,
+) -> dict[str, int]:
+    """Validate the generation parameters and return them as the dict stored in ``info``.
+
+    Raises:
+        ValueError: naming the first invalid argument and what it must be.
+    """
+    values = {
+        "num_train": num_train,
+        "num_val": num_val,
+        "image_size": image_size,
+        "min_objects": min_objects,
+        "max_objects": max_objects,
+        "min_size": min_size,
+        "max_size": max_size,
+        "seed": seed,
+    }
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    lower_bounds = {
+        "num_train": 1,
+        "num_val": 1,
+        "image_size": 8,
+        "min_objects": 1,
+        "max_objects": 1,
+        "min_size": 4,
+        "max_size": 4,
+        "seed": 0,
+    }
+    for name, low in lower_bounds.items():
+        if values[name] < low:
+            raise ValueError(f"{name} must be >= {low}, got {values[name]}")
+    if min_objects > max_objects:
+        raise ValueError(
+            f"min_objects ({min_objects}) must be <= max_objects ({max_objects}); "
+            "raise max_objects or lower min_objects"
+        )
+    if min_size > max_size:
+        raise ValueError(
+            f"min_size ({min_size}) must be <= max_size ({max_size}); "
+            "raise max_size or lower min_size"
+        )
+    if max_size >= image_size:
+        raise ValueError(
+            f"max_size ({max_size}) must be < image_size ({image_size}) so that shapes fit; "
+            "lower max_size or raise image_size"
+        )
+    return {"version": _FORMAT_VERSION, **values}
+
+
+# ----------------------------------------------------------------------------- drawing
+
+
+def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[float, float]:
+    """IoU and intersection over the smaller box of two square boxes ``(x, y, side)``."""
+    iw = min(a[0] + a[2], b[0] + b[2]) - max(a[0], b[0])
+    ih = min(a[1] + a[2], b[1] + b[2]) - max(a[1], b[1])
+    if iw <= 0 or ih <= 0:
+        return 0.0, 0.0
+    inter = iw * ih
+    return inter / (a[2] ** 2 + b[2] ** 2 - inter), inter / min(a[2], b[2]) ** 2
+
+
+def _free(box: tuple[int, int, int], placed: list[tuple[int, int, int]]) -> bool:
+    """Whether ``box`` may join ``placed``: IoU <= 0.3 and never half inside another box."""
+    for other in placed:
+        iou, covered = _overlap(box, other)
+        if iou > _MAX_IOU or covered > _MAX_COVERED:
+            return False
+    return True
+
+
+def _background(rng: random.Random, size: int) -> tuple[Image.Image, list[tuple[int, int, int]]]:
+    """A smooth colour field (a bilinearly upsampled 3x3 grid) with a little uniform noise.
+
+    Returns the image and the grid colours (the background stays within a few levels of them).
+    """
+    base = [rng.randint(0, 255) for _ in range(3)]
+    grid = [
+        tuple(
+            min(255, max(0, c + rng.randint(-_BACKGROUND_JITTER, _BACKGROUND_JITTER))) for c in base
+        )
+        for _ in range(9)
+    ]
+    smooth = Image.new("RGB", (3, 3))
+    smooth.putdata(grid)
+    smooth = smooth.resize((size, size), Image.Resampling.BILINEAR)
+    noise = Image.frombytes("RGB", (size, size), rng.randbytes(3 * size * size))
+    return Image.blend(smooth, noise, _NOISE_ALPHA), grid
+
+
+def _object_colour(
+    rng: random.Random,
+    background: list[tuple[int, int, int]],
+    taken: list[tuple[int, int, int]],
+) -> tuple[int, int, int]:
+    """A random colour far from every background colour and from the image's other objects.
+
+    Rejection sampling; after ``_COLOUR_TRIES`` candidates the one with the best margin is used
+    (there always is a colour more than 170 away from a background spread of +-24 per channel).
+    """
+    best: tuple[float, tuple[int, int, int]] = (-math.inf, (0, 0, 0))
+    for _ in range(_COLOUR_TRIES):
+        colour = (rng.randint(0, 255), rng.randint(0, 255), rng.randint(0, 255))
+        margin = min(math.dist(colour, c) / _MIN_BACKGROUND_DISTANCE for c in background)
+        if taken:
+            margin = min(margin, min(math.dist(colour, c) / _MIN_OBJECT_DISTANCE for c in taken))
+        if margin >= 1.0:
+            return colour
+        best = max(best, (margin, colour))
+    return best[1]
+
+
+def _shape_mask(category_id: int, image_size: int, x0: int, y0: int, s: int, turn: int):
+    """An ``L`` mask (255 inside) of one shape whose nominal box is ``s x s`` at ``(x0, y0)``."""
+    mask = Image.new("L", (image_size, image_size), 0)
+    draw = ImageDraw.Draw(mask)
+    x1, y1 = x0 + s - 1, y0 + s - 1  # PIL boxes are inclusive of their last pixel
+    if category_id == 1:
+        draw.ellipse((x0, y0, x1, y1), fill=255)
+    elif category_id == 2:
+        draw.rectangle((x0, y0, x1, y1), fill=255)
+    else:
+        mid_x, mid_y = (x0 + x1) / 2, (y0 + y1) / 2
+        # Isosceles triangle, apex up / right / down / left.
+        points = [
+            [(mid_x, y0), (x1, y1), (x0, y1)],
+            [(x1, mid_y), (x0, y1), (x0, y0)],
+            [(mid_x, y1), (x0, y0), (x1, y0)],
+            [(x0, mid_y), (x1, y0), (x1, y1)],
+        ][turn]
+        draw.polygon(points, fill=255)
+    return mask
+
+
+def _draw_image(
+    rng: random.Random, params: dict[str, int]
+) -> tuple[Image.Image, list[dict[str, Any]]]:
+    """One image and its annotations (``category_id``, ``bbox``, ``area``; no ids yet)."""
+    size = params["image_size"]
+    image, background = _background(rng, size)
+    wanted = rng.randint(params["min_objects"], params["max_objects"])
+    placed: list[tuple[int, int, int]] = []  # nominal square boxes (x0, y0, side)
+    for _ in range(wanted):
+        for _ in range(_PLACEMENT_TRIES):
+            s = rng.randint(params["min_size"], params["max_size"])
+            box = (rng.randint(0, size - s), rng.randint(0, size - s), s)
+            if _free(box, placed):
+                placed.append(box)
+                break
+        # else: no free place for this object, the image gets one fewer
+    objects: list[dict[str, Any]] = []
+    colours: list[tuple[int, int, int]] = []
+    for x0, y0, s in sorted(placed, key=lambda b: -b[2]):  # large first: small stay visible
+        category_id = rng.randint(1, len(CATEGORIES))
+        mask = _shape_mask(category_id, size, x0, y0, s, rng.randrange(4))
+        left, top, right, bottom = mask.getbbox()  # exclusive right/bottom: the exact extent
+        colour = _object_colour(rng, background, colours)
+        image.paste(colour, (0, 0), mask)
+        colours.append(colour)
+        objects.append(
+            {
+                "category_id": category_id,
+                "bbox": [float(left), float(top), float(right - left), float(bottom - top)],
+                "area": float(mask.histogram()[255]),
+                "iscrowd": 0,
+            }
+        )
+    return image, objects
+
+
+def _write_split(dest: Path, split: str, params: dict[str, int], bar: tqdm) -> dict[str, Any]:
+    """Draw one split's images into ``dest/split`` and return its COCO dict."""
+    rng = random.Random(f"syncbn_shapes/{split}/{params['seed']}")
+    split_dir = dest / split
+    split_dir.mkdir(parents=True)
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
+    size = params["image_size"]
+    for index in range(params[f"num_{split}"]):
+        image, objects = _draw_image(rng, params)
+        file_name = f"{index:06d}.png"
+        image.save(split_dir / file_name, format="PNG")
+        image_id = index + 1
+        images.append({"id": image_id, "file_name": file_name, "width": size, "height": size})
+        for obj in objects:
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, **obj})
+        bar.update(1)
+    return {
+        "info": {
+            "description": f"syncbn_lightning synthetic shapes, {split} split",
+            "version": str(_FORMAT_VERSION),
+            _INFO_KEY: params,
+        },
+        "licenses": [],
+        "images": images,
+        "annotations": annotations,
+        "categories": [dict(c) for c in CATEGORIES],
+    }
+
+
+def _write_dataset(dest: Path, params: dict[str, int], *, progress: bool) -> None:
+    """Write the whole dataset into the (new) directory ``dest``; the val JSON is written last."""
+    total = params["num_train"] + params["num_val"]
+    (dest / "annotations").mkdir(parents=True)
+    with tqdm(total=total, desc="synthetic shapes", unit="img", disable=not progress) as bar:
+        for split in _SPLITS:  # "val" last: its annotation file marks a complete dataset
+            coco = _write_split(dest, split, params, bar)
+            with open(dest / "annotations" / f"instances_{split}.json", "w") as f:
+                json.dump(coco, f)
+
+
+# ----------------------------------------------------------------------------- publishing
+
+
+def _marker(root: Path) -> Path:
+    return root / "annotations" / "instances_val.json"
+
+
+def _stored_params(annotation_file: Path) -> Any:
+    """``info.syncbn_shapes`` of an annotation file, or ``None`` when it has none."""
+    try:
+        with open(annotation_file) as f:
+            coco = json.load(f)
+    except (OSError, ValueError):
+        return None
+    info = coco.get("info") if isinstance(coco, dict) else None
+    return info.get(_INFO_KEY) if isinstance(info, dict) else None
+
+
+def _check_existing(root: Path, params: dict[str, int]) -> bool:
+    """Whether ``root`` holds the dataset of ``params``; ``False`` when it holds no dataset.
+
+    Raises:
+        ValueError: when ``root`` holds something else: a dataset with other parameters, a
+            damaged one, a file, or a non-empty directory of other content.
+    """
+    if not root.exists():
+        return False
+    if not root.is_dir():
+        raise ValueError(
+            f"root={str(root)!r} exists and is not a directory; choose another root for the "
+            "synthetic shapes dataset"
+        )
+    marker = _marker(root)
+    if not marker.exists():
+        if any(root.iterdir()):
+            raise ValueError(
+                f"root={str(root)!r} is not empty and holds no synthetic shapes dataset (no "
+                f"{marker}); choose another (new or empty) root or delete {root}"
+            )
+        return False
+    stored = _stored_params(marker)
+    if stored != params:
+        raise ValueError(
+            f"{marker} holds a dataset generated with other parameters ({stored!r}) than the "
+            f"requested {params!r}; choose another root or delete {root} to regenerate it"
+        )
+    for split in _SPLITS:
+        files = root / split
+        count = sum(1 for p in files.glob("*.png")) if files.is_dir() else 0
+        annotation_file = root / "annotations" / f"instances_{split}.json"
+        if count != params[f"num_{split}"] or _stored_params(annotation_file) != params:
+            raise ValueError(
+                f"the synthetic shapes dataset at {root} is incomplete ({files} holds {count} "
+                f"of {params[f'num_{split}']} images, or {annotation_file} is missing or "
+                f"differs); delete {root} to regenerate it"
+            )
+    return True
+
+
+def _publish(tmp: Path, root: Path, params: dict[str, int]) -> bool:
+    """Move the finished dataset ``tmp`` to ``root`` atomically, or adopt a concurrent winner's.
+
+    ``os.rename`` replaces a missing or empty ``root`` and fails when another process has
+    already put a dataset there; ``tmp`` is then deleted and the winner's dataset validated.
+
+    Returns:
+        ``True`` when ``tmp`` became ``root``, ``False`` when another process's dataset is used.
+
+    Raises:
+        ValueError: when what is at ``root`` is not the dataset of ``params``.
+        OSError: when the rename failed for another reason (``root`` is left as it was).
+    """
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _check_existing(root, params):
+            raise
+        log.info("generate_shapes: another process wrote %s first; using it", root)
+        return False
+    return True
+
+
+def generate_shapes(
+    root: str | Path,
+    *,
+    num_train: int = 256,
+    num_val: int = 64,
+    image_size: int = 64,
+    min_objects: int = 1,
+    max_objects: int = 3,
+    min_size: int = 10,
+    max_size: int = 28,
+    seed: int = 0,
+    progress: bool = True,
+) -> Path:
+    """Write the synthetic shapes detection dataset (COCO format) under ``root``, once.
+
+    If ``root`` already holds the dataset of exactly these parameters (recorded in
+    ``info["syncbn_shapes"]`` of ``annotations/instances_val.json``) it returns at once without
+    writing anything. Otherwise the dataset is generated into a temporary sibling directory
+    ``<root>.tmp-<pid>-<random>`` and renamed into place, so ``root`` never holds a partial
+    dataset; concurrent callers with the same parameters all succeed and share one dataset.
+
+    Args:
+        root: the dataset directory; must be missing, empty, or this very dataset.
+        num_train: number of training images (>= 1). Default 256.
+        num_val: number of validation images (>= 1). Default 64.
+        image_size: side of the square images in pixels (>= 8). Default 64.
+        min_objects: fewest shapes drawn per image (>= 1). Default 1.
+        max_objects: most shapes drawn per image (>= ``min_objects``); an image gets fewer
+            when no place with IoU <= 0.3 to the shapes already placed is found (the first
+            shape always fits, so every image has at least one). Default 3.
+        min_size: smallest side of a shape's nominal square box in pixels (>= 4). Default 10.
+        max_size: largest side (``min_size <= max_size < image_size``). Default 28.
+        seed: seed of the random streams (>= 0); train and val use different streams. Default 0.
+        progress: show a tqdm progress bar over the images. Default True.
+
+    Returns:
+        ``Path(root)``.
+
+    Raises:
+        ValueError: for an invalid argument (named in the message); when ``root`` holds a
+            dataset generated with other parameters, or is a file or a non-empty directory
+            that is not a synthetic shapes dataset (choose another root or delete it).
+
+    Example:
+        >>> import tempfile, json
+        >>> root = generate_shapes(tempfile.mkdtemp() + "/shapes", num_train=2, num_val=1,
+        ...                        progress=False)
+        >>> coco = json.load(open(root / "annotations" / "instances_val.json"))
+        >>> [c["name"] for c in coco["categories"]], coco["images"][0]["file_name"]
+        (['circle', 'square', 'triangle'], '000000.png')
+
+    Note:
+        The result is a pure function of the parameters: the same seed gives byte-identical
+        JSON and (with the same Pillow) byte-identical PNGs. Boxes are ``[x, y, w, h]`` floats in
+        pixels, the exact extent of the drawn shape; ``area`` is its pixel count.
+    """
+    params = _check_params(
+        num_train=num_train,
+        num_val=num_val,
+        image_size=image_size,
+        min_objects=min_objects,
+        max_objects=max_objects,
+        min_size=min_size,
+        max_size=max_size,
+        seed=seed,
+    )
+    root = Path(root).expanduser()
+    if _check_existing(root, params):
+        log.debug("generate_shapes: %s already holds the requested dataset", root)
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f"{root.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        _write_dataset(tmp, params, progress=progress)
+        if not _publish(tmp, root, params):
+            return root
+    finally:
+        if tmp.exists():
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)
+    log.info(
+        "generate_shapes: wrote %d train + %d val synthetic shapes images (%dx%d) to %s",
+        num_train,
+        num_val,
+        image_size,
+        image_size,
+        root,
+    )
+    return root
