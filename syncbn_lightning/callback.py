@@ -16,6 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
@@ -548,10 +549,12 @@ class SyncBNCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._active:
-            return
+        # PreciseBN also runs in a single process, so that a one-process reference run of a recipe
+        # is evaluated with statistics computed the same way.
         if self.precise_bn_batches and self.precise_bn_at == "fit_end":
             self._precise_bn(trainer, pl_module)
+        if not self._active:
+            return
         self._reconcile(pl_module)
         if trainer.is_global_zero and self._last_layer_metrics:
             for logger, wandb in _wandb_loggers(trainer):
@@ -582,11 +585,12 @@ class SyncBNCallback(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._active or trainer.sanity_checking:
-            return
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return  # trainer.validate() after fit evaluates the model as fit left it
         if self.precise_bn_batches and self.precise_bn_at == "validation":
             self._precise_bn(trainer, pl_module)
-        self._reconcile(pl_module)
+        if self._active:
+            self._reconcile(pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

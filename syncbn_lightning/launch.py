@@ -1,0 +1,230 @@
+"""Starting the other DDP processes of one training job from a config file, not from ``sys.argv``.
+
+Lightning's ``strategy="ddp"`` launcher re-runs the parent's command line for ranks 1..N-1. Under
+a Hydra multirun (``-m bn.group_size=1,2,4``) that command line is the whole sweep, so each child
+starts a sweep of its own. :class:`RankLauncher` instead starts every child with the *resolved
+config of the current job*, written to a file, so all ranks of a job train with exactly the same
+values. The children are ordinary Lightning DDP processes: the launcher sets the environment
+Lightning's own ``LightningEnvironment`` reads (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+``NODE_RANK``, ``LOCAL_RANK``), so Lightning treats them as created externally, exactly as under
+``torchrun``. Jobs started by torchrun, SLURM or LSF are left to Lightning's cluster environments.
+
+Failure handling: a watchdog thread polls the children; when one dies, the others are killed, which
+makes the parent's next gloo/NCCL collective fail at once instead of waiting for the process-group
+timeout. Children are asked to die with the parent (``PR_SET_PDEATHSIG`` on Linux), and leaving the
+``with`` block always reaps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = [
+    "RANK_CONFIG_ENV",
+    "RankLauncher",
+    "child_command",
+    "free_port",
+    "launched_externally",
+    "restored_environ",
+]
+
+log = logging.getLogger(__name__)
+
+RANK_CONFIG_ENV = "SYNCBN_RANK_CONFIG"
+"""Set in a child's environment to the config file it must train with."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on the loopback interface a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launched_externally() -> bool:
+    """Whether something else (torchrun, SLURM, LSF, our own launcher) created this process as
+    one rank of a job, so that no process must be started here."""
+    if "LOCAL_RANK" in os.environ:
+        return True
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    return any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment))
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class RankLauncher:
+    """Context manager that makes the current process local rank 0 and starts local ranks
+    ``1..devices-1`` running ``command`` with ``config_file``.
+
+    Args:
+        command: the child's command line, e.g. ``[sys.executable, "train.py"]``; the child finds
+            its config in the ``SYNCBN_RANK_CONFIG`` environment variable.
+        config_file: the resolved config every rank trains with.
+        devices: processes on this node.
+        num_nodes: nodes of the job. With more than one, ``MASTER_ADDR``, ``MASTER_PORT`` and
+            ``NODE_RANK`` must be set on every node (as for Lightning's own launcher).
+        log_dir: where each child's stdout/stderr go (``rank<global rank>.log``).
+        grace_s: how long children get to exit after the parent finished, before being killed.
+
+    Raises:
+        RuntimeError: on leaving the block, when a child failed (naming its rank, exit code and
+            log, with the log's last lines), or did not exit within ``grace_s``.
+        ValueError: for a multi-node job whose rendezvous variables are missing.
+
+    Note:
+        ``os.environ`` is restored on exit, so that a Hydra multirun can launch the next job from
+        the same process.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        config_file: str | Path,
+        devices: int,
+        num_nodes: int = 1,
+        log_dir: str | Path = ".",
+        grace_s: float = 120.0,
+    ) -> None:
+        if devices < 1 or num_nodes < 1:
+            raise ValueError(f"devices and num_nodes must be >= 1, got {devices}, {num_nodes}")
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
+        if num_nodes > 1 and missing:
+            raise ValueError(
+                f"trainer.num_nodes={num_nodes} without torchrun/SLURM needs {', '.join(missing)} "
+                "set on every node (NODE_RANK=0 on the node at MASTER_ADDR)"
+            )
+        self.command = list(command)
+        self.config_file = Path(config_file)
+        self.devices, self.num_nodes = devices, num_nodes
+        self.log_dir = Path(log_dir)
+        self.grace_s = grace_s
+        self._children: list[tuple[int, subprocess.Popen[bytes], Path]] = []
+        self._failed: tuple[int, int, Path] | None = None
+        self._stop = threading.Event()
+        self._env_before: dict[str, str] = {}
+
+    def __enter__(self) -> RankLauncher:
+        self._env_before = dict(os.environ)
+        node_rank = int(os.environ.get("NODE_RANK", "0"))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ["NODE_RANK"] = str(node_rank)
+        os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for local in range(1, self.devices):
+            rank = node_rank * self.devices + local
+            env = {**os.environ, "LOCAL_RANK": str(local), RANK_CONFIG_ENV: str(self.config_file)}
+            path = self.log_dir / f"rank{rank}.log"
+            with open(path, "wb") as out:
+                proc = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
+            self._children.append((rank, proc, path))
+        os.environ["LOCAL_RANK"] = "0"
+        log.info(
+            "started %d more process(es) for this job (logs: %s/rank*.log), rendezvous %s:%s",
+            self.devices - 1,
+            self.log_dir,
+            os.environ["MASTER_ADDR"],
+            os.environ["MASTER_PORT"],
+        )
+        threading.Thread(target=self._watch, name="syncbn-rank-watchdog", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            for rank, proc, path in self._children:
+                code = proc.poll()
+                if code not in (None, 0) and self._failed is None:
+                    self._failed = (rank, code, path)
+                    log.error("rank %d exited with code %d; stopping the job", rank, code)
+                    self._kill_all()
+                    return
+
+    def _kill_all(self) -> None:
+        for _, proc, _ in self._children:
+            if proc.poll() is None:
+                proc.kill()
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self._stop.set()
+        try:
+            if exc is not None:
+                self._kill_all()  # their exit codes are ours, not failures of theirs
+            self._reap(failed_parent=exc is not None)
+            if self._failed is not None:
+                rank, code, path = self._failed
+                # When a child died first, the parent's own error is only the broken collective.
+                raise RuntimeError(
+                    f"rank {rank} failed with exit code {code}; its log {path} ends with:\n"
+                    + _tail(path)
+                ) from exc
+        finally:
+            os.environ.clear()
+            os.environ.update(self._env_before)
+
+    def _reap(self, failed_parent: bool) -> None:
+        deadline = time.monotonic() + (5.0 if failed_parent else self.grace_s)
+        for rank, proc, path in self._children:
+            try:
+                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                self._kill_all()
+                for _, other, _ in self._children:
+                    other.wait()
+                if failed_parent:
+                    return
+                raise RuntimeError(
+                    f"rank {rank} did not exit within {self.grace_s:.0f} s after rank 0 "
+                    f"finished (killed); see {path}"
+                ) from None
+            if code != 0 and self._failed is None and not failed_parent:
+                self._failed = (rank, code, path)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(unreadable: {e})"
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+@contextlib.contextmanager
+def restored_environ() -> Iterator[None]:
+    """Restore ``os.environ`` on exit (Lightning and W&B set process-wide variables)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def child_command(script: str | Path) -> list[str]:
+    """The command a child rank runs: this interpreter on ``script``."""
+    return [sys.executable, str(Path(script).resolve())]

@@ -1,0 +1,81 @@
+"""A small BatchNorm classifier on detection data: the class of each image's largest object.
+
+Useful as a fast sanity run of the service (``model=classifier``): same datamodule, same SyncBN
+callback, a metric (``val/acc``) that moves within a few epochs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import ScaledLRModule
+from .centernet import ConvBNReLU
+
+__all__ = ["ShapeClassifier", "largest_object_labels"]
+
+
+def largest_object_labels(targets: list[dict[str, Any]]) -> torch.Tensor:
+    """Per image, the label of its largest box by area; images without boxes are an error."""
+    labels = []
+    for t in targets:
+        boxes = t["boxes"]
+        if len(boxes) == 0:
+            raise ValueError(f"image {t['image_id']} has no boxes: the classifier needs one")
+        area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+        labels.append(t["labels"][area.argmax()])
+    return torch.stack(labels)
+
+
+class ShapeClassifier(ScaledLRModule):
+    """Three ``Conv-BN-ReLU`` stages, global average pooling and a linear layer.
+
+    Args:
+        num_classes: classes (the datamodule's categories).
+        width: channels of the first stage.
+        optim: see :class:`~syncbn_lightning.tasks.base.ScaledLRModule`.
+
+    Note:
+        Logs ``train/loss``, ``val/loss`` and ``val/acc`` (averaged over all ranks' samples).
+    """
+
+    def __init__(
+        self, num_classes: int = 3, width: int = 16, optim: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(optim)
+        if num_classes < 2 or width < 1:
+            raise ValueError(
+                f"model.num_classes must be >= 2 and model.width >= 1, got {num_classes}, {width}"
+            )
+        self.save_hyperparameters()
+        w = width
+        self.features = nn.Sequential(
+            ConvBNReLU(3, w, stride=2),
+            ConvBNReLU(w, 2 * w, stride=2),
+            ConvBNReLU(2 * w, 4 * w, stride=2),
+        )
+        self.fc = nn.Linear(4 * w, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(images).mean((2, 3)))
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        images, targets = batch
+        labels = largest_object_labels(targets).to(images.device)
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        sync = stage == "val"
+        self.log(f"{stage}/loss", loss, batch_size=len(targets), prog_bar=True, sync_dist=sync)
+        if stage == "val":
+            acc = (logits.argmax(1) == labels).float().mean()
+            self.log("val/acc", acc, batch_size=len(targets), sync_dist=True)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step(batch, "val")
