@@ -120,6 +120,7 @@ class RankLauncher:
         self._children: list[tuple[int, subprocess.Popen[bytes], Path]] = []
         self._failed: tuple[int, int, Path] | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._env_before: dict[str, str] = {}
 
     def __enter__(self) -> RankLauncher:
@@ -130,20 +131,17 @@ class RankLauncher:
         os.environ["NODE_RANK"] = str(node_rank)
         os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for local in range(1, self.devices):
-            rank = node_rank * self.devices + local
-            env = {**os.environ, "LOCAL_RANK": str(local), RANK_CONFIG_ENV: str(self.config_file)}
-            path = self.log_dir / f"rank{rank}.log"
-            with open(path, "wb") as out:
-                proc = subprocess.Popen(
-                    self.command,
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
-                )
-            self._children.append((rank, proc, path))
+        try:
+            for local in range(1, self.devices):
+                self._start(node_rank * self.devices + local, local)
+        except BaseException:
+            # __exit__ is not called when __enter__ raises: undo what was done so far here.
+            self._kill_all()
+            for _, proc, _ in self._children:
+                proc.wait()
+            os.environ.clear()
+            os.environ.update(self._env_before)
+            raise
         os.environ["LOCAL_RANK"] = "0"
         log.info(
             "started %d more process(es) for this job (logs: %s/rank*.log), rendezvous %s:%s",
@@ -155,11 +153,29 @@ class RankLauncher:
         threading.Thread(target=self._watch, name="syncbn-rank-watchdog", daemon=True).start()
         return self
 
+    def _start(self, rank: int, local: int) -> None:
+        env = {**os.environ, "LOCAL_RANK": str(local), RANK_CONFIG_ENV: str(self.config_file)}
+        path = self.log_dir / f"rank{rank}.log"
+        with open(path, "wb") as out:
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+        self._children.append((rank, proc, path))
+
     def _watch(self) -> None:
         while not self._stop.wait(0.2):
             for rank, proc, path in self._children:
                 code = proc.poll()
-                if code not in (None, 0) and self._failed is None:
+                if code in (None, 0):
+                    continue
+                with self._lock:
+                    if self._stop.is_set() or self._failed is not None:
+                        return  # the launcher itself is stopping the children
                     self._failed = (rank, code, path)
                     log.error("rank %d exited with code %d; stopping the job", rank, code)
                     self._kill_all()
@@ -171,7 +187,8 @@ class RankLauncher:
                 proc.kill()
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
         try:
             if exc is not None:
                 self._kill_all()  # their exit codes are ours, not failures of theirs
@@ -199,7 +216,7 @@ class RankLauncher:
                 if failed_parent:
                     return
                 raise RuntimeError(
-                    f"rank {rank} did not exit within {self.grace_s:.0f} s after rank 0 "
+                    f"rank {rank} did not exit within {self.grace_s:g} s after rank 0 "
                     f"finished (killed); see {path}"
                 ) from None
             if code != 0 and self._failed is None and not failed_parent:
