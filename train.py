@@ -206,8 +206,19 @@ def _wandb_offline(setting: Any) -> bool:
     return True
 
 
+def _finish_stale_wandb_run() -> None:
+    """One W&B run per job: WandbLogger would silently reuse a run left open in this process."""
+    import wandb
+
+    if wandb.run is not None:
+        log.warning("finishing W&B run %s left open in this process", wandb.run.id)
+        wandb.finish()
+
+
 def _build_loggers(cfg: DictConfig) -> list[Any]:
     loggers = []
+    if "wandb" in cfg.logger:
+        _finish_stale_wandb_run()
     for name, node in cfg.logger.items():
         spec = OmegaConf.to_container(node, resolve=True)
         assert isinstance(spec, dict)

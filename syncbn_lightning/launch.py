@@ -81,7 +81,8 @@ class RankLauncher:
         config_file: the resolved config every rank trains with.
         devices: processes on this node.
         num_nodes: nodes of the job. With more than one, ``MASTER_ADDR``, ``MASTER_PORT`` and
-            ``NODE_RANK`` must be set on every node (as for Lightning's own launcher).
+            ``NODE_RANK`` must be set on every node (as for Lightning's own launcher); with one,
+            the rendezvous is on loopback at a fresh free port (the variables are ignored).
         log_dir: where each child's stdout/stderr go (``rank<global rank>.log``).
         grace_s: how long children get to exit after the parent finished, before being killed.
 
@@ -126,8 +127,12 @@ class RankLauncher:
     def __enter__(self) -> RankLauncher:
         self._env_before = dict(os.environ)
         node_rank = int(os.environ.get("NODE_RANK", "0"))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if self.num_nodes == 1:
+            # A fresh port per job: a MASTER_PORT left in the environment (by an earlier job of
+            # this process, or exported) may still be held by that job's store, and children
+            # rendezvousing there would join the wrong store.
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(free_port())
         os.environ["NODE_RANK"] = str(node_rank)
         os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
         self.log_dir.mkdir(parents=True, exist_ok=True)
