@@ -42,6 +42,7 @@ from syncbn_lightning.launch import (
     RankLauncher,
     child_command,
     launched_externally,
+    missing_rendezvous,
     restored_environ,
 )
 
@@ -125,7 +126,7 @@ def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
             f"has {torch.cuda.device_count()} CUDA GPU(s): use trainer=cpu or fewer devices"
         )
     if nodes > 1 and not launched_externally():
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
+        missing = missing_rendezvous(nodes)
         if missing:
             raise ConfigError(
                 f"trainer.num_nodes={nodes} needs torchrun/SLURM, or {', '.join(missing)} set on "
@@ -267,13 +268,12 @@ def _csv_file(trainer: pl.Trainer) -> Path | None:
     return None
 
 
-def _finish_wandb(trainer: pl.Trainer, metrics: dict[str, float]) -> list[str]:
-    """Rank 0: custom line charts of the report panels (from the CSV metrics), the final
-    metrics in the run summary, ``finish()``. Returns the run directories."""
+def _finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], csv: Path | None) -> list[str]:
+    """Rank 0: custom line charts of the report panels (from the CSV metrics file ``csv``), the
+    final metrics in the run summary, ``finish()``. Returns the run directories."""
     from syncbn_lightning.report import PANELS, panel_series, read_metrics
 
     dirs = []
-    csv = _csv_file(trainer)
     for lg in _wandb_loggers(trainer):
         import wandb
 
@@ -393,8 +393,9 @@ def _fit_and_evaluate(
     for cb in callbacks:
         metrics.update(_scalars(getattr(cb, "last_metrics", None) or {}))
     if trainer.is_global_zero:
-        runs = _finish_wandb(trainer, metrics)
-        _report(cfg, trainer, metrics, out, runs)
+        csv = _csv_file(trainer)  # flushes the CSV logger once, after the closing evaluation
+        runs = _finish_wandb(trainer, metrics, csv)
+        _report(trainer, metrics, out, runs, csv)
     return metrics
 
 
@@ -405,7 +406,7 @@ def _scalars(values: Any) -> dict[str, float]:
 
 
 def _report(
-    cfg: DictConfig, trainer: pl.Trainer, metrics: dict[str, float], out: Path, runs: list[str]
+    trainer: pl.Trainer, metrics: dict[str, float], out: Path, runs: list[str], csv: Path | None
 ) -> None:
     keys = [k for k in ("val/mAP", "val/mAP50", "val/acc") if k in metrics]
     keys += [k for k in ("bn/norm_batch_size", "bn/global_batch_size") if k in metrics]
@@ -415,7 +416,7 @@ def _report(
         log.info("checkpoints: %s (best: %s)", ckpt.dirpath, ckpt.best_model_path or "-")
     for run in runs:
         log.info("W&B run files: %s  (offline runs: `wandb sync %s` uploads them)", run, run)
-    if _csv_file(trainer) is not None:
+    if csv is not None:
         log.info("PNG report: python -m syncbn_lightning.report %s", out)
 
 

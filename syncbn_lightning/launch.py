@@ -36,6 +36,7 @@ __all__ = [
     "child_command",
     "free_port",
     "launched_externally",
+    "missing_rendezvous",
     "restored_environ",
 ]
 
@@ -64,6 +65,19 @@ def launched_externally() -> bool:
     )
 
     return any(env.detect() for env in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment))
+
+
+def missing_rendezvous(num_nodes: int) -> list[str]:
+    """The variables a multi-node job started without torchrun/SLURM lacks on this node
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``); none are needed on a single node."""
+    if num_nodes <= 1:
+        return []
+    return [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
+
+
+def _set_environ(values: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(values)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -107,8 +121,8 @@ class RankLauncher:
     ) -> None:
         if devices < 1 or num_nodes < 1:
             raise ValueError(f"devices and num_nodes must be >= 1, got {devices}, {num_nodes}")
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
-        if num_nodes > 1 and missing:
+        missing = missing_rendezvous(num_nodes)
+        if missing:
             raise ValueError(
                 f"trainer.num_nodes={num_nodes} without torchrun/SLURM needs {', '.join(missing)} "
                 "set on every node (NODE_RANK=0 on the node at MASTER_ADDR)"
@@ -144,8 +158,7 @@ class RankLauncher:
             self._kill_all()
             for _, proc, _ in self._children:
                 proc.wait()
-            os.environ.clear()
-            os.environ.update(self._env_before)
+            _set_environ(self._env_before)
             raise
         os.environ["LOCAL_RANK"] = "0"
         log.info(
@@ -206,8 +219,7 @@ class RankLauncher:
                     + _tail(path)
                 ) from exc
         finally:
-            os.environ.clear()
-            os.environ.update(self._env_before)
+            _set_environ(self._env_before)
 
     def _reap(self, failed_parent: bool) -> None:
         deadline = time.monotonic() + (5.0 if failed_parent else self.grace_s)
@@ -243,8 +255,7 @@ def restored_environ() -> Iterator[None]:
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(before)
+        _set_environ(before)
 
 
 def child_command(script: str | Path) -> list[str]:
