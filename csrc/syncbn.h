@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 #include <c10/util/Optional.h>
 
 #include <tuple>
@@ -59,6 +60,49 @@ at::Tensor backward_elemt_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
     const at::Tensor& sum_dy_xmu, const at::Tensor& count);
+
+// ------------------------------------------------------------------------------------------------
+// Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp, no nvcc).
+// ------------------------------------------------------------------------------------------------
+namespace detail {
+
+enum class Layout { kChannelsFirst, kChannelsLast };
+
+struct Geometry {
+  int64_t N;  // batch
+  int64_t C;  // channels
+  int64_t S;  // elements per (n, c): product of the spatial sizes
+  Layout layout;
+};
+
+// float64 for float64 storage, else float32.
+at::ScalarType acc_dtype_of(at::ScalarType t);
+// Whether `t` is dense with the channel dim innermost (NHWC, NDHWC; (N, C) matrices included).
+bool is_channels_last_dense(const at::Tensor& t);
+// The layout to index `x` with. Channels-first and channels-last index identically when S == 1;
+// channels-last is preferred then because it runs over C in the inner loop.
+Geometry geometry_of(const at::Tensor& x);
+// `x` itself in one of the two supported layouts, a contiguous copy for any other strides.
+at::Tensor dense_input(const at::Tensor& x);
+// `t` with exactly the strides of `like` (a copy only when they differ).
+at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like);
+
+// Argument checks: each failure is a TORCH_CHECK naming the argument and what was expected.
+// `device` is the device type the calling twin serves (kCPU for _cpu, kCUDA for _cuda).
+void check_input(const at::Tensor& input, c10::DeviceType device);
+void check_channel_vector(
+    const at::Tensor& v, const char* name, const at::Tensor& input, bool require_acc_dtype);
+void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input);
+void check_count(const at::Tensor& count, const at::Tensor& input);
+// counts[W], means[W, C], m2s[W, C] of one floating dtype on `device`; eps > 0.
+void check_merge_inputs(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
+    c10::DeviceType device);
+// An optional per-channel parameter converted to the acc dtype; undefined when absent.
+at::Tensor optional_acc(
+    const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input);
+
+}  // namespace detail
 
 #ifdef WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input);

@@ -29,6 +29,8 @@
 namespace syncbn {
 namespace {
 
+using namespace detail;
+
 // ------------------------------------------------------------------------------------------------
 // Helpers
 // ------------------------------------------------------------------------------------------------
@@ -43,8 +45,6 @@ constexpr int64_t kElemGrain = 32768;
 constexpr int64_t kFlushRows = 256;
 // Lane groups accumulated in acc_t before flushing into double accumulators.
 constexpr int64_t kFlushGroups = 128;
-
-enum class Layout { kChannelsFirst, kChannelsLast };
 
 // Conversions between storage and accumulation types. bfloat16 is spelled out as branch-free bit
 // operations (round to nearest even, NaN kept quiet) that the vectorizer handles directly; c10's
@@ -74,40 +74,6 @@ inline c10::BFloat16 from_acc<c10::BFloat16, float>(float v) {
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const uint32_t out = v != v ? 0x7FC0u : rounded;
   return c10::BFloat16(static_cast<uint16_t>(out), c10::BFloat16::from_bits());
-}
-
-struct Geometry {
-  int64_t N;  // batch
-  int64_t C;  // channels
-  int64_t S;  // elements per (n, c): product of the spatial sizes
-  Layout layout;
-};
-
-bool is_channels_last_dense(const at::Tensor& t) { return t.movedim(1, -1).is_contiguous(); }
-
-// Channels-first and channels-last index identically when S == 1; channels-last then vectorizes
-// over C, so it is preferred.
-Geometry geometry_of(const at::Tensor& x) {
-  Geometry g{x.size(0), x.size(1), 1, Layout::kChannelsLast};
-  for (int64_t d = 2; d < x.dim(); ++d) g.S *= x.size(d);
-  if (g.S != 1 && x.is_contiguous()) g.layout = Layout::kChannelsFirst;
-  return g;
-}
-
-// The input in one of the two supported layouts (a copy only for other strides).
-at::Tensor dense_input(const at::Tensor& x) {
-  if (x.is_contiguous() || is_channels_last_dense(x)) return x;
-  return x.contiguous();
-}
-
-// `t` with exactly the strides of `like` (a copy only when they differ).
-at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like) {
-  if (t.strides() == like.strides()) return t;
-  return at::empty_like(like).copy_(t);
-}
-
-at::ScalarType acc_dtype_of(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 // Count, mean and sum of squared deviations, merged with Chan's pairwise formula.
@@ -565,59 +531,6 @@ void backward_elemt_kernel(
 // Host entry points: argument checks, layout, dtype dispatch
 // ------------------------------------------------------------------------------------------------
 
-void check_input(const at::Tensor& input) {
-  TORCH_CHECK(input.defined(), "syncbn: `input` is undefined");
-  TORCH_CHECK(
-      input.dim() >= 2, "syncbn: `input` must have shape (N, C, *) with at least 2 dims, got ",
-      input.dim(), "-D input of shape ", input.sizes());
-  const auto t = input.scalar_type();
-  TORCH_CHECK(
-      t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
-      "syncbn: `input` must be float16, bfloat16, float32 or float64, got ", t);
-  TORCH_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
-  TORCH_CHECK(input.device().is_cpu(), "syncbn: `input` must be a CPU tensor for the _cpu kernels");
-}
-
-void check_channel_vector(
-    const at::Tensor& v, const char* name, const at::Tensor& input, bool require_acc_dtype) {
-  TORCH_CHECK(v.defined(), "syncbn: `", name, "` is undefined");
-  TORCH_CHECK(
-      v.dim() == 1 && v.numel() == input.size(1), "syncbn: `", name, "` must have shape [",
-      input.size(1), "] (one value per channel of `input`), got ", v.sizes());
-  TORCH_CHECK(
-      v.device() == input.device(), "syncbn: `", name, "` is on ", v.device(), " but `input` is on ",
-      input.device());
-  if (require_acc_dtype) {
-    const auto acc = acc_dtype_of(input.scalar_type());
-    TORCH_CHECK(
-        v.scalar_type() == acc, "syncbn: `", name, "` must be ", acc, " for ",
-        input.scalar_type(), " input, got ", v.scalar_type());
-  } else {
-    TORCH_CHECK(
-        at::isFloatingType(v.scalar_type()), "syncbn: `", name, "` must be floating point, got ",
-        v.scalar_type());
-  }
-}
-
-void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
-  TORCH_CHECK(grad_out.defined(), "syncbn: `grad_out` is undefined");
-  TORCH_CHECK(
-      grad_out.sizes() == input.sizes(), "syncbn: `grad_out` has shape ", grad_out.sizes(),
-      " but `input` has shape ", input.sizes());
-  TORCH_CHECK(
-      grad_out.scalar_type() == input.scalar_type(), "syncbn: `grad_out` dtype ",
-      grad_out.scalar_type(), " differs from `input` dtype ", input.scalar_type());
-  TORCH_CHECK(grad_out.device() == input.device(), "syncbn: `grad_out` and `input` devices differ");
-}
-
-// A per-channel optional parameter converted to the acc dtype (nullptr data when absent).
-at::Tensor optional_acc(
-    const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input) {
-  if (!v.has_value() || !v->defined()) return at::Tensor();
-  check_channel_vector(*v, name, input, /*require_acc_dtype=*/false);
-  return v->to(acc_dtype_of(input.scalar_type())).contiguous();
-}
-
 template <typename T>
 const T* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<T>() : nullptr;
@@ -626,7 +539,7 @@ const T* data_or_null(const at::Tensor& t) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
-  check_input(input_);
+  check_input(input_, c10::DeviceType::CPU);
   const at::Tensor input = dense_input(input_);
   const Geometry g = geometry_of(input);
   const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
@@ -650,25 +563,9 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
     const at::Tensor& counts_, const at::Tensor& means_, const at::Tensor& m2s_, double eps,
     bool unbiased) {
-  TORCH_CHECK(counts_.dim() == 1, "syncbn: `counts` must be 1-D [world], got ", counts_.sizes());
+  check_merge_inputs(counts_, means_, m2s_, eps, c10::DeviceType::CPU);
   const int64_t W = counts_.size(0);
-  TORCH_CHECK(
-      means_.dim() == 2 && means_.size(0) == W, "syncbn: `means` must have shape [", W,
-      ", C] to match `counts`, got ", means_.sizes());
-  TORCH_CHECK(
-      m2s_.sizes() == means_.sizes(), "syncbn: `m2s` must have the shape of `means` ",
-      means_.sizes(), ", got ", m2s_.sizes());
   const auto acc = means_.scalar_type();
-  TORCH_CHECK(
-      acc == at::kFloat || acc == at::kDouble, "syncbn: `means` must be float32 or float64, got ",
-      acc);
-  TORCH_CHECK(
-      counts_.scalar_type() == acc && m2s_.scalar_type() == acc,
-      "syncbn: `counts`, `means` and `m2s` must share one dtype");
-  TORCH_CHECK(
-      counts_.device().is_cpu() && means_.device().is_cpu() && m2s_.device().is_cpu(),
-      "syncbn: `counts`, `means` and `m2s` must be CPU tensors for the _cpu kernels");
-  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
   const at::Tensor counts = counts_.contiguous(), means = means_.contiguous(), m2s = m2s_.contiguous();
   const int64_t C = means.size(1);
   at::Tensor mean = at::empty({C}, means.options());
@@ -686,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
 at::Tensor normalize_cpu(
     const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
-  check_input(input_);
+  check_input(input_, c10::DeviceType::CPU);
   check_channel_vector(mean_, "mean", input_, true);
   check_channel_vector(invstd_, "invstd", input_, true);
   const at::Tensor input = dense_input(input_);
@@ -711,7 +608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
     bool bias_grad) {
-  check_input(input_);
+  check_input(input_, c10::DeviceType::CPU);
   check_grad_out(grad_out_, input_);
   check_channel_vector(mean_, "mean", input_, true);
   check_channel_vector(invstd_, "invstd", input_, true);
@@ -749,16 +646,13 @@ at::Tensor backward_elemt_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
     const at::Tensor& sum_dy_xmu_, const at::Tensor& count) {
-  check_input(input_);
+  check_input(input_, c10::DeviceType::CPU);
   check_grad_out(grad_out_, input_);
   check_channel_vector(mean_, "mean", input_, true);
   check_channel_vector(invstd_, "invstd", input_, true);
   check_channel_vector(sum_dy_, "sum_dy", input_, true);
   check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
-  TORCH_CHECK(
-      count.numel() == 1 && count.device() == input_.device(),
-      "syncbn: `count` must be a one-element tensor on the input's device, got shape ",
-      count.sizes(), " on ", count.device());
+  check_count(count, input_);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();

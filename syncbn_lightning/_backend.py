@@ -23,7 +23,10 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -37,7 +40,15 @@ import torch
 
 from . import reference
 
-__all__ = ["IMPL_ENV", "get_impl", "ops_for", "load_extension", "build_dir", "ExtensionBuildError"]
+__all__ = [
+    "IMPL_ENV",
+    "get_impl",
+    "ops_for",
+    "load_extension",
+    "build_dir",
+    "cuda_compile_check",
+    "ExtensionBuildError",
+]
 
 IMPL_ENV = "SYNCBN_IMPL"
 CACHE_ENV = "SYNCBN_CACHE_DIR"
@@ -89,6 +100,14 @@ def _cuda_build_enabled(csrc: Path) -> bool:
     )
 
 
+# nvcc flags of the extension's .cu sources (cpp_extension adds its own: c++20, the no-half-
+# operator macros, the architectures). No --use_fast_math: the kernels are memory-bound, and its
+# approximate division would cost the Welford updates accuracy for no measurable speed.
+_CUDA_CFLAGS = ("-O3", "-DNDEBUG", "-DWITH_CUDA")
+# The architecture the compile check targets when none is given: the H100 the kernels are tuned on.
+DEFAULT_CHECK_ARCH = "sm_90"
+
+
 def _cpu_arch_flags() -> list[str]:
     # Named ISA flags rather than -march=native: the cache key then says exactly what the binary
     # needs, and a cache shared by different hosts of the same capability stays valid.
@@ -106,7 +125,7 @@ def _build_spec() -> dict[str, Any]:
     cflags = ["-O3", "-DNDEBUG", "-fopenmp", *_cpu_arch_flags()] + (
         ["-DWITH_CUDA"] if with_cuda else []
     )
-    cuda_cflags = ["-O3", "-DNDEBUG", "-DWITH_CUDA", "--use_fast_math"] if with_cuda else []
+    cuda_cflags = list(_CUDA_CFLAGS) if with_cuda else []
     digest = hashlib.sha256()
     for path in sources + headers:
         digest.update(path.name.encode())
@@ -292,3 +311,99 @@ def ops_for(tensor: torch.Tensor) -> Any:
         raise ExtensionBuildError(message + f" is not allowed with {IMPL_ENV}=ext")
     _warn_once(f"device:{tensor.device.type}", message + ".")
     return reference
+
+
+def _nvcc() -> str | None:
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME:
+        candidate = Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc"
+        if candidate.is_file():
+            return str(candidate)
+    return shutil.which("nvcc")
+
+
+def cuda_compile_check(
+    out_dir: Path, arch: str = DEFAULT_CHECK_ARCH, timeout_s: float = 600.0
+) -> list[Path]:
+    """Compile the CUDA sources to objects with torch's headers, without a GPU (nothing is linked).
+
+    Each ``csrc/*.cu`` goes through ``nvcc -c`` with the extension's flags and cpp_extension's
+    common nvcc flags for ``arch``, and each ``csrc/*.cpp`` through the host compiler with
+    ``-fsyntax-only -DWITH_CUDA`` (the CUDA branch of the dispatch). This catches syntax and
+    template errors on machines that only have ``nvcc``. With a CPU-only torch wheel the generated
+    ``c10/cuda/impl/cuda_cmake_macros.h`` is missing; it only defines an export macro for Windows
+    shared builds, so the check defines ``C10_CUDA_NO_CMAKE_CONFIGURE_FILE`` instead (the real
+    build, with a CUDA torch, has the header).
+
+    Returns:
+        The object files written to ``out_dir``.
+
+    Raises:
+        ExtensionBuildError: when ``nvcc`` is missing or a compilation fails (with its output).
+    """
+    from torch.utils import cpp_extension
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise ExtensionBuildError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
+    csrc = _csrc_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in [str(csrc), *cpp_extension.include_paths()]]
+    defines: list[str] = []
+    torch_include = Path(cpp_extension.include_paths()[0])
+    if not (torch_include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
+        defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    python_include = sysconfig.get_paths()["include"]
+    objects: list[Path] = []
+    commands: list[list[str]] = []
+    for source in sorted(csrc.glob("*.cu")):
+        obj = out_dir / f"{source.stem}.o"
+        commands.append(
+            [
+                nvcc,
+                "-c",
+                str(source),
+                "-o",
+                str(obj),
+                "-std=c++20",
+                f"-arch={arch}",
+                "-Xcompiler",
+                "-fPIC",
+                *cpp_extension.COMMON_NVCC_FLAGS,
+                *_CUDA_CFLAGS,
+                *defines,
+                *includes,
+            ]
+        )
+        objects.append(obj)
+    cxx = os.environ.get("CXX", "c++")
+    for source in sorted(csrc.glob("*.cpp")):
+        commands.append(
+            [
+                cxx,
+                "-std=c++20",
+                "-fsyntax-only",
+                "-DTORCH_EXTENSION_NAME=syncbn_check",
+                "-DWITH_CUDA",
+                *defines,
+                *includes,
+                f"-I{python_include}",
+                str(source),
+            ]
+        )
+    for command in commands:
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ExtensionBuildError(
+                f"compile check timed out after {timeout_s:.0f} s: {' '.join(command)}"
+            ) from exc
+        if done.returncode != 0:
+            raise ExtensionBuildError(
+                f"compile check failed (exit {done.returncode}): {' '.join(command)}\n"
+                f"{(done.stdout + done.stderr)[-4000:]}"
+            )
+    return objects

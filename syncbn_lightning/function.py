@@ -61,10 +61,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
         channels = input.shape[1]
         local_count = input.numel() // channels
         mean_l, m2_l = ops.local_stats(input)
-        sizes_l = torch.tensor(
-            [float(local_count), float(input.shape[0])], dtype=mean_l.dtype, device=mean_l.device
+        # Fills, not torch.tensor([...], device=...): a host-to-device copy from pageable memory
+        # synchronizes the stream, which would cost every layer a host sync on CUDA.
+        packed = torch.cat(
+            [
+                mean_l.new_full((1,), float(local_count)),
+                mean_l.new_full((1,), float(input.shape[0])),
+                mean_l,
+                m2_l,
+            ]
         )
-        packed = torch.cat([sizes_l, mean_l, m2_l])
         # With force_sync a one-rank group still takes the collective path, so that benchmarks of
         # it pay what a real group pays; only without torch.distributed is there nothing to call.
         communicate = dist.is_available() and dist.is_initialized()

@@ -468,11 +468,11 @@ def test_functional_form_matches_f_batch_norm() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["auto", "ref"])
-def test_cuda_tensors_are_served_by_the_reference_path(
+@pytest.mark.parametrize("impl", ["auto", "ext", "ref"])
+def test_cuda_tensors_train_like_batchnorm_with_every_implementation(
     impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Until the CUDA kernels land, CUDA inputs take the reference primitives (never refused)."""
+    """CUDA inputs take the CUDA kernels (auto, ext) or the reference (ref), without a warning."""
     monkeypatch.setenv("SYNCBN_IMPL", impl)
     torch.manual_seed(5)
     ours = SyncBatchNorm(3, force_sync=True).cuda()
@@ -480,7 +480,7 @@ def test_cuda_tensors_are_served_by_the_reference_path(
     x = (torch.randn(4, 3, 6, 6, device="cuda") * 2 + 1).requires_grad_(True)
     x2 = x.detach().clone().requires_grad_(True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # auto: "no CUDA kernels", once
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback warning would be a defect
         y = ours(x)
     y2 = theirs(x2)
     dy = torch.randn_like(y)

@@ -1,0 +1,121 @@
+// Host-side helpers shared by the CPU and CUDA entry points: layout handling and argument checks.
+// Compiled by the host compiler only; the .cu file calls these through syncbn.h.
+#include "syncbn.h"
+
+#include <ATen/ATen.h>
+
+namespace syncbn {
+namespace detail {
+
+at::ScalarType acc_dtype_of(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+bool is_channels_last_dense(const at::Tensor& t) { return t.movedim(1, -1).is_contiguous(); }
+
+Geometry geometry_of(const at::Tensor& x) {
+  Geometry g{x.size(0), x.size(1), 1, Layout::kChannelsLast};
+  for (int64_t d = 2; d < x.dim(); ++d) g.S *= x.size(d);
+  if (g.S != 1 && x.is_contiguous()) g.layout = Layout::kChannelsFirst;
+  return g;
+}
+
+at::Tensor dense_input(const at::Tensor& x) {
+  if (x.is_contiguous() || is_channels_last_dense(x)) return x;
+  return x.contiguous();
+}
+
+at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like) {
+  if (t.strides() == like.strides()) return t;
+  return at::empty_like(like).copy_(t);
+}
+
+void check_input(const at::Tensor& input, c10::DeviceType device) {
+  TORCH_CHECK(input.defined(), "syncbn: `input` is undefined");
+  TORCH_CHECK(
+      input.dim() >= 2, "syncbn: `input` must have shape (N, C, *) with at least 2 dims, got ",
+      input.dim(), "-D input of shape ", input.sizes());
+  const auto t = input.scalar_type();
+  TORCH_CHECK(
+      t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+      "syncbn: `input` must be float16, bfloat16, float32 or float64, got ", t);
+  TORCH_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
+  TORCH_CHECK(
+      input.device().type() == device, "syncbn: `input` must be a ", c10::DeviceTypeName(device),
+      " tensor for these kernels, got one on ", input.device());
+}
+
+void check_channel_vector(
+    const at::Tensor& v, const char* name, const at::Tensor& input, bool require_acc_dtype) {
+  TORCH_CHECK(v.defined(), "syncbn: `", name, "` is undefined");
+  TORCH_CHECK(
+      v.dim() == 1 && v.numel() == input.size(1), "syncbn: `", name, "` must have shape [",
+      input.size(1), "] (one value per channel of `input`), got ", v.sizes());
+  TORCH_CHECK(
+      v.device() == input.device(), "syncbn: `", name, "` is on ", v.device(), " but `input` is on ",
+      input.device());
+  if (require_acc_dtype) {
+    const auto acc = acc_dtype_of(input.scalar_type());
+    TORCH_CHECK(
+        v.scalar_type() == acc, "syncbn: `", name, "` must be ", acc, " for ",
+        input.scalar_type(), " input, got ", v.scalar_type());
+  } else {
+    TORCH_CHECK(
+        at::isFloatingType(v.scalar_type()), "syncbn: `", name, "` must be floating point, got ",
+        v.scalar_type());
+  }
+}
+
+void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
+  TORCH_CHECK(grad_out.defined(), "syncbn: `grad_out` is undefined");
+  TORCH_CHECK(
+      grad_out.sizes() == input.sizes(), "syncbn: `grad_out` has shape ", grad_out.sizes(),
+      " but `input` has shape ", input.sizes());
+  TORCH_CHECK(
+      grad_out.scalar_type() == input.scalar_type(), "syncbn: `grad_out` dtype ",
+      grad_out.scalar_type(), " differs from `input` dtype ", input.scalar_type());
+  TORCH_CHECK(grad_out.device() == input.device(), "syncbn: `grad_out` and `input` devices differ");
+}
+
+void check_count(const at::Tensor& count, const at::Tensor& input) {
+  TORCH_CHECK(
+      count.numel() == 1 && count.device() == input.device(),
+      "syncbn: `count` must be a one-element tensor on the input's device, got shape ",
+      count.sizes(), " on ", count.device());
+}
+
+void check_merge_inputs(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
+    c10::DeviceType device) {
+  TORCH_CHECK(counts.dim() == 1, "syncbn: `counts` must be 1-D [world], got ", counts.sizes());
+  const int64_t W = counts.size(0);
+  TORCH_CHECK(
+      means.dim() == 2 && means.size(0) == W, "syncbn: `means` must have shape [", W,
+      ", C] to match `counts`, got ", means.sizes());
+  TORCH_CHECK(
+      m2s.sizes() == means.sizes(), "syncbn: `m2s` must have the shape of `means` ",
+      means.sizes(), ", got ", m2s.sizes());
+  const auto acc = means.scalar_type();
+  TORCH_CHECK(
+      acc == at::kFloat || acc == at::kDouble, "syncbn: `means` must be float32 or float64, got ",
+      acc);
+  TORCH_CHECK(
+      counts.scalar_type() == acc && m2s.scalar_type() == acc,
+      "syncbn: `counts`, `means` and `m2s` must share one dtype");
+  TORCH_CHECK(
+      counts.device().type() == device && means.device() == counts.device() &&
+          m2s.device() == counts.device(),
+      "syncbn: `counts`, `means` and `m2s` must be ", c10::DeviceTypeName(device),
+      " tensors on one device for these kernels");
+  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+}
+
+at::Tensor optional_acc(
+    const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input) {
+  if (!v.has_value() || !v->defined()) return at::Tensor();
+  check_channel_vector(*v, name, input, /*require_acc_dtype=*/false);
+  return v->to(acc_dtype_of(input.scalar_type())).contiguous();
+}
+
+}  // namespace detail
+}  // namespace syncbn

@@ -1,0 +1,717 @@
+// CUDA kernels of the synchronized-BatchNorm primitives (see syncbn.h for the maths).
+//
+// Layout of this file: device helpers, kernels, host launchers, entry points.
+//
+// Reductions (local_stats, backward_reduce) split every channel across many blocks: torch's NCHW
+// kernels give a channel one block, which leaves most SMs idle when C is small (a detection neck's
+// 2 x 256 x 200 x 336 map has 256 blocks for 132 SMs x 2048 threads). A block folds its slice into
+// one partial per channel (per-thread state, then warp shuffles, then shared memory), the partials
+// go to a [splits, C, fields] workspace, and a second kernel folds them in a fixed order in double.
+// With one split per channel the first kernel writes the result directly (one launch).
+//   * channels-first: block = 256 threads on ONE channel; a split is a contiguous range of that
+//     channel's N * S elements, walked without a division per element.
+//   * channels-last: block = TX channels x TY rows (TX = min(32, C) rounded up to a power of two),
+//     so a warp reads whole rows of contiguous channels; the TY rows are folded by shuffles among
+//     the lanes holding the same channel, then across warps.
+// Elementwise kernels (normalize, backward_elemt) read and write 16-byte vectors where the layout
+// and alignment allow it (same channel along the vector for channels-first, consecutive channels
+// for channels-last), with 32-bit indexing unless the tensor needs 64 bits.
+//
+// Nothing here reads device memory on the host or synchronizes: the merge of gathered per-rank
+// statistics handles zero-count ranks inside the kernel, and backward_elemt reads the group count
+// from device memory, so a layer can be captured in a CUDA graph. Every launch uses the current
+// stream and is followed by a launch check.
+//
+// Includes are kept to c10/cuda and ATen core on purpose: ATen/cuda/CUDAContext.h pulls in the
+// cuBLAS/cuSPARSE/cuSOLVER headers, which a CPU-only torch and a bare nvcc install may not have;
+// this way the file also compiles (tests/test_cuda_build.py) on machines without a GPU.
+#include "syncbn.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+
+namespace syncbn {
+namespace {
+
+using namespace detail;
+
+// ------------------------------------------------------------------------------------------------
+// Launch constants and device helpers
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kThreads = 256;  // threads per block, every kernel
+constexpr int kWarpSize = 32;
+constexpr int kWarps = kThreads / kWarpSize;
+// Blocks per SM the reductions aim for: 4 x 256 threads keep enough loads in flight to saturate
+// HBM while leaving room for a concurrent kernel (NCCL's) on the same SM.
+constexpr int kBlocksPerSm = 4;
+// A reduction splits a channel only while every thread keeps at least this many elements.
+constexpr int64_t kMinPerThread = 16;
+// At most this many elements of one channel per block, so that the per-block count stays exact in
+// float32 (2^24) with room to spare.
+constexpr int64_t kMaxPerBlock = int64_t(1) << 22;
+// Loads issued before their values are folded in: independent loads in flight per thread.
+constexpr int kUnroll = 4;
+constexpr int kMaxGridY = 65535;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename acc_t, typename scalar_t>
+__device__ __forceinline__ acc_t to_acc(scalar_t v) {
+  return static_cast<acc_t>(v);
+}
+
+// Chan's merge of (nb, mean_b, m2_b) into (n, mean, m2); either side may be empty (n = 0).
+template <typename T>
+__device__ __forceinline__ void welford_combine(T* a, const T* b) {
+  const T n = a[0] + b[0];
+  if (n == T(0)) return;
+  const T d = b[1] - a[1];
+  const T f = b[0] / n;
+  a[1] += d * f;
+  a[2] += b[2] + d * d * a[0] * f;
+  a[0] = n;
+}
+
+// Per-channel Welford state: fields (count, mean, m2), of the values minus a per-channel shift (the
+// channel's first value), so that float32 keeps its precision when |mean| >> std. All blocks of a
+// channel use the same shift, so partials merge as they are and the shift is added at the end.
+template <typename scalar_t, typename acc_t>
+struct WelfordOp {
+  static constexpr int kFields = 3;
+  using Item = acc_t;
+  const scalar_t* __restrict__ x;
+  int64_t shift_stride;  // the first value of channel c is x[c * shift_stride]
+  acc_t shift = acc_t(0);
+
+  __device__ void set_channel(int64_t c) { shift = to_acc<acc_t>(x[c * shift_stride]); }
+  __device__ __forceinline__ Item load(int64_t i) const { return to_acc<acc_t>(x[i]) - shift; }
+  __device__ __forceinline__ void push(acc_t* s, Item v) const {
+    s[0] += acc_t(1);
+    const acc_t d = v - s[1];
+    s[1] += d / s[0];
+    s[2] += d * (v - s[1]);
+  }
+  template <typename T>
+  __device__ __forceinline__ static void combine(T* a, const T* b) {
+    welford_combine(a, b);
+  }
+  // (mean, m2) of the unshifted values.
+  template <typename T>
+  __device__ __forceinline__ void outputs(const T* s, acc_t& out0, acc_t& out1) const {
+    out0 = static_cast<acc_t>(static_cast<T>(shift) + s[1]);
+    out1 = static_cast<acc_t>(s[2]);
+  }
+};
+
+// Per-channel backward sums: fields (sum dy, sum dy * (x - mean)).
+template <typename scalar_t, typename acc_t>
+struct GradSumOp {
+  static constexpr int kFields = 2;
+  struct Item {
+    acc_t dy, x;
+  };
+  const scalar_t* __restrict__ dy;
+  const scalar_t* __restrict__ x;
+  const acc_t* __restrict__ mean;
+  acc_t m = acc_t(0);
+
+  __device__ void set_channel(int64_t c) { m = mean[c]; }
+  __device__ __forceinline__ Item load(int64_t i) const {
+    return {to_acc<acc_t>(dy[i]), to_acc<acc_t>(x[i])};
+  }
+  __device__ __forceinline__ void push(acc_t* s, Item v) const {
+    s[0] += v.dy;
+    s[1] += v.dy * (v.x - m);
+  }
+  template <typename T>
+  __device__ __forceinline__ static void combine(T* a, const T* b) {
+    a[0] += b[0];
+    a[1] += b[1];
+  }
+  // (sum dy, sum dy * (x - mean)).
+  template <typename T>
+  __device__ __forceinline__ void outputs(const T* s, acc_t& out0, acc_t& out1) const {
+    out0 = static_cast<acc_t>(s[0]);
+    out1 = static_cast<acc_t>(s[1]);
+  }
+};
+
+// Folds the states of lanes lane, lane + stride, lane + 2 * stride, ... of each warp into the lanes
+// below `stride` (stride a power of two <= 32; 32 folds nothing).
+template <typename Op, typename acc_t>
+__device__ __forceinline__ void warp_fold(acc_t* s, int stride) {
+  for (int offset = kWarpSize / 2; offset >= stride; offset >>= 1) {
+    acc_t other[Op::kFields];
+#pragma unroll
+    for (int f = 0; f < Op::kFields; ++f) other[f] = __shfl_down_sync(kFullMask, s[f], offset);
+    Op::combine(s, other);
+  }
+}
+
+// Folds the states of a (TX, TY) block over TY; thread (tx, 0) returns the fold for column tx.
+// Every thread of the block must call it (shuffles and a barrier inside).
+template <typename Op, typename acc_t>
+__device__ __forceinline__ void block_fold(acc_t* s) {
+  __shared__ acc_t shared[kWarps * kWarpSize * Op::kFields];
+  const int tx_count = blockDim.x;  // a power of two <= 32
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int lane = tid % kWarpSize, warp = tid / kWarpSize;
+  warp_fold<Op>(s, tx_count);
+  if (lane < tx_count) {
+#pragma unroll
+    for (int f = 0; f < Op::kFields; ++f) shared[(warp * tx_count + lane) * Op::kFields + f] = s[f];
+  }
+  __syncthreads();
+  if (tid < tx_count) {
+#pragma unroll
+    for (int f = 0; f < Op::kFields; ++f) s[f] = shared[tid * Op::kFields + f];
+    for (int w = 1; w < kWarps; ++w) Op::combine(s, &shared[(w * tx_count + tid) * Op::kFields]);
+  }
+}
+
+// Writes a block's fold: straight to the outputs with one split, else to the partials workspace.
+template <typename Op, typename acc_t>
+__device__ __forceinline__ void store_fold(
+    const Op& op, const acc_t* s, int64_t c, int64_t C, acc_t* __restrict__ partial,
+    acc_t* __restrict__ out0, acc_t* __restrict__ out1) {
+  if (gridDim.y == 1) {
+    op.outputs(s, out0[c], out1[c]);
+    return;
+  }
+  acc_t* p = partial + (static_cast<int64_t>(blockIdx.y) * C + c) * Op::kFields;
+#pragma unroll
+  for (int f = 0; f < Op::kFields; ++f) p[f] = s[f];
+}
+
+template <typename scalar_t, int VEC>
+struct alignas(sizeof(scalar_t) * VEC) Vec {
+  scalar_t v[VEC];
+};
+
+// y = (x - mean) * invstd * weight + bias.
+template <typename acc_t>
+struct NormalizeOp {
+  static constexpr int kInputs = 1;
+  struct Coeff {
+    acc_t mean, scale, shift;
+  };
+  const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ invstd;
+  const acc_t* __restrict__ weight;  // may be null
+  const acc_t* __restrict__ bias;    // may be null
+
+  __device__ __forceinline__ Coeff coeff(int64_t c) const {
+    return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
+  }
+  __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
+    return (in[0] - k.mean) * k.scale + k.shift;
+  }
+};
+
+// dx = (dy - mean_dy - (x - mean) * k) * iw with mean_dy = sum_dy / n, k = sum_dy_xmu / n *
+// invstd^2 and iw = invstd * weight, where n is the group count read from device memory.
+// (x - mean) stays explicit: folding it into an offset cancels catastrophically for large means.
+template <typename acc_t>
+struct BackwardElemtOp {
+  static constexpr int kInputs = 2;  // dy, x
+  struct Coeff {
+    acc_t mean, iw, mean_dy, k;
+  };
+  const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ invstd;
+  const acc_t* __restrict__ weight;  // may be null
+  const acc_t* __restrict__ sum_dy;
+  const acc_t* __restrict__ sum_dy_xmu;
+  const acc_t* __restrict__ count;  // one element
+
+  __device__ __forceinline__ Coeff coeff(int64_t c) const {
+    const double inv_n = 1.0 / fmax(static_cast<double>(count[0]), 1.0);
+    const double is = invstd[c];
+    return {
+        mean[c], static_cast<acc_t>(is * (weight ? static_cast<double>(weight[c]) : 1.0)),
+        static_cast<acc_t>(sum_dy[c] * inv_n), static_cast<acc_t>(sum_dy_xmu[c] * inv_n * is * is)};
+  }
+  __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
+    return (in[0] - k.mean_dy - (in[1] - k.mean) * k.k) * k.iw;
+  }
+};
+
+template <typename scalar_t, int K>
+struct ElemtPointers {
+  const scalar_t* __restrict__ in[K];
+  scalar_t* __restrict__ out;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+// Channels-first reduction. Block (1, 256) on channel blockIdx.x, split blockIdx.y of gridDim.y:
+// elements [j0, j1) of the channel's N * S, element j at ((j / S) * C + c) * S + j % S.
+template <typename Op, typename acc_t>
+__global__ void reduce_channels_first_kernel(
+    Op op, int64_t N, int64_t C, int64_t S, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
+    acc_t* __restrict__ out1) {
+  const int64_t c = blockIdx.x;
+  const int64_t per_channel = N * S;
+  const int64_t j0 = per_channel * blockIdx.y / gridDim.y;
+  const int64_t j1 = per_channel * (blockIdx.y + 1) / gridDim.y;
+  op.set_channel(c);
+  acc_t s[Op::kFields] = {};
+  // (n, i) of element j advance by kThreads per step as (q, r), with one carry: no division.
+  const int64_t q = kThreads / S, r = kThreads % S;
+  int64_t j = j0 + threadIdx.y;
+  int64_t n = j / S, i = j - n * S;
+  while (j < j1) {
+    typename Op::Item v[kUnroll];
+    int loaded = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j < j1) {
+        v[u] = op.load((n * C + c) * S + i);
+        ++loaded;
+        j += kThreads;
+        n += q;
+        i += r;
+        if (i >= S) {
+          i -= S;
+          ++n;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (u < loaded) op.push(s, v[u]);
+    }
+  }
+  block_fold<Op>(s);
+  if (threadIdx.y == 0) store_fold(op, s, c, C, partial, out0, out1);
+}
+
+// Channels-last reduction over M rows of C contiguous channels. Block (TX, TY): channel
+// blockIdx.x * TX + threadIdx.x, rows [r0, r1) of split blockIdx.y strided by TY.
+template <typename Op, typename acc_t>
+__global__ void reduce_channels_last_kernel(
+    Op op, int64_t M, int64_t C, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
+    acc_t* __restrict__ out1) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r0 = M * blockIdx.y / gridDim.y, r1 = M * (blockIdx.y + 1) / gridDim.y;
+  acc_t s[Op::kFields] = {};
+  if (c < C) {
+    op.set_channel(c);
+    for (int64_t row = r0 + threadIdx.y; row < r1; row += kUnroll * blockDim.y) {
+      typename Op::Item v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t ru = row + u * blockDim.y;
+        if (ru < r1) v[u] = op.load(ru * C + c);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (row + u * blockDim.y < r1) op.push(s, v[u]);
+      }
+    }
+  }
+  block_fold<Op>(s);  // every thread, including those past C
+  if (threadIdx.y == 0 && c < C) store_fold(op, s, c, C, partial, out0, out1);
+}
+
+// Folds partial[p, c, :] over p = 0..splits-1 in double, in order (deterministic).
+template <typename Op, typename acc_t>
+__global__ void fold_partials_kernel(
+    Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, acc_t* __restrict__ out0,
+    acc_t* __restrict__ out1) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  op.set_channel(c);
+  double s[Op::kFields] = {};
+  for (int64_t p = 0; p < splits; ++p) {
+    double b[Op::kFields];
+#pragma unroll
+    for (int f = 0; f < Op::kFields; ++f) b[f] = partial[(p * C + c) * Op::kFields + f];
+    Op::combine(s, b);
+  }
+  op.outputs(s, out0[c], out1[c]);
+}
+
+// Count-weighted merge of W ranks' statistics, one thread per channel, in double. Ranks with
+// count 0 are skipped (their rows may hold anything), and denominators are clamped to >= 1, so an
+// all-empty group yields mean 0, var 0 and invstd 1/sqrt(eps) without a host round trip.
+template <typename acc_t>
+__global__ void chan_merge_kernel(
+    const acc_t* __restrict__ counts, const acc_t* __restrict__ means,
+    const acc_t* __restrict__ m2s, int64_t W, int64_t C, double eps, bool unbiased,
+    acc_t* __restrict__ mean_out, acc_t* __restrict__ invstd_out, acc_t* __restrict__ var_out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double n = 0, sum = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    const double nw = counts[w];
+    if (nw == 0) continue;
+    n += nw;
+    sum += nw * static_cast<double>(means[w * C + c]);
+  }
+  const double mean = sum / fmax(n, 1.0);
+  double m2 = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    const double nw = counts[w];
+    if (nw == 0) continue;
+    const double d = static_cast<double>(means[w * C + c]) - mean;
+    m2 += static_cast<double>(m2s[w * C + c]) + nw * d * d;
+  }
+  mean_out[c] = static_cast<acc_t>(mean);
+  invstd_out[c] = static_cast<acc_t>(1.0 / sqrt(m2 / fmax(n, 1.0) + eps));
+  var_out[c] = static_cast<acc_t>(m2 / fmax(unbiased ? n - 1 : n, 1.0));
+}
+
+// Applies `op` to vectors of VEC elements that share one channel (channels-first, S % VEC == 0).
+// nvec = numel / VEC, s_vec = S / VEC; grid-stride over vectors.
+template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
+__global__ void elemt_channels_first_kernel(
+    Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t nvec, index_t s_vec, index_t C) {
+  using V = Vec<scalar_t, VEC>;
+  const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
+  for (index_t k = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nvec;
+       k += stride) {
+    const typename Op::Coeff coeff = op.coeff((k / s_vec) % C);
+    V in[Op::kInputs];
+#pragma unroll
+    for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
+    V out;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      acc_t a[Op::kInputs];
+#pragma unroll
+      for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
+      out.v[e] = static_cast<scalar_t>(op.apply(coeff, a));
+    }
+    reinterpret_cast<V*>(ptr.out)[k] = out;
+  }
+}
+
+// Applies `op` to channels-last data: M rows of C / VEC vectors of consecutive channels. Block
+// (TX, TY): channel vector blockIdx.x * TX + threadIdx.x, whose coefficients stay in registers,
+// rows strided by gridDim.y * TY.
+template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
+__global__ void elemt_channels_last_kernel(
+    Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t M, index_t c_vec) {
+  using V = Vec<scalar_t, VEC>;
+  const index_t cv = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (cv >= c_vec) return;
+  typename Op::Coeff coeff[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) coeff[e] = op.coeff(static_cast<int64_t>(cv) * VEC + e);
+  const index_t stride = static_cast<index_t>(gridDim.y) * blockDim.y;
+  for (index_t row = static_cast<index_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < M;
+       row += stride) {
+    const index_t k = row * c_vec + cv;
+    V in[Op::kInputs];
+#pragma unroll
+    for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
+    V out;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      acc_t a[Op::kInputs];
+#pragma unroll
+      for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
+      out.v[e] = static_cast<scalar_t>(op.apply(coeff[e], a));
+    }
+    reinterpret_cast<V*>(ptr.out)[k] = out;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host launchers
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+
+// Multiprocessor count of `device`, queried once (an attribute query, safe during graph capture).
+int sm_count(int device) {
+  static std::atomic<int> cache[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) device = 0;
+  int value = cache[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device));
+    cache[device].store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int next_pow2(int64_t v, int cap) {
+  int p = 1;
+  while (p < v && p < cap) p <<= 1;
+  return p;
+}
+
+// Splits of one channel's `work` elements for `blocks_per_split` blocks per split: enough blocks
+// to fill the GPU, at least kMinPerThread elements per thread, at most kMaxPerBlock per block.
+int64_t reduction_splits(int64_t work, int64_t blocks_per_split, int threads, int device) {
+  const int64_t target = ceil_div(int64_t(sm_count(device)) * kBlocksPerSm, blocks_per_split);
+  const int64_t by_work = std::max<int64_t>(1, work / (int64_t(threads) * kMinPerThread));
+  int64_t splits = std::min(target, by_work);
+  splits = std::max(splits, ceil_div(work, kMaxPerBlock));
+  return std::clamp<int64_t>(splits, 1, kMaxGridY);
+}
+
+// Runs the two-stage reduction `op` over `g`, writing the [C] outputs out0 and out1.
+template <typename Op, typename acc_t>
+void launch_reduction(
+    const Op& op, const Geometry& g, const at::Tensor& like, acc_t* out0, acc_t* out1) {
+  const int device = like.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  dim3 block, grid;
+  int64_t splits;
+  if (g.layout == Layout::kChannelsFirst) {
+    splits = reduction_splits(g.N * g.S, g.C, kThreads, device);
+    block = dim3(1, kThreads);
+    grid = dim3(static_cast<unsigned>(g.C), static_cast<unsigned>(splits));
+  } else {
+    const int tx = next_pow2(g.C, kWarpSize);
+    const int64_t channel_blocks = ceil_div(g.C, tx);
+    splits = reduction_splits(g.N * g.S, channel_blocks, kThreads / tx, device);
+    block = dim3(tx, kThreads / tx);
+    grid = dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(splits));
+  }
+  at::Tensor partial;
+  acc_t* partial_ptr = nullptr;
+  if (splits > 1) {
+    const auto acc = c10::CppTypeToScalarType<acc_t>::value;
+    partial = at::empty({splits, g.C, Op::kFields}, like.options().dtype(acc));
+    partial_ptr = partial.mutable_data_ptr<acc_t>();
+  }
+  if (g.layout == Layout::kChannelsFirst) {
+    reduce_channels_first_kernel<Op, acc_t>
+        <<<grid, block, 0, stream>>>(op, g.N, g.C, g.S, partial_ptr, out0, out1);
+  } else {
+    reduce_channels_last_kernel<Op, acc_t>
+        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out0, out1);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kThreads)), kThreads, 0, stream>>>(
+        op, partial_ptr, splits, g.C, out0, out1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
+void launch_elemt_with(
+    const Op& op, const ElemtPointers<scalar_t, Op::kInputs>& ptr, const Geometry& g, int device,
+    cudaStream_t stream) {
+  const int64_t numel = g.N * g.C * g.S;
+  const int64_t max_blocks = int64_t(sm_count(device)) * kBlocksPerSm * 8;
+  if (g.layout == Layout::kChannelsFirst) {
+    const int64_t nvec = numel / VEC;
+    const auto blocks = static_cast<unsigned>(std::min(ceil_div(nvec, kThreads), max_blocks));
+    elemt_channels_first_kernel<Op, scalar_t, acc_t, VEC, index_t><<<blocks, kThreads, 0, stream>>>(
+        op, ptr, static_cast<index_t>(nvec), static_cast<index_t>(g.S / VEC),
+        static_cast<index_t>(g.C));
+  } else {
+    const int64_t c_vec = g.C / VEC, rows = g.N * g.S;
+    const int tx = next_pow2(c_vec, kWarpSize);
+    const int ty = kThreads / tx;
+    const int64_t channel_blocks = ceil_div(c_vec, tx);
+    const int64_t row_blocks = std::clamp<int64_t>(
+        std::min(ceil_div(rows, ty), ceil_div(max_blocks, channel_blocks)), 1, kMaxGridY);
+    const dim3 grid(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(row_blocks));
+    elemt_channels_last_kernel<Op, scalar_t, acc_t, VEC, index_t><<<grid, dim3(tx, ty), 0, stream>>>(
+        op, ptr, static_cast<index_t>(rows), static_cast<index_t>(c_vec));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Elementwise `op` over `g`: 16-byte vectors when the layout and every pointer allow it, 32-bit
+// indices when every index fits.
+template <typename Op, typename scalar_t, typename acc_t>
+void launch_elemt(
+    const Op& op, const ElemtPointers<scalar_t, Op::kInputs>& ptr, const Geometry& g,
+    const at::Tensor& like) {
+  constexpr int kVec = 16 / sizeof(scalar_t);
+  const int device = like.get_device();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  bool vectorize = (g.layout == Layout::kChannelsFirst ? g.S : g.C) % kVec == 0 &&
+                   aligned_to(ptr.out, sizeof(scalar_t) * kVec);
+  for (int t = 0; t < Op::kInputs; ++t) {
+    vectorize = vectorize && aligned_to(ptr.in[t], sizeof(scalar_t) * kVec);
+  }
+  const bool small = g.N * g.C * g.S <= std::numeric_limits<int32_t>::max();
+  if (vectorize && small) {
+    launch_elemt_with<Op, scalar_t, acc_t, kVec, int32_t>(op, ptr, g, device, stream);
+  } else if (vectorize) {
+    launch_elemt_with<Op, scalar_t, acc_t, kVec, int64_t>(op, ptr, g, device, stream);
+  } else if (small) {
+    launch_elemt_with<Op, scalar_t, acc_t, 1, int32_t>(op, ptr, g, device, stream);
+  } else {
+    launch_elemt_with<Op, scalar_t, acc_t, 1, int64_t>(op, ptr, g, device, stream);
+  }
+}
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Entry points: argument checks, layout, dtype dispatch
+// ------------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input_) {
+  check_input(input_, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const Geometry g = geometry_of(input);
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
+  if (g.N * g.S == 0) return {at::zeros({g.C}, opts), at::zeros({g.C}, opts)};
+  at::Tensor mean = at::empty({g.C}, opts);
+  at::Tensor m2 = at::empty({g.C}, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t shift_stride = g.layout == Layout::kChannelsFirst ? g.S : 1;
+    const WelfordOp<scalar_t, acc_t> op{input.const_data_ptr<scalar_t>(), shift_stride};
+    launch_reduction(op, g, input, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+  });
+  return {mean, m2};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cuda(
+    const at::Tensor& counts_, const at::Tensor& means_, const at::Tensor& m2s_, double eps,
+    bool unbiased) {
+  check_merge_inputs(counts_, means_, m2s_, eps, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(means_.device());
+  const at::Tensor counts = counts_.contiguous(), means = means_.contiguous(), m2s = m2s_.contiguous();
+  const int64_t W = counts.size(0), C = means.size(1);
+  at::Tensor mean = at::empty({C}, means.options());
+  at::Tensor invstd = at::empty({C}, means.options());
+  at::Tensor var = at::empty({C}, means.options());
+  if (C == 0) return {mean, invstd, var};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(means.get_device()).stream();
+  AT_DISPATCH_FLOATING_TYPES(means.scalar_type(), "merge_stats_cuda", [&] {
+    chan_merge_kernel<scalar_t><<<static_cast<unsigned>(ceil_div(C, kThreads)), kThreads, 0, stream>>>(
+        counts.const_data_ptr<scalar_t>(), means.const_data_ptr<scalar_t>(),
+        m2s.const_data_ptr<scalar_t>(), W, C, eps, unbiased, mean.mutable_data_ptr<scalar_t>(),
+        invstd.mutable_data_ptr<scalar_t>(), var.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {mean, invstd, var};
+}
+
+at::Tensor normalize_cuda(
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  check_input(input_, c10::DeviceType::CUDA);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const at::Tensor w = optional_acc(weight, "weight", input);
+  const at::Tensor b = optional_acc(bias, "bias", input);
+  at::Tensor output = at::empty_like(input);
+  if (input.numel() == 0) return output;
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "normalize_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const NormalizeOp<acc_t> op{
+        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
+        data_or_null<acc_t>(b)};
+    const ElemtPointers<scalar_t, 1> ptr{
+        {input.const_data_ptr<scalar_t>()}, output.mutable_data_ptr<scalar_t>()};
+    launch_elemt<NormalizeOp<acc_t>, scalar_t, acc_t>(op, ptr, g, input);
+  });
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
+    bool bias_grad) {
+  check_input(input_, c10::DeviceType::CUDA);
+  check_grad_out(grad_out_, input_);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const Geometry g = geometry_of(input);
+  at::Tensor sum_dy, sum_dy_xmu;
+  if (input.numel() == 0) {
+    sum_dy = at::zeros({g.C}, mean.options());
+    sum_dy_xmu = at::zeros({g.C}, mean.options());
+  } else {
+    sum_dy = at::empty({g.C}, mean.options());
+    sum_dy_xmu = at::empty({g.C}, mean.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const GradSumOp<scalar_t, acc_t> op{
+          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+          mean.const_data_ptr<acc_t>()};
+      launch_reduction(
+          op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+    });
+  }
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) check_channel_vector(*weight, "weight", input, false);
+  const auto param_dtype = has_weight ? weight->scalar_type() : mean.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
+  if (bias_grad) grad_bias = sum_dy.to(param_dtype);
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+}
+
+at::Tensor backward_elemt_cuda(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
+    const at::Tensor& sum_dy_xmu_, const at::Tensor& count_) {
+  check_input(input_, c10::DeviceType::CUDA);
+  check_grad_out(grad_out_, input_);
+  check_channel_vector(mean_, "mean", input_, true);
+  check_channel_vector(invstd_, "invstd", input_, true);
+  check_channel_vector(sum_dy_, "sum_dy", input_, true);
+  check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
+  check_count(count_, input_);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const at::Tensor sum_dy = sum_dy_.contiguous(), sum_dy_xmu = sum_dy_xmu_.contiguous();
+  const at::Tensor w = optional_acc(weight, "weight", input);
+  // The count stays on the device (no .item()): the kernel reads it.
+  const at::Tensor count = count_.reshape({1}).to(mean.scalar_type());
+  at::Tensor grad_in = at::empty_like(input);
+  if (input.numel() == 0) return grad_in;
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_elemt_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const BackwardElemtOp<acc_t> op{
+        mean.const_data_ptr<acc_t>(),   invstd.const_data_ptr<acc_t>(),
+        data_or_null<acc_t>(w),         sum_dy.const_data_ptr<acc_t>(),
+        sum_dy_xmu.const_data_ptr<acc_t>(), count.const_data_ptr<acc_t>()};
+    const ElemtPointers<scalar_t, 2> ptr{
+        {grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>()},
+        grad_in.mutable_data_ptr<scalar_t>()};
+    launch_elemt<BackwardElemtOp<acc_t>, scalar_t, acc_t>(op, ptr, g, input);
+  });
+  return grad_in;
+}
+
+}  // namespace syncbn

@@ -1,0 +1,57 @@
+"""Layer 0 build check: the CUDA sources compile with torch's headers, on a machine without a GPU.
+
+``nvcc`` compiles every ``csrc/*.cu`` to an object for sm_90 and the host compiler checks the
+``.cpp`` files with ``-DWITH_CUDA`` (the dispatch's CUDA branch), so a syntax or template error in
+the GPU code fails CI even though CI has no GPU. Skipped where ``nvcc`` is absent, unless
+``SYNCBN_REQUIRE_NVCC=1`` (set by ``.ci/run``) makes a missing ``nvcc`` a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from syncbn_lightning import _backend
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nvcc() -> str:
+    found = _backend._nvcc()
+    if found is None:
+        if os.environ.get("SYNCBN_REQUIRE_NVCC") == "1":
+            pytest.fail("SYNCBN_REQUIRE_NVCC=1 but nvcc is neither in CUDA_HOME nor on PATH")
+        pytest.skip("nvcc is not installed")
+    return found
+
+
+def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
+    objects = _backend.cuda_compile_check(tmp_path)
+    assert [o.name for o in objects] == ["syncbn_cuda.o"]
+    symbols = subprocess.run(
+        ["nm", "-C", "--defined-only", str(objects[0])], capture_output=True, text=True, check=True
+    ).stdout
+    # Every primitive's CUDA twin is defined with the signature the bindings call.
+    for name in ("local_stats", "merge_stats", "normalize", "backward_reduce", "backward_elemt"):
+        assert f"syncbn::{name}_cuda(at::Tensor const&" in symbols, name
+
+
+def test_compile_check_reports_a_broken_source(
+    nvcc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for header in _backend._csrc_dir().glob("*.h"):
+        (csrc / header.name).write_text(header.read_text())
+    (csrc / "broken.cu").write_text(
+        '#include "syncbn.h"\n__global__ void k(float* x) { x[threadIdx.x] = undefined_name; }\n'
+    )
+    monkeypatch.setattr(_backend, "_csrc_dir", lambda: csrc)
+    with pytest.raises(
+        _backend.ExtensionBuildError, match=r"(?s)compile check failed .*undefined_name"
+    ):
+        _backend.cuda_compile_check(tmp_path / "out")
