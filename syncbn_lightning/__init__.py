@@ -12,7 +12,13 @@ Public API:
 from typing import Any
 
 from .batchnorm import SyncBatchNorm
-from .convert import BatchNormXd, convert_sync_batchnorm, revert_sync_batchnorm
+from .convert import (
+    BatchNormXd,
+    convert_sync_batchnorm,
+    name_sync_layers,
+    revert_sync_batchnorm,
+)
+from .function import CallOrderError, check_call_order
 from .groups import new_sync_group
 from .precise_bn import update_bn_stats
 
@@ -20,6 +26,9 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
+    "name_sync_layers",
+    "CallOrderError",
+    "check_call_order",
     "new_sync_group",
     "BatchNormXd",
     "update_bn_stats",

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import zlib
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .function import SyncBatchNormFunction
+from .function import TAG_LIMIT, SyncBatchNormFunction, register_layer_name
 from .groups import _group_key, sync_group_size
 
 __all__ = ["SyncBatchNorm", "BatchRecord"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Construction order of layers built directly (not by the converter): their call-order tag until
+# they get a name. Models built the same way on every rank get the same numbers.
+_SERIALS = itertools.count(1)
 
 
 class BatchRecord(NamedTuple):
@@ -87,11 +92,13 @@ class SyncBatchNorm(_BatchNorm):
         rank with an empty batch still joins the collectives (it must: every rank calls every layer
         in the same order). The output is normalized with the biased group variance; ``running_var``
         is updated with the unbiased one, ``M2 / (n - 1)`` over the whole group's count ``n``.
-        ``num_batches_tracked`` counts forward calls, as in torch. In eval mode with running stats
-        the layer communicates nothing; without running stats it normalizes each rank's batch
-        locally. Outside torch.distributed, or with a group of one rank, the layer computes exactly
-        what ``nn.BatchNorm*`` computes (it calls the same function). Gradients of weight and bias
-        are the local ones; DDP averages them like any other parameter gradient.
+        ``num_batches_tracked`` counts the updates (forward calls, as in torch, except those whose
+        group statistics were not finite: they leave the running stats alone). In eval mode with
+        running stats the layer communicates nothing; without running stats it normalizes each
+        rank's batch locally. Outside torch.distributed, or with a group of one rank, the layer
+        computes exactly what ``nn.BatchNorm*`` computes (it calls the same function, so a NaN
+        batch reaches the running stats there, as in torch). Gradients of weight and bias are the
+        local ones; DDP averages them like any other parameter gradient.
     """
 
     _version = 2  # torch's _NormBase layout; bump with a migration in _load_from_state_dict.
@@ -99,6 +106,12 @@ class SyncBatchNorm(_BatchNorm):
     #: cleared by :class:`~syncbn_lightning.SyncBNCallback`. A class default, so layers made by the
     #: converter (which bypasses ``__init__``) have it too.
     last_batch: BatchRecord | None = None
+    #: The layer's qualified name in its model, set by :func:`convert_sync_batchnorm` (and so by the
+    #: callback); it names the layer in call-order errors and fixes its call-order tag.
+    sync_name: str | None = None
+    _sync_serial: int = 0
+    _sync_calls: int = 0
+    _nonfinite: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -119,6 +132,32 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.force_sync = bool(force_sync)
         self.unbiased_running_var = bool(unbiased_running_var)
+        self._sync_serial = next(_SERIALS)
+
+    @property
+    def layer_tag(self) -> int:
+        """The id this layer sends with its statistics for the call-order check.
+
+        A hash of :attr:`sync_name` when the layer has one (equal on every rank of a model built
+        the same way), else its construction number in this process."""
+        if self.sync_name is None:
+            return self._sync_serial % TAG_LIMIT
+        return zlib.crc32(self.sync_name.encode()) % TAG_LIMIT
+
+    def set_sync_name(self, name: str) -> None:
+        """Name the layer (its qualified name in the model) for call-order checks and errors."""
+        self.sync_name = name
+        register_layer_name(self.layer_tag, name)
+
+    def nonfinite_skips(self) -> torch.Tensor:
+        """How many running-stat updates were skipped because the synchronized batch statistics
+        were NaN or inf (a 0-d int64 tensor on the buffers' device; reading it syncs on CUDA)."""
+        if self._nonfinite is None:
+            device = self.running_mean.device if self.running_mean is not None else None
+            return torch.zeros((), dtype=torch.long, device=device)
+        if self.running_mean is not None and self._nonfinite.device != self.running_mean.device:
+            self._nonfinite = self._nonfinite.to(self.running_mean.device)
+        return self._nonfinite
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -145,7 +184,10 @@ class SyncBatchNorm(_BatchNorm):
             _group_key(self.process_group),
             world_size,
             self.unbiased_running_var,
+            self.layer_tag,
+            self._sync_calls,
         )
+        self._sync_calls += 1
         self.last_batch = BatchRecord(int(input.shape[0]), samples, mean, var, total)
         if self.track_running_stats and self.running_mean is not None:
             self._update_running_stats(mean, var, total, input)
@@ -155,8 +197,19 @@ class SyncBatchNorm(_BatchNorm):
     def _update_running_stats(
         self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor, input: torch.Tensor
     ) -> None:
+        """Fold the group's batch statistics into the running ones, unless they are not finite.
+
+        A NaN/inf in the synchronized mean or variance (one bad batch on any rank of the group)
+        would otherwise stay in ``running_mean``/``running_var`` forever; the update is then
+        skipped, on the device (``torch.where``, no host sync), ``num_batches_tracked`` is not
+        advanced, and :meth:`nonfinite_skips` counts it. Every rank of the group sees the same
+        statistics, so they all skip together. The output still carries the NaN, as in torch.
+        """
         assert self.num_batches_tracked is not None and self.running_var is not None
-        self.num_batches_tracked.add_(1)
+        finite = torch.isfinite(mean).all() & torch.isfinite(var).all()
+        self.num_batches_tracked.add_(finite.to(self.num_batches_tracked.dtype))
+        skips = self.nonfinite_skips()
+        self._nonfinite = skips + (~finite).to(skips.dtype)
         # An all-empty group has nothing to average in (torch leaves the stats as they are). Only a
         # rank with < 2 local values can be in such a group, so only it reads the count.
         if input.numel() // input.shape[1] < 2 and int(total.item()) == 0:
@@ -165,8 +218,9 @@ class SyncBatchNorm(_BatchNorm):
             factor: Any = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
         else:
             factor = self.momentum
-        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
-        self.running_var.lerp_(var.to(self.running_var.dtype), factor)
+        for running, batch in ((self.running_mean, mean), (self.running_var, var)):
+            updated = torch.lerp(running, batch.to(running.dtype), factor)
+            running.copy_(torch.where(finite, updated, running))
 
     def _check_input(self, input: torch.Tensor) -> None:
         if not isinstance(input, torch.Tensor):
@@ -194,10 +248,11 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm input is on {input.device} but the layer's parameters/buffers are "
                 f"on {reference.device}: move the model with model.to({str(input.device)!r})"
             )
-        if self.weight is not None and not _dtypes_compatible(input.dtype, self.weight.dtype):
+        if not _dtypes_compatible(input.dtype, reference.dtype):
+            what = "weight" if reference is self.weight else "running_mean"
             raise TypeError(
-                f"SyncBatchNorm input dtype {input.dtype} does not match the layer's weight dtype "
-                f"{self.weight.dtype}: cast the model (model.to({input.dtype})) or the input; "
+                f"SyncBatchNorm input dtype {input.dtype} does not match the layer's {what} dtype "
+                f"{reference.dtype}: cast the model (model.to({input.dtype})) or the input; "
                 f"float16/bfloat16 inputs may also use float32 parameters"
             )
 

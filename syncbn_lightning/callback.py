@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from .batchnorm import BatchRecord, SyncBatchNorm, _validate_hyperparameters
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
+from .function import check_call_order
 from .groups import new_sync_group
 from .metrics import (
     average_running_stats,
@@ -44,6 +45,7 @@ _GROUP_SIZE_HELP = (
     "None (the whole world), an int that divides the world size, 'node' (the processes of one "
     "machine) or 'auto' (the smallest group reaching target_norm_batch samples)"
 )
+_NONFINITE_ACTIONS = ("warn", "raise", "ignore")
 _PRECISE_AT = ("fit_end", "validation")
 
 
@@ -236,6 +238,12 @@ class SyncBNCallback(Callback):
             PreciseBN. Default: ``module(batch[0])`` for tuple/list batches.
         revert_on_fit_end: turn the layers back into their original classes when fit ends, so the
             trained model exports like a plain model. Default: False.
+        on_nonfinite: what to do, at each measurement, about running-stat updates skipped since
+            the previous one because a batch's synchronized statistics were NaN/inf (the layers
+            skip them on the device; see :class:`~syncbn_lightning.SyncBatchNorm`): ``"warn"``
+            (a warning naming the layers and counts), ``"raise"`` (a ``RuntimeError`` on every
+            rank) or ``"ignore"``. The count is logged as ``bn/nonfinite_skipped`` either way.
+            Default: ``"warn"``.
 
     Raises:
         TypeError / ValueError: at construction for invalid arguments; in ``setup`` when combined
@@ -284,8 +292,14 @@ class SyncBNCallback(Callback):
         precise_bn_at: Literal["fit_end", "validation"] = "fit_end",
         precise_bn_forward: Callable[[pl.LightningModule, Any], Any] | None = None,
         revert_on_fit_end: bool = False,
+        on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
     ) -> None:
         _validate_group_size(group_size)
+        if on_nonfinite not in _NONFINITE_ACTIONS:
+            raise ValueError(
+                f"on_nonfinite must be one of {_NONFINITE_ACTIONS} (what to do when a batch's "
+                f"synchronized statistics are NaN/inf), got {on_nonfinite!r}"
+            )
         _validate_overrides(momentum, eps)
         _positive_int("target_norm_batch", target_norm_batch)
         _positive_int("log_every_n_steps", log_every_n_steps, allow_none=True)
@@ -305,6 +319,7 @@ class SyncBNCallback(Callback):
         self.precise_bn_at = precise_bn_at
         self.precise_bn_forward = precise_bn_forward
         self.revert_on_fit_end = bool(revert_on_fit_end)
+        self.on_nonfinite = on_nonfinite
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -321,6 +336,7 @@ class SyncBNCallback(Callback):
         self._snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.last_metrics: dict[str, float] = {}
         self._last_layer_metrics: dict[str, dict[str, float]] = {}
+        self._reported_skips: torch.Tensor | None = None
 
     @property
     @override
@@ -416,6 +432,7 @@ class SyncBNCallback(Callback):
     ) -> None:
         if not self._active:
             return
+        check_call_order()  # CUDA layers queue their call-order tags; one host sync per step
         records = [bn.last_batch for bn in self._layers]
         for bn in self._layers:
             bn.last_batch = None  # so that a layer skipped next time is not read again
@@ -453,6 +470,7 @@ class SyncBNCallback(Callback):
         layers = running_stat_layers(pl_module) if self.drift else []
         norm = float(step_norm) if step_norm is not None else float("inf")
         parts = [torch.tensor([float(step_local), norm, float(self._since_log_local)])]
+        parts += [torch.stack([bn.nonfinite_skips().cpu() for bn in self._layers])]
         for _, bn in layers:
             parts += [
                 bn.running_mean.detach().double().cpu(),
@@ -462,14 +480,19 @@ class SyncBNCallback(Callback):
         rows = rows.cpu()
         self._since_log_local = 0
         self._samples_seen += int(rows[:, 2].sum())
+        n_layers = len(self._layers)
+        skips = self._check_nonfinite(rows[:, 3 : 3 + n_layers], step)
         metrics = {
             "bn/global_batch_size": float(rows[:, 0].sum()),
             "bn/norm_batch_size": float(rows[:, 1].min()),
             "bn/samples_seen": float(self._samples_seen),
+            "bn/nonfinite_skipped": skips,
         }
         if layers:
             by_layer = {id(bn): r for bn, r in zip(self._layers, records, strict=True)}
-            self._last_layer_metrics = self._layer_metrics(layers, rows[:, 3:], by_layer)
+            self._last_layer_metrics = self._layer_metrics(
+                layers, rows[:, 3 + n_layers :], by_layer
+            )
             metrics.update(summarize(self._last_layer_metrics))
             self._snapshot = self._take_snapshot(pl_module)
         self.last_metrics = metrics
@@ -478,6 +501,36 @@ class SyncBNCallback(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
             self._log_wandb_histograms(trainer, step)
+
+    def _check_nonfinite(self, counts: torch.Tensor, step: int) -> float:
+        """Act on updates skipped for NaN/inf statistics since the last measurement.
+
+        ``counts``: ``[world, layers]`` cumulative skips gathered from every rank (all ranks see
+        the same, so "raise" raises everywhere at once). Returns the total over layers of the
+        worst rank's count (ranks of one group skip together; groups may differ).
+        """
+        worst = counts.max(dim=0).values
+        previous = self._reported_skips
+        self._reported_skips = worst
+        new = worst - previous if previous is not None else worst
+        if self.on_nonfinite != "ignore" and bool((new > 0).any()):
+            names = [bn.sync_name or f"layer {i}" for i, bn in enumerate(self._layers)]
+            listed = ", ".join(
+                f"{names[i]} ({int(new[i])}x)" for i in torch.nonzero(new).flatten().tolist()
+            )
+            message = (
+                f"SyncBNCallback: {int(new.sum())} running-stat update(s) skipped since the last "
+                f"measurement (step {step}) because the synchronized batch statistics were NaN or "
+                f"inf: {listed}. The running statistics were left as they were; the loss of those "
+                f"batches is NaN too. Check the data and the learning rate (or "
+                f"on_nonfinite='raise' to stop at once)."
+            )
+            if self.on_nonfinite == "raise":
+                raise RuntimeError(message)
+            rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+            if rank_zero:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return float(worst.sum())
 
     def _layer_metrics(
         self,
@@ -524,7 +577,12 @@ class SyncBNCallback(Callback):
             f"use SyncBNCallback(group_size={suggestion}) ({suggestion} ranks x "
             f"{per_rank:g} samples)"
             if suggestion is not None
-            else "raise the per-device batch size (the whole world already normalizes together)"
+            else (
+                "raise the per-device batch size (the whole world already normalizes together)"
+                if group >= self._world
+                else f"raise the per-device batch size: even the whole world ({self._world} ranks "
+                f"x {per_rank:g} samples, group_size=None) stays below the target"
+            )
         )
         if dist.is_initialized() and dist.get_rank() != 0:
             return

@@ -11,7 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from .batchnorm import SyncBatchNorm, _validate_hyperparameters
 
-__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormXd"]
+__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "name_sync_layers", "BatchNormXd"]
 
 # Attributes every _NormBase has; everything else of the original module is kept for the revert.
 _NORM_STATE = (
@@ -77,16 +77,43 @@ def convert_sync_batchnorm(
         >>> type(net[1]).__name__
         'SyncBatchNorm'
     """
+    _require_module(module)
     _validate_hyperparameters(1, 1e-5, None, process_group)
+    converted = _convert_tree(module, process_group, force_sync, unbiased_running_var)
+    name_sync_layers(converted)
+    return converted
+
+
+def _require_module(module: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"module must be a torch.nn.Module (the model or one BatchNorm layer), got "
+            f"{type(module).__name__}"
+        )
+
+
+def name_sync_layers(module: nn.Module) -> None:
+    """Give every :class:`SyncBatchNorm` in ``module`` its qualified name (``sync_name``).
+
+    The name fixes the layer's call-order tag (the same on every rank of the same model) and
+    names it in call-order errors. :func:`convert_sync_batchnorm` calls this; call it yourself
+    for a model whose SyncBatchNorm layers you built directly.
+    """
+    for name, child in module.named_modules():
+        if isinstance(child, SyncBatchNorm):
+            child.set_sync_name(name or type(module).__name__)
+
+
+def _convert_tree(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    force_sync: bool,
+    unbiased_running_var: bool,
+) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         return _to_sync(module, process_group, force_sync, unbiased_running_var)
     for name, child in module.named_children():
-        converted = convert_sync_batchnorm(
-            child,
-            process_group,
-            force_sync=force_sync,
-            unbiased_running_var=unbiased_running_var,
-        )
+        converted = _convert_tree(child, process_group, force_sync, unbiased_running_var)
         if converted is not child:
             module.add_module(name, converted)
     return module
@@ -113,6 +140,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         >>> type(revert_sync_batchnorm(net)[0]).__name__
         'BatchNorm2d'
     """
+    _require_module(module)
     if isinstance(module, SyncBatchNorm):
         return _from_sync(module)
     for name, child in module.named_children():

@@ -3,7 +3,9 @@
 Forward, per layer call:
     1. local per-channel statistics ``(count, mean, m2)`` with Welford (kernel ``local_stats``);
     2. ONE ``all_gather_single`` (``all_gather_into_tensor``) of every rank's packed row
-       ``[count, samples, mean[C], m2[C]]`` (``count`` values per channel, ``samples`` = ``N``);
+       ``[count, samples, layer_tag, call_tag, mean[C], m2[C]]`` (``count`` values per channel,
+       ``samples`` = ``N``; the two tags say which layer and which of its calls this is, see
+       "Call order" below);
     3. count-weighted Chan merge of the gathered rows (``merge_stats``): mean, invstd, running var;
     4. elementwise normalization (``normalize``).
 
@@ -20,6 +22,18 @@ Backward:
 (``N = 0``) contributes ``n_r = 0`` but still joins both collectives. The protocol needs no
 host-device synchronization; the host reads the gathered counts only when the local batch has fewer
 than 2 values per channel, to raise torch's error when the whole group has just one.
+
+Call order: collectives pair up by order, so a rank that skips a layer, takes another branch or runs
+a layer a different number of times would silently merge statistics of different layers. The tags in
+the gathered rows catch it at no extra collective: when the rows disagree, every rank of the group
+raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same rows, so they all
+raise at the same call, and none is left waiting). On CPU tensors the check runs at once (the rows
+are already in host memory). On CUDA tensors it would cost a host sync per layer, so the rows are
+queued and checked together by :func:`check_call_order` (the callback calls it once per training
+step; the queue is also checked whenever it holds ``_MAX_PENDING`` calls). A mismatch that changes
+the payload size (e.g. the skipped layer has another channel count) cannot be told apart by the
+payload: the backend then fails the collective, or it waits until the process-group timeout and
+raises; either way the run ends with an error, never a silent hang.
 """
 
 from __future__ import annotations
@@ -33,11 +47,82 @@ from torch.autograd.function import once_differentiable
 from ._backend import ops_for
 from .groups import _group_from_key, _group_key
 
-__all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
+__all__ = [
+    "SyncBatchNormFunction",
+    "sync_batch_norm",
+    "CallOrderError",
+    "check_call_order",
+    "register_layer_name",
+]
+
+# Row layout of the forward collective: [count, samples, layer_tag, call_tag, mean[C], m2[C]].
+_HEADER = 4
+# Tags are carried in the statistics' float dtype: below 2**24 they are exact even in float32.
+TAG_LIMIT = 1 << 24
+# Queued CUDA call-order checks before one is forced (bounds memory; one host sync per this many).
+_MAX_PENDING = 1024
+
+
+class CallOrderError(RuntimeError):
+    """Ranks of one sync group called their SyncBatchNorm layers in different orders."""
+
+
+_layer_names: dict[int, str] = {}
+_pending: list[tuple[torch.Tensor, int]] = []
+
+
+def register_layer_name(tag: int, name: str) -> None:
+    """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages)."""
+    _layer_names[tag] = name
+
+
+def _layer_text(tag: float) -> str:
+    return repr(_layer_names.get(int(tag), f"<SyncBatchNorm tag {int(tag)}>"))
+
+
+def _group_ranks(group_key: int, world_size: int) -> list[int]:
+    group = _group_from_key(group_key)
+    if group is None or not dist.is_initialized():
+        return list(range(world_size))
+    return list(dist.get_process_group_ranks(group))
+
+
+def _raise_if_out_of_order(tags: torch.Tensor, group_key: int) -> None:
+    """``tags``: ``[W, 2]`` gathered (layer_tag, call_tag) rows, on the host."""
+    if bool((tags == tags[0]).all()):
+        return
+    ranks = _group_ranks(group_key, tags.shape[0])
+    calls = [
+        f"rank {ranks[i]} ran {_layer_text(layer)} (call #{int(call) + 1})"
+        for i, (layer, call) in enumerate(tags.tolist())
+    ]
+    raise CallOrderError(
+        f"SyncBatchNorm layers were called in a different order on the ranks of one sync group "
+        f"(global ranks {ranks}): {'; '.join(calls)}. Every rank must run every SyncBatchNorm "
+        f"layer of the group in the same order and the same number of times per training "
+        f"forward (a rank skipped a layer, took another branch, or ran a different number of BN "
+        f"calls); otherwise statistics of different layers would be merged. Make the forward "
+        f"identical on all ranks, or put layers that only some ranks run in eval mode."
+    )
+
+
+def check_call_order() -> None:
+    """Check the call-order tags queued by CUDA layers since the last check (one host sync).
+
+    Raises:
+        CallOrderError: on every rank of a group whose ranks called layers in different orders.
+    """
+    if not _pending:
+        return
+    queued = list(_pending)
+    _pending.clear()
+    host = torch.stack([tags for tags, _ in queued]).cpu()
+    for rows, (_, group_key) in zip(host, queued, strict=True):
+        _raise_if_out_of_order(rows, group_key)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """``apply(input, weight, bias, eps, group_key, world_size, unbiased)``.
+    """``apply(input, weight, bias, eps, group_key, world_size, unbiased, layer_tag, call_tag)``.
 
     Returns ``(output, mean, var, count, samples)``: the normalized input (differentiable), and,
     not differentiable, the group mean, the group variance for the running-stat update (unbiased
@@ -56,6 +141,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         group_key: int,
         world_size: int,
         unbiased: bool,
+        layer_tag: int = 0,
+        call_tag: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ops = ops_for(input)
         channels = input.shape[1]
@@ -67,6 +154,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             [
                 mean_l.new_full((1,), float(local_count)),
                 mean_l.new_full((1,), float(input.shape[0])),
+                mean_l.new_full((1,), float(layer_tag % TAG_LIMIT)),
+                mean_l.new_full((1,), float(call_tag % TAG_LIMIT)),
                 mean_l,
                 m2_l,
             ]
@@ -78,13 +167,18 @@ class SyncBatchNormFunction(torch.autograd.Function):
             gathered = packed.new_empty(world_size * packed.numel())
             _all_gather_single(gathered, packed, group=_group_from_key(group_key))
             gathered = gathered.view(world_size, -1)
+            _check_tags(gathered[:, 2:_HEADER], group_key)
         else:
             gathered = packed.unsqueeze(0)
         counts = gathered[:, 0]
         if local_count < 2:
             _check_group_count(int(counts.sum().item()), input, world_size)
         mean, invstd, var = ops.merge_stats(
-            counts, gathered[:, 2 : channels + 2], gathered[:, channels + 2 :], eps, unbiased
+            counts,
+            gathered[:, _HEADER : channels + _HEADER],
+            gathered[:, channels + _HEADER :],
+            eps,
+            unbiased,
         )
         total = counts.sum()
         samples = gathered[:, 1].sum()
@@ -104,7 +198,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         input, weight, mean, invstd, total = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         if not (need_input or need_weight or need_bias):
-            return (None,) * 7
+            return (None,) * 9
         ops = ops_for(input)
         grad_output = _like(grad_output, input)
         sum_dy, sum_dy_xmu, grad_weight, grad_bias = ops.backward_reduce(
@@ -120,7 +214,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_input = ops.backward_elemt(
                 grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, total
             )
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def sync_batch_norm(
@@ -131,11 +225,34 @@ def sync_batch_norm(
     process_group: dist.ProcessGroup | None,
     world_size: int,
     unbiased: bool = True,
+    layer_tag: int = 0,
+    call_tag: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Functional form of :class:`SyncBatchNormFunction` taking a process group object."""
+    """Functional form of :class:`SyncBatchNormFunction` taking a process group object.
+
+    ``layer_tag`` and ``call_tag`` identify the call for the call-order check (integers; equal on
+    all ranks for the same layer and call)."""
     return SyncBatchNormFunction.apply(
-        input, weight, bias, eps, _group_key(process_group), world_size, unbiased
+        input,
+        weight,
+        bias,
+        eps,
+        _group_key(process_group),
+        world_size,
+        unbiased,
+        layer_tag,
+        call_tag,
     )
+
+
+def _check_tags(tags: torch.Tensor, group_key: int) -> None:
+    """Check the gathered tags now (CPU) or queue them for :func:`check_call_order` (CUDA)."""
+    if tags.device.type == "cpu":
+        _raise_if_out_of_order(tags, group_key)
+        return
+    _pending.append((tags, group_key))
+    if len(_pending) >= _MAX_PENDING:
+        check_call_order()
 
 
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:

@@ -157,3 +157,27 @@ def trainer(world: int, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+class NaNBatchNet(BNNet):
+    """BNNet whose ``nan_batch``-th training batch holds a NaN on rank 1.
+
+    Every rank runs the forward of that batch (so the SyncBN layers see non-finite group
+    statistics) but returns a zero loss that does not depend on it (zero gradients for every
+    parameter, so DDP's all-reduce still runs): the weights stay finite and only the BN guard is
+    exercised. (Returning ``None`` to skip the step is refused by Lightning under DDP.)
+    """
+
+    def __init__(self, nan_batch: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.nan_batch = nan_batch
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx != self.nan_batch:
+            return super().training_step(batch, batch_idx)
+        x, _ = batch
+        if self.global_rank == 1:
+            x = x.clone()
+            x[0, 0, 0, 0] = float("nan")
+        self(x)
+        return sum(p.sum() for p in self.parameters()) * 0.0

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from _lightning import BNNet, Probe, load_ranks, make_data, make_net, trainer
+from _lightning import BNNet, NaNBatchNet, Probe, load_ranks, make_data, make_net, trainer
 from _numerics import rel_err
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -317,6 +317,32 @@ def test_group_size_that_does_not_divide_world_is_refused(tmp_path):
         trainer(2, [SyncBNCallback(group_size=3)]).fit(BNNet())
 
 
+def test_nan_batch_is_skipped_counted_and_logged(tmp_path):
+    logger = CSVLogger(str(tmp_path / "logs"))
+    ranks = _fit(
+        tmp_path,
+        "nan",
+        2,
+        [SyncBNCallback(log_every_n_steps=1)],
+        NaNBatchNet(nan_batch=1, n=16),
+        max_steps=3,
+        logger=logger,
+    )
+    rows = _csv_rows(str(tmp_path / "logs"))
+    # Step 1 is measured before the NaN batch; both BN layers then skip it (the NaN spreads).
+    assert [float(r["bn/nonfinite_skipped"]) for r in rows] == [0.0, 2.0, 2.0]
+    for rank in ranks:
+        stats = _bn_state(rank["state"])
+        assert stats and all(torch.isfinite(v).all() for v in stats.values())
+
+
+def test_nan_batch_raises_on_every_rank_with_on_nonfinite_raise(tmp_path):
+    with pytest.raises(Exception, match=r"2 running-stat update\(s\) skipped .*net\.1 \(1x\)"):
+        trainer(2, [SyncBNCallback(log_every_n_steps=1, on_nonfinite="raise")], max_steps=3).fit(
+            NaNBatchNet(nan_batch=1, n=16)
+        )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -330,6 +356,7 @@ def test_group_size_that_does_not_divide_world_is_refused(tmp_path):
         ({"log_every_n_steps": 0}, ValueError, "log_every_n_steps"),
         ({"precise_bn_batches": -1}, ValueError, "precise_bn_batches"),
         ({"precise_bn_at": "epoch"}, ValueError, "precise_bn_at"),
+        ({"on_nonfinite": "skip"}, ValueError, "on_nonfinite must be one of"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, error, match):

@@ -406,8 +406,12 @@ def _save_and_load(state: dict[str, torch.Tensor], path: Path) -> dict[str, torc
     return torch.load(path, weights_only=True)
 
 
-def test_checkpoint_of_converted_model_loads_into_plain_model(tmp_path: Path) -> None:
-    converted = convert_sync_batchnorm(make_net(seed=0))
+@pytest.mark.parametrize("force_sync", [False, True], ids=["local", "synchronized_path"])
+def test_checkpoint_of_converted_model_loads_into_plain_model(
+    tmp_path: Path, force_sync: bool
+) -> None:
+    # force_sync trains through the synchronized Function (packed collective row, merge kernels).
+    converted = convert_sync_batchnorm(make_net(seed=0), force_sync=force_sync)
     stats = converted.head[1].running_mean.clone()
     train_steps(converted)
     assert not torch.equal(converted.head[1].running_mean, stats)
