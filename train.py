@@ -32,9 +32,12 @@ import torch
 import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.plugins.io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from typing_extensions import override
 
 from syncbn_lightning.callback import resolve_group_size
 from syncbn_lightning.launch import (
@@ -180,6 +183,13 @@ def validate(cfg: DictConfig) -> None:
         _check_bn(cfg, devices, nodes)
         _check_data(cfg)
         _build(cfg, "model")
+        abort = cfg.launch.abort_after_s
+        if abort is not None and (
+            isinstance(abort, bool) or not isinstance(abort, (int, float)) or abort <= 0
+        ):
+            raise ConfigError(
+                f"launch.abort_after_s={abort!r}: use a positive number of seconds, or null"
+            )
         if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
         offline = cfg.logger.get("wandb", {}).get("offline", "auto")
@@ -231,13 +241,55 @@ def _build_loggers(cfg: DictConfig) -> list[Any]:
     return loggers
 
 
+class _AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO``, but a local checkpoint is written beside its final path
+    (``.<name>.partial``), flushed to disk and renamed over it, so a process killed mid-write
+    leaves the previous ``last.ckpt`` whole.
+
+    Lightning writes to a temporary file in ``$TMPDIR`` and moves it into place: atomic only when
+    ``$TMPDIR`` is on the checkpoint's filesystem; otherwise the move copies into the final file,
+    and a kill during the copy leaves a truncated checkpoint (and a stray file in ``$TMPDIR``).
+    Remote paths (fsspec URLs) still go through Lightning's implementation.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        from fsspec.implementations.local import LocalFileSystem
+
+        if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        target = Path(str(path).removeprefix("file://"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial")
+        try:
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            raise
+
+
 def _build_trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> pl.Trainer:
     strategy: Any = cfg.trainer.strategy
+    checkpoint_io = _AtomicCheckpointIO()
+    extra: dict[str, Any] = {}
     if strategy == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
-        strategy = DDPStrategy(timeout=timedelta(seconds=cfg.launch.timeout_s))
-    return instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+        timeout = timedelta(seconds=cfg.launch.timeout_s)
+        strategy = DDPStrategy(timeout=timeout, checkpoint_io=checkpoint_io)
+    else:
+        extra["plugins"] = [checkpoint_io]
+    return instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra
+    )
 
 
 def _setup_wandb(trainer: pl.Trainer, cfg: DictConfig) -> None:
@@ -320,7 +372,9 @@ def _destroy_process_group(barrier: bool) -> None:
 def _launch(cfg: DictConfig, out: Path) -> Iterator[None]:
     """Start this node's other ranks when nobody else did (see :mod:`syncbn_lightning.launch`)."""
     devices, nodes = _world(cfg)
-    if cfg.trainer.strategy != "ddp" or devices * nodes == 1 or launched_externally():
+    # Also for one process: DDP still creates a process group, and the launcher is what keeps its
+    # rendezvous store on loopback.
+    if cfg.trainer.strategy != "ddp" or launched_externally():
         yield
         return
     config_file = out / ".syncbn" / "config.yaml"
@@ -333,6 +387,7 @@ def _launch(cfg: DictConfig, out: Path) -> Iterator[None]:
         num_nodes=nodes,
         log_dir=out / ".syncbn",
         grace_s=cfg.launch.grace_s,
+        abort_after_s=cfg.launch.abort_after_s,
     ):
         yield
 
@@ -385,7 +440,9 @@ def _fit_and_evaluate(
     if trainer.is_global_zero:
         _setup_wandb(trainer, cfg)
         log.info("outputs: %s (config, logs, metrics, checkpoints, W&B files)", out)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    # weights_only=True explicitly: Lightning passes None on to torch.load, whose default
+    # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns into a full unpickling (code execution).
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     metrics = _scalars(trainer.callback_metrics)
     if cfg.evaluate:
         for result in trainer.validate(model, datamodule=datamodule, verbose=False):

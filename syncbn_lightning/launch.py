@@ -11,8 +11,17 @@ Lightning's own ``LightningEnvironment`` reads (``MASTER_ADDR``, ``MASTER_PORT``
 
 Failure handling: a watchdog thread polls the children; when one dies, the others are killed, which
 makes the parent's next gloo/NCCL collective fail at once instead of waiting for the process-group
-timeout. Children are asked to die with the parent (``PR_SET_PDEATHSIG`` on Linux), and leaving the
-``with`` block always reaps them.
+timeout. The parent itself gets ``abort_after_s`` to notice and fail on its own (it may be busy
+outside any collective: validating, writing a checkpoint); then the watchdog ends it. Children are
+asked to die with the parent (``PR_SET_PDEATHSIG`` on Linux), and leaving the ``with`` block always
+reaps them.
+
+Rendezvous: on a single node the launcher hosts the job's ``TCPStore`` itself, on a socket bound to
+``127.0.0.1`` (torch's own store, started by rank 0, listens on every interface), and every rank,
+this one included, joins it as a client (``TORCHELASTIC_USE_AGENT_STORE``, the contract torchrun's
+agent uses). gloo is pinned to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless set. So
+nothing of a single-node job is reachable from other machines. Multi-node jobs rendezvous as
+Lightning/torch do (the store must be reachable from the other nodes).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "RANK_CONFIG_ENV",
@@ -75,6 +85,45 @@ def missing_rendezvous(num_nodes: int) -> list[str]:
     return [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in os.environ]
 
 
+def _loopback_store() -> tuple[Any, int]:
+    """A ``TCPStore`` server listening on ``127.0.0.1`` only, and its port.
+
+    The port is chosen by the kernel while binding, so no other process can take it between
+    choosing and listening (as it could with :func:`free_port`).
+    """
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = int(sock.getsockname()[1])
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns (and closes) the descriptor now
+    return store, port
+
+
+def _describe(code: int) -> str:
+    """How a child ended, from its ``Popen.returncode``: ``failed with exit code 3`` or
+    ``was killed by SIGKILL (exit code -9)``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"failed with exit code {code}"
+
+
 def _set_environ(values: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(values)
@@ -99,15 +148,22 @@ class RankLauncher:
             the rendezvous is on loopback at a fresh free port (the variables are ignored).
         log_dir: where each child's stdout/stderr go (``rank<global rank>.log``).
         grace_s: how long children get to exit after the parent finished, before being killed.
+        abort_after_s: after a child died (and the others were killed), how long this process
+            gets to leave the block on its own; then the watchdog logs the failure and ends it
+            with exit code 1. ``None``: never. This bounds how long a broken job lingers, whatever
+            the parent is doing (a collective fails at once, but validation or a checkpoint
+            write does not).
 
     Raises:
-        RuntimeError: on leaving the block, when a child failed (naming its rank, exit code and
-            log, with the log's last lines), or did not exit within ``grace_s``.
+        RuntimeError: on leaving the block, when a child failed (naming its rank, how it ended,
+            e.g. ``was killed by SIGKILL (exit code -9)``, and its log, with the log's last
+            lines), or did not exit within ``grace_s``.
         ValueError: for a multi-node job whose rendezvous variables are missing.
 
     Note:
         ``os.environ`` is restored on exit, so that a Hydra multirun can launch the next job from
-        the same process.
+        the same process. On a single node the rendezvous store lives until the block ends:
+        destroy the process group inside it.
     """
 
     def __init__(
@@ -118,9 +174,12 @@ class RankLauncher:
         num_nodes: int = 1,
         log_dir: str | Path = ".",
         grace_s: float = 120.0,
+        abort_after_s: float | None = 30.0,
     ) -> None:
         if devices < 1 or num_nodes < 1:
             raise ValueError(f"devices and num_nodes must be >= 1, got {devices}, {num_nodes}")
+        if abort_after_s is not None and abort_after_s <= 0:
+            raise ValueError(f"abort_after_s must be > 0 or None, got {abort_after_s}")
         missing = missing_rendezvous(num_nodes)
         if missing:
             raise ValueError(
@@ -132,6 +191,8 @@ class RankLauncher:
         self.devices, self.num_nodes = devices, num_nodes
         self.log_dir = Path(log_dir)
         self.grace_s = grace_s
+        self.abort_after_s = abort_after_s
+        self._store: Any = None
         self._children: list[tuple[int, subprocess.Popen[bytes], Path]] = []
         self._failed: tuple[int, int, Path] | None = None
         self._stop = threading.Event()
@@ -141,16 +202,18 @@ class RankLauncher:
     def __enter__(self) -> RankLauncher:
         self._env_before = dict(os.environ)
         node_rank = int(os.environ.get("NODE_RANK", "0"))
-        if self.num_nodes == 1:
-            # A fresh port per job: a MASTER_PORT left in the environment (by an earlier job of
-            # this process, or exported) may still be held by that job's store, and children
-            # rendezvousing there would join the wrong store.
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(free_port())
-        os.environ["NODE_RANK"] = str(node_rank)
-        os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if self.num_nodes == 1:
+                # A fresh store per job, on loopback: a MASTER_PORT left in the environment (by an
+                # earlier job of this process, or exported) may still be held by that job's store.
+                self._store, port = _loopback_store()
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
+                os.environ["MASTER_PORT"] = str(port)
+                os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # all ranks are clients
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ["NODE_RANK"] = str(node_rank)
+            os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
             for local in range(1, self.devices):
                 self._start(node_rank * self.devices + local, local)
         except BaseException:
@@ -158,6 +221,7 @@ class RankLauncher:
             self._kill_all()
             for _, proc, _ in self._children:
                 proc.wait()
+            self._store = None
             _set_environ(self._env_before)
             raise
         os.environ["LOCAL_RANK"] = "0"
@@ -195,9 +259,28 @@ class RankLauncher:
                     if self._stop.is_set() or self._failed is not None:
                         return  # the launcher itself is stopping the children
                     self._failed = (rank, code, path)
-                    log.error("rank %d exited with code %d; stopping the job", rank, code)
+                    log.error("rank %d %s; stopping the job", rank, _describe(code))
                     self._kill_all()
-                    return
+                self._abort_if_stuck(rank, code, path)
+                return
+
+    def _abort_if_stuck(self, rank: int, code: int, path: Path) -> None:
+        """Give this process ``abort_after_s`` to leave the block after ``rank`` died, then end
+        it: it is blocked somewhere no failure reaches (not in a collective)."""
+        if self.abort_after_s is None or self._stop.wait(self.abort_after_s):
+            return
+        for _, proc, _ in self._children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)  # already killed: reap them, leave no zombies
+        message = (
+            f"rank {rank} {_describe(code)}; this process (local rank 0) did not stop within "
+            f"{self.abort_after_s:g} s (launch.abort_after_s), ending it; see {path}"
+        )
+        log.critical(message)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(f"error: {message}\n")
+            sys.stderr.flush()
+        os._exit(1)
 
     def _kill_all(self) -> None:
         for _, proc, _ in self._children:
@@ -209,17 +292,33 @@ class RankLauncher:
             self._stop.set()
         try:
             if exc is not None:
+                self._find_dead_child()
                 self._kill_all()  # their exit codes are ours, not failures of theirs
             self._reap(failed_parent=exc is not None)
             if self._failed is not None:
                 rank, code, path = self._failed
                 # When a child died first, the parent's own error is only the broken collective.
                 raise RuntimeError(
-                    f"rank {rank} failed with exit code {code}; its log {path} ends with:\n"
-                    + _tail(path)
+                    f"rank {rank} {_describe(code)}; its log {path} ends with:\n" + _tail(path)
                 ) from exc
         finally:
+            self._store = None  # stops the rendezvous server (the process group is gone)
             _set_environ(self._env_before)
+
+    def _find_dead_child(self, wait_s: float = 0.5) -> None:
+        """The parent failed: was it because a child had died? A dead peer breaks the parent's
+        collective at once, often before the watchdog's next look; the child may need a moment
+        more to become reapable. Record the first child that ended badly as the failure."""
+        deadline = time.monotonic() + wait_s
+        while self._failed is None:
+            for rank, proc, path in self._children:
+                code = proc.poll()
+                if code not in (None, 0):
+                    self._failed = (rank, code, path)
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.02)
 
     def _reap(self, failed_parent: bool) -> None:
         deadline = time.monotonic() + (5.0 if failed_parent else self.grace_s)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import textwrap
 import time
@@ -46,9 +48,9 @@ def _script(tmp_path: Path, name: str, body: str) -> list[str]:
 
 
 # A child that writes its pid to <dir>/pid<LOCAL_RANK>, then sleeps; local rank FAIL_RANK (if
-# set) prints a line and exits with code 3 instead.
+# set) prints a line and exits with code 3 instead, local rank KILL_RANK SIGKILLs itself.
 PID_CHILD = """
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
     rank = os.environ["LOCAL_RANK"]
     out = Path(sys.argv[1])
@@ -57,6 +59,8 @@ PID_CHILD = """
     if rank == os.environ.get("FAIL_RANK"):
         print(f"rank {rank} gives up", flush=True)
         sys.exit(3)
+    if rank == os.environ.get("KILL_RANK"):
+        os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("SLEEP_S", "600")))
 """
 
@@ -108,6 +112,74 @@ def test_failing_child_stops_the_others_and_is_reported(tmp_path, monkeypatch) -
     assert str(tmp_path / "rank2.log") in message
     assert not _alive(sleeper)  # killed and reaped
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_child_killed_by_a_signal_is_reported_with_the_signal_name(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KILL_RANK", "2")
+    launcher = RankLauncher(
+        _pid_child(tmp_path), tmp_path / "cfg", devices=3, log_dir=tmp_path, grace_s=2
+    )
+    with pytest.raises(RuntimeError) as info:
+        with launcher:
+            (sleeper,) = _pids(tmp_path, [1])
+            assert _wait_for(lambda: not _alive(sleeper) or _is_zombie(sleeper), timeout=5)
+    assert "rank 2 was killed by SIGKILL (exit code -9)" in str(info.value)
+    assert str(tmp_path / "rank2.log") in str(info.value)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_parent_failing_because_a_child_died_reports_the_child(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KILL_RANK", "1")
+    launcher = RankLauncher(_pid_child(tmp_path), tmp_path / "cfg", devices=3, log_dir=tmp_path)
+    with pytest.raises(RuntimeError) as info:
+        with launcher:
+            (pid,) = _pids(tmp_path, [1])
+            # As a broken gloo collective does: fail as soon as the peer is gone, usually before
+            # the watchdog's next look at the children.
+            while _alive(pid) and not _is_zombie(pid):
+                time.sleep(0.001)
+            raise ConnectionError("Connection closed by peer")
+    assert "rank 1 was killed by SIGKILL (exit code -9)" in str(info.value)
+    assert isinstance(info.value.__cause__, ConnectionError)  # the parent's own error, chained
+
+
+# A parent that stays busy (no collective to fail) after one of its children died.
+STUCK_PARENT = """
+    import sys, time
+    sys.path.insert(0, {root!r})
+    from syncbn_lightning.launch import RankLauncher
+    command, out = {command!r}, {out!r}
+    with RankLauncher(command, out + "/cfg", devices=3, log_dir=out, abort_after_s={abort!r}):
+        time.sleep(600)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_parent_stuck_after_a_child_died_is_ended_after_abort_after_s(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("FAIL_RANK", "2")
+    root = str(Path(__file__).resolve().parents[1])
+    script = STUCK_PARENT.format(
+        root=root, command=_pid_child(tmp_path), out=str(tmp_path), abort=1.0
+    )
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=50
+    )
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        "rank 2 failed with exit code 3; this process (local rank 0) did not stop within 1 s "
+        "(launch.abort_after_s)" in proc.stderr
+    ), proc.stderr
+    assert took < 20  # imports + 1 s, not the parent's 600 s sleep
+    pids = _pids(tmp_path, [1, 2])
+    assert not any(_alive(pid) for pid in pids)  # killed, and reaped before the end
 
 
 def _is_zombie(pid: int) -> bool:
@@ -255,6 +327,8 @@ def test_multi_node_needs_rendezvous_variables(tmp_path, monkeypatch) -> None:
     RankLauncher(cmd, tmp_path / "c", devices=2, num_nodes=2)  # complete: accepted
     with pytest.raises(ValueError, match="devices and num_nodes must be >= 1"):
         RankLauncher(cmd, tmp_path / "c", devices=0)
+    with pytest.raises(ValueError, match="abort_after_s must be > 0 or None"):
+        RankLauncher(cmd, tmp_path / "c", devices=2, abort_after_s=0)
 
 
 _CLUSTER_PREFIXES = ("SLURM_", "LSB_", "JSM_", "TORCHELASTIC_")
@@ -338,3 +412,63 @@ def test_gloo_rendezvous_through_the_launcher(tmp_path) -> None:
             dist.destroy_process_group()
     assert t.item() == 3.0  # ranks 0 and 1 contribute 1 and 2
     assert float((tmp_path / "sum1.txt").read_text()) == 3.0
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` holds in the LISTEN state (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A = TCP_LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+# A rank that joins the group, then waits in a barrier until the parent has looked at its sockets.
+BARRIER_CHILD = """
+    import os
+    from datetime import timedelta
+    import torch.distributed as dist
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=int(os.environ["LOCAL_RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=30),
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_single_node_rendezvous_listens_on_loopback_only(tmp_path) -> None:
+    command = _script(tmp_path, "barrier_child.py", BARRIER_CHILD)
+    launcher = RankLauncher(command, tmp_path / "cfg", devices=2, log_dir=tmp_path)
+    with launcher:
+        port = int(os.environ["MASTER_PORT"])
+        dist.init_process_group(
+            "gloo", init_method="env://", rank=0, world_size=2, timeout=timedelta(seconds=30)
+        )
+        try:
+            (_, child, _) = launcher._children[0]
+            sockets = _listening(os.getpid()) | _listening(child.pid)  # child: in the barrier
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    store = {addr for addr, p in sockets if p == port}
+    assert store == {"127.0.0.1"}, sockets  # the store, at MASTER_PORT, on loopback only
+    # gloo's listeners of both ranks are on loopback as well
+    gloo = {(addr, p) for addr, p in sockets if p != port}
+    assert gloo and {addr for addr, _ in gloo} == {"127.0.0.1"}, sockets
