@@ -110,6 +110,36 @@ void check_merge_inputs(
   TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
 }
 
+void check_normalize_args(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    c10::DeviceType device) {
+  check_input(input, device);
+  check_channel_vector(mean, "mean", input, true);
+  check_channel_vector(invstd, "invstd", input, true);
+}
+
+void check_backward_args(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, c10::DeviceType device) {
+  check_input(input, device);
+  check_grad_out(grad_out, input);
+  check_channel_vector(mean, "mean", input, true);
+  check_channel_vector(invstd, "invstd", input, true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
+    const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const at::Tensor& input, bool weight_grad,
+    bool bias_grad) {
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) check_channel_vector(*weight, "weight", input, false);
+  const auto param_dtype = has_weight ? weight->scalar_type() : sum_dy.scalar_type();
+  at::Tensor grad_weight, grad_bias;
+  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
+  if (bias_grad) grad_bias = sum_dy.to(param_dtype);
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+}
+
 at::Tensor optional_acc(
     const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input) {
   if (!v.has_value() || !v->defined()) return at::Tensor();

@@ -98,6 +98,20 @@ void check_count(const at::Tensor& count, const at::Tensor& input);
 void check_merge_inputs(
     const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
     c10::DeviceType device);
+// check_input plus `mean`/`invstd` (acc dtype, one value per channel): normalize's arguments.
+void check_normalize_args(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    c10::DeviceType device);
+// check_normalize_args plus `grad_out` (the input's shape, dtype and device).
+void check_backward_args(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, c10::DeviceType device);
+// backward_reduce's result from the reduced sums: grad_weight = sum_dy_xmu * invstd and grad_bias
+// = sum_dy in the weight's dtype (the acc dtype without weight), each only when requested.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
+    const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const at::Tensor& input, bool weight_grad,
+    bool bias_grad);
 // An optional per-channel parameter converted to the acc dtype; undefined when absent.
 at::Tensor optional_acc(
     const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input);

@@ -583,9 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
 at::Tensor normalize_cpu(
     const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
-  check_input(input_, c10::DeviceType::CPU);
-  check_channel_vector(mean_, "mean", input_, true);
-  check_channel_vector(invstd_, "invstd", input_, true);
+  check_normalize_args(input_, mean_, invstd_, c10::DeviceType::CPU);
   const at::Tensor input = dense_input(input_);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
   const at::Tensor w = optional_acc(weight, "weight", input);
@@ -608,10 +606,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
     bool bias_grad) {
-  check_input(input_, c10::DeviceType::CPU);
-  check_grad_out(grad_out_, input_);
-  check_channel_vector(mean_, "mean", input_, true);
-  check_channel_vector(invstd_, "invstd", input_, true);
+  check_backward_args(grad_out_, input_, mean_, invstd_, c10::DeviceType::CPU);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
@@ -633,23 +628,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
       }
     });
   }
-  const bool has_weight = weight.has_value() && weight->defined();
-  if (has_weight) check_channel_vector(*weight, "weight", input, false);
-  const auto param_dtype = has_weight ? weight->scalar_type() : mean.scalar_type();
-  at::Tensor grad_weight, grad_bias;
-  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
-  if (bias_grad) grad_bias = sum_dy.to(param_dtype);
-  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+  return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
 
 at::Tensor backward_elemt_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
     const at::Tensor& sum_dy_xmu_, const at::Tensor& count) {
-  check_input(input_, c10::DeviceType::CPU);
-  check_grad_out(grad_out_, input_);
-  check_channel_vector(mean_, "mean", input_, true);
-  check_channel_vector(invstd_, "invstd", input_, true);
+  check_backward_args(grad_out_, input_, mean_, invstd_, c10::DeviceType::CPU);
   check_channel_vector(sum_dy_, "sum_dy", input_, true);
   check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
   check_count(count, input_);
