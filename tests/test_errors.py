@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
+from _service import RENDEZVOUS_VARS
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -81,12 +82,7 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """No rendezvous or cluster variables (they change what train.validate checks), default
     kernels, W&B quiet."""
     for var in (
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NODE_RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "RANK",
+        *RENDEZVOUS_VARS,
         "GROUP_RANK",
         "LOCAL_WORLD_SIZE",
         "SLURM_NTASKS",

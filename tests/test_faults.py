@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _service import RENDEZVOUS_VARS, listening_sockets
 from hydra import compose, initialize_config_dir
 
 import train as app
@@ -48,7 +48,7 @@ QUICK = [
 
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
+    for var in RENDEZVOUS_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
 
@@ -124,42 +124,6 @@ def _job_processes(mentioning: Iterable[str]) -> list[tuple[int, str]]:
         if _running(pid) and any(s in text for s in mentioning):
             hits.append((pid, cmdline))
     return hits
-
-
-def _address(hex_addr: str) -> str:
-    raw = bytes.fromhex(hex_addr)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    # tcp6: four 32-bit words, each in host (little-endian) order
-    return socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in (0, 4, 8, 12)))
-
-
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """``(address, port)`` of the TCP sockets ``pid`` has in the LISTEN state."""
-    inodes = set()
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return set()
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A = TCP_LISTEN
-                addr, port = fields[1].split(":")
-                found.add((_address(addr), int(port, 16)))
-    return found
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -354,7 +318,7 @@ def test_single_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
             tree = [job.pid, *_descendants(job.pid)]
             pids += [p for p in tree if p not in pids]
             for pid in tree:
-                seen.setdefault(pid, set()).update(_listening(pid))
+                seen.setdefault(pid, set()).update(listening_sockets(pid))
                 if master_port is None and "MASTER_PORT" in _environ(pid):
                     master_port = int(_environ(pid)["MASTER_PORT"])
             time.sleep(0.1)

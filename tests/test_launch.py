@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _service import listening_sockets
 
 from syncbn_lightning.launch import (
     RANK_CONFIG_ENV,
@@ -351,7 +352,6 @@ def test_launched_externally(monkeypatch) -> None:
 
 
 def test_free_port_and_restored_environ(monkeypatch) -> None:
-    import socket
 
     port = free_port()
     assert 0 < port < 65536
@@ -414,29 +414,6 @@ def test_gloo_rendezvous_through_the_launcher(tmp_path) -> None:
     assert float((tmp_path / "sum1.txt").read_text()) == 3.0
 
 
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """``(address, port)`` of the TCP sockets ``pid`` holds in the LISTEN state (from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A = TCP_LISTEN
-                continue
-            addr, port = fields[1].split(":")
-            raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add((socket.inet_ntop(family, raw), int(port, 16)))
-    return found
-
-
 # A rank that joins the group, then waits in a barrier until the parent has looked at its sockets.
 BARRIER_CHILD = """
     import os
@@ -463,7 +440,8 @@ def test_single_node_rendezvous_listens_on_loopback_only(tmp_path) -> None:
         )
         try:
             (_, child, _) = launcher._children[0]
-            sockets = _listening(os.getpid()) | _listening(child.pid)  # child: in the barrier
+            # the child is waiting in the barrier, its sockets still open
+            sockets = listening_sockets(os.getpid()) | listening_sockets(child.pid)
             dist.barrier()
         finally:
             dist.destroy_process_group()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _service import RENDEZVOUS_VARS
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,7 +46,7 @@ TINY = [
 @pytest.fixture(autouse=True)
 def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Earlier tests in this process (Lightning's ddp_spawn) leave rendezvous variables behind."""
-    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK"):
+    for var in RENDEZVOUS_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -1,0 +1,45 @@
+"""Helpers for the tests of the training service's processes (train.py, the rank launcher)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+#: Variables a launcher or an earlier in-process run (Lightning's ddp_spawn) leaves behind; they
+#: change how a job rendezvouses, so tests of the service start without them.
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK")
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """``(address, port)`` of the TCP sockets ``pid`` holds in the LISTEN state (from /proc).
+
+    Empty for a process that has exited (its /proc entries are gone).
+    """
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return set()
+    inodes = set()
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A = TCP_LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
