@@ -374,28 +374,36 @@ __global__ void chan_merge_kernel(
   var_out[c] = static_cast<acc_t>(m2 / fmax(unbiased ? n - 1 : n, 1.0));
 }
 
+// out[k] = op(in[0][k], in[1][k], ...) for vector k of VEC elements; element e of the vector uses
+// the coefficients coeff_of(e).
+template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t, typename CoeffOf>
+__device__ __forceinline__ void apply_vector(
+    const Op& op, const ElemtPointers<scalar_t, Op::kInputs>& ptr, index_t k, CoeffOf coeff_of) {
+  using V = Vec<scalar_t, VEC>;
+  V in[Op::kInputs];
+#pragma unroll
+  for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
+  V out;
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    acc_t a[Op::kInputs];
+#pragma unroll
+    for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
+    out.v[e] = static_cast<scalar_t>(op.apply(coeff_of(e), a));
+  }
+  reinterpret_cast<V*>(ptr.out)[k] = out;
+}
+
 // Applies `op` to vectors of VEC elements that share one channel (channels-first, S % VEC == 0).
 // nvec = numel / VEC, s_vec = S / VEC; grid-stride over vectors.
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 __global__ void elemt_channels_first_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t nvec, index_t s_vec, index_t C) {
-  using V = Vec<scalar_t, VEC>;
   const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
   for (index_t k = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nvec;
        k += stride) {
     const typename Op::Coeff coeff = op.coeff((k / s_vec) % C);
-    V in[Op::kInputs];
-#pragma unroll
-    for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
-    V out;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      acc_t a[Op::kInputs];
-#pragma unroll
-      for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
-      out.v[e] = static_cast<scalar_t>(op.apply(coeff, a));
-    }
-    reinterpret_cast<V*>(ptr.out)[k] = out;
+    apply_vector<Op, scalar_t, acc_t, VEC>(op, ptr, k, [&](int) { return coeff; });
   }
 }
 
@@ -405,7 +413,6 @@ __global__ void elemt_channels_first_kernel(
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 __global__ void elemt_channels_last_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t M, index_t c_vec) {
-  using V = Vec<scalar_t, VEC>;
   const index_t cv = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (cv >= c_vec) return;
   typename Op::Coeff coeff[VEC];
@@ -414,19 +421,8 @@ __global__ void elemt_channels_last_kernel(
   const index_t stride = static_cast<index_t>(gridDim.y) * blockDim.y;
   for (index_t row = static_cast<index_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < M;
        row += stride) {
-    const index_t k = row * c_vec + cv;
-    V in[Op::kInputs];
-#pragma unroll
-    for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
-    V out;
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      acc_t a[Op::kInputs];
-#pragma unroll
-      for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
-      out.v[e] = static_cast<scalar_t>(op.apply(coeff[e], a));
-    }
-    reinterpret_cast<V*>(ptr.out)[k] = out;
+    apply_vector<Op, scalar_t, acc_t, VEC>(
+        op, ptr, row * c_vec + cv, [&](int e) { return coeff[e]; });
   }
 }
 
