@@ -151,7 +151,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def nonfinite_skips(self) -> torch.Tensor:
         """How many running-stat updates were skipped because the synchronized batch statistics
-        were NaN or inf (a 0-d int64 tensor on the buffers' device; reading it syncs on CUDA)."""
+        were NaN or inf: the layer's 0-d int64 counter on the buffers' device, updated in place
+        (copy it to keep a snapshot; reading its value syncs on CUDA)."""
         if self._nonfinite is None:
             device = self.running_mean.device if self.running_mean is not None else None
             return torch.zeros((), dtype=torch.long, device=device)
@@ -208,8 +209,8 @@ class SyncBatchNorm(_BatchNorm):
         assert self.num_batches_tracked is not None and self.running_var is not None
         finite = torch.isfinite(mean).all() & torch.isfinite(var).all()
         self.num_batches_tracked.add_(finite.to(self.num_batches_tracked.dtype))
-        skips = self.nonfinite_skips()
-        self._nonfinite = skips + (~finite).to(skips.dtype)
+        self._nonfinite = self.nonfinite_skips()
+        self._nonfinite.add_((~finite).to(self._nonfinite.dtype))
         # An all-empty group has nothing to average in (torch leaves the stats as they are). Only a
         # rank with < 2 local values can be in such a group, so only it reads the count.
         if input.numel() // input.shape[1] < 2 and int(total.item()) == 0:

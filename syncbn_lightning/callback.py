@@ -470,7 +470,7 @@ class SyncBNCallback(Callback):
         layers = running_stat_layers(pl_module) if self.drift else []
         norm = float(step_norm) if step_norm is not None else float("inf")
         parts = [torch.tensor([float(step_local), norm, float(self._since_log_local)])]
-        parts += [torch.stack([bn.nonfinite_skips().cpu() for bn in self._layers])]
+        parts += [torch.stack([bn.nonfinite_skips() for bn in self._layers]).cpu()]
         for _, bn in layers:
             parts += [
                 bn.running_mean.detach().double().cpu(),
