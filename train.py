@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import netrc
@@ -444,6 +445,7 @@ def _fit_and_evaluate(
     # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns into a full unpickling (code execution).
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     metrics = _scalars(trainer.callback_metrics)
+    fit_metrics = dict(metrics)
     if cfg.evaluate:
         for result in trainer.validate(model, datamodule=datamodule, verbose=False):
             metrics.update(_scalars(result))
@@ -452,8 +454,28 @@ def _fit_and_evaluate(
     if trainer.is_global_zero:
         csv = _csv_file(trainer)  # flushes the CSV logger once, after the closing evaluation
         runs = _finish_wandb(trainer, metrics, csv)
+        _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
         _report(trainer, metrics, out, runs, csv)
     return metrics
+
+
+RESULTS_FILE = "results.json"
+
+
+def _write_results(
+    path: Path, trainer: pl.Trainer, fit_metrics: dict[str, float], metrics: dict[str, float]
+) -> None:
+    """``<output_dir>/results.json``: the job's numbers for scripts that compare jobs.
+
+    ``fit``: the metrics as fit left them; ``val/*`` there come from the last validation during
+    fit, which ran with the running statistics training kept (the EMA; PreciseBN at ``fit_end``
+    runs after it). ``final``: what :func:`train` returns (``val/*`` of the closing evaluation,
+    after PreciseBN when it is on). ``global_step``: optimizer steps trained.
+    """
+    results = {"global_step": trainer.global_step, "fit": fit_metrics, "final": metrics}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def _scalars(values: Any) -> dict[str, float]:

@@ -47,6 +47,7 @@ _GROUP_SIZE_HELP = (
 )
 _NONFINITE_ACTIONS = ("warn", "raise", "ignore")
 _PRECISE_AT = ("fit_end", "validation")
+_SINGLE_PROCESS = ("leave", "monitor")
 
 
 def resolve_group_size(
@@ -126,12 +127,14 @@ def _convert(
     group: dist.ProcessGroup | None,
     momentum: float | None,
     eps: float | None,
+    force_sync: bool = False,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place, put every SyncBatchNorm in ``group``, apply the overrides."""
-    convert_sync_batchnorm(model, process_group=group)
+    convert_sync_batchnorm(model, process_group=group, force_sync=force_sync)
     layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
     for bn in layers:
         bn.process_group = group
+        bn.force_sync = force_sync
         if momentum is not None:
             bn.momentum = float(momentum)
         if eps is not None:
@@ -244,6 +247,12 @@ class SyncBNCallback(Callback):
             (a warning naming the layers and counts), ``"raise"`` (a ``RuntimeError`` on every
             rank) or ``"ignore"``. The count is logged as ``bn/nonfinite_skipped`` either way.
             Default: ``"warn"``.
+        single_process: what to do in a single-process run (world size 1). ``"leave"``: keep
+            the model's BatchNorm layers, measure nothing (PreciseBN still runs). ``"monitor"``:
+            convert them to a group of one rank (``force_sync``: the synchronized kernels on the
+            local batch, which is plain BatchNorm up to float rounding) so that the ``bn/*``
+            batch sizes, drift and train/test gap are logged as in a DDP run; for large-batch
+            reference runs compared with DDP runs. Default: ``"leave"``.
 
     Raises:
         TypeError / ValueError: at construction for invalid arguments; in ``setup`` when combined
@@ -293,12 +302,18 @@ class SyncBNCallback(Callback):
         precise_bn_forward: Callable[[pl.LightningModule, Any], Any] | None = None,
         revert_on_fit_end: bool = False,
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
+        single_process: Literal["leave", "monitor"] = "leave",
     ) -> None:
         _validate_group_size(group_size)
         if on_nonfinite not in _NONFINITE_ACTIONS:
             raise ValueError(
                 f"on_nonfinite must be one of {_NONFINITE_ACTIONS} (what to do when a batch's "
                 f"synchronized statistics are NaN/inf), got {on_nonfinite!r}"
+            )
+        if single_process not in _SINGLE_PROCESS:
+            raise ValueError(
+                f"single_process must be one of {_SINGLE_PROCESS} (what to do in a run of one "
+                f"process: leave BatchNorm alone, or monitor it), got {single_process!r}"
             )
         _validate_overrides(momentum, eps)
         _positive_int("target_norm_batch", target_norm_batch)
@@ -320,6 +335,7 @@ class SyncBNCallback(Callback):
         self.precise_bn_forward = precise_bn_forward
         self.revert_on_fit_end = bool(revert_on_fit_end)
         self.on_nonfinite = on_nonfinite
+        self.single_process = single_process
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -352,6 +368,17 @@ class SyncBNCallback(Callback):
         _refuse_other_layer_sync(trainer, "SyncBNCallback")
         world = trainer.world_size
         self._world = world
+        if world == 1 and self.single_process == "monitor":
+            if is_overridden("configure_model", pl_module):
+                pl_module.configure_model()
+            self._layers = _convert(pl_module, None, self.momentum, self.eps, force_sync=True)
+            self._active = bool(self._layers)
+            self.resolved_group_size = 1
+            rank_zero_info(
+                f"SyncBNCallback: single process, {len(self._layers)} BatchNorm layers normalize "
+                f"their local batch and are monitored (single_process='monitor')"
+            )
+            return
         if world == 1:
             rank_zero_info(
                 "SyncBNCallback: single process (world size 1), BatchNorm layers are left as they "

@@ -24,8 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
+from syncbn_lightning import SyncBatchNorm, SyncBNCallback, SyncBNLayerSync, update_bn_stats
 from syncbn_lightning.callback import resolve_group_size
+from syncbn_lightning.report import find_metrics_files, read_metrics
 
 pytestmark = pytest.mark.distributed
 STAT_KEYS = ("running_mean", "running_var")
@@ -387,6 +388,38 @@ def test_single_device_leaves_model_alone(tmp_path, caplog):
         ).fit(model)
     assert type(model.net[1]) is nn.BatchNorm2d
     assert "nothing to synchronize" in caplog.text
+
+
+def test_single_device_monitor_logs_the_batch_and_keeps_plain_bn_numerics(tmp_path):
+    """single_process="monitor": a one-process reference run gets the bn/* metrics of DDP runs,
+    and its layers compute what plain BatchNorm computes."""
+    plain, monitored = BNNet(batch_size=4), BNNet(batch_size=4)
+    cb = SyncBNCallback(single_process="monitor", log_every_n_steps=1, precise_bn_batches=2)
+    for model, callbacks, logger in (
+        (plain, [], False),
+        (monitored, [cb], CSVLogger(str(tmp_path), name="csv")),
+    ):
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            callbacks=callbacks,
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            default_root_dir=str(tmp_path),
+        ).fit(model)
+    assert isinstance(monitored.net[1], SyncBatchNorm) and monitored.net[1].force_sync
+    assert cb.resolved_group_size == 1
+    series = read_metrics(find_metrics_files(tmp_path)[0])
+    assert [v for _, v in series["bn/norm_batch_size"]] == [4.0, 4.0, 4.0]
+    assert [v for _, v in series["bn/global_batch_size"]] == [4.0, 4.0, 4.0]
+    assert "bn/gap_std_max" in series and "bn/drift_mean_max" in series
+    # Same weights after 3 steps as plain BN (up to float rounding of the two kernels).
+    for a, b in zip(plain.parameters(), monitored.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(

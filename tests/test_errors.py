@@ -630,6 +630,15 @@ def test_callback_on_nonfinite_unknown() -> None:
         SyncBNCallback(on_nonfinite="skip")  # type: ignore[arg-type]
 
 
+def test_callback_single_process_unknown() -> None:
+    with expect(
+        ValueError,
+        "single_process must be one of ('leave', 'monitor') (what to do in a run of one process: "
+        "leave BatchNorm alone, or monitor it), got 'always'",
+    ):
+        SyncBNCallback(single_process="always")  # type: ignore[arg-type]
+
+
 def test_callback_precise_bn_forward_not_callable() -> None:
     with expect(TypeError, "precise_bn_forward must be a callable fn(module, batch)"):
         SyncBNCallback(precise_bn_forward=3)  # type: ignore[arg-type]
@@ -857,6 +866,24 @@ def test_config_data_files_missing(tmp_path: Path) -> None:
 def test_config_data_batch_size_zero(tmp_path: Path) -> None:
     with expect(app.ConfigError, "data.batch_size must be an int >= 1, got 0"):
         _validate(tmp_path, "data.batch_size=0")
+
+
+def test_config_synthetic_clutter_negative(tmp_path: Path) -> None:
+    with expect(
+        app.ConfigError,
+        "data.synthetic: clutter must be an int >= 0 (most unannotated distractors per image), "
+        "got -1",
+    ):
+        _validate(tmp_path, "data=shapes_hard", "data.synthetic.clutter=-1")
+
+
+def test_config_synthetic_photometric_out_of_range(tmp_path: Path) -> None:
+    with expect(
+        app.ConfigError,
+        "data.synthetic: photometric must be a number in [0, 1) (the per-image contrast and "
+        "brightness spread), got 1.5",
+    ):
+        _validate(tmp_path, "data=shapes_hard", "data.synthetic.photometric=1.5")
 
 
 def test_config_data_unknown_key(tmp_path: Path) -> None:

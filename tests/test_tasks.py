@@ -365,3 +365,53 @@ def test_scaled_lr_rejects_bad_optim(optim: dict[str, Any], match: str) -> None:
         ScaledLRModule(optim)
     with pytest.raises(ValueError, match=match):
         CenterNet(optim=optim)
+
+
+def _detector_batch() -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """4 images whose halves hold 1 and 4 objects: per-rank and global counts differ."""
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(4, 3, 64, 64, generator=g)
+    boxes = [
+        [[4.0, 4.0, 20.0, 20.0]],
+        [[30.0, 30.0, 50.0, 60.0]],
+        [[2.0, 2.0, 12.0, 12.0], [40.0, 5.0, 60.0, 25.0]],
+        [[10.0, 30.0, 30.0, 50.0], [35.0, 35.0, 55.0, 62.0]],
+    ]
+    targets = [{"boxes": torch.tensor(b), "labels": torch.arange(len(b)) % 3} for b in boxes]
+    return images, targets
+
+
+def _detector_grads(images: torch.Tensor, targets: list[dict[str, Any]]) -> list[torch.Tensor]:
+    from syncbn_lightning import convert_sync_batchnorm
+
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(CenterNet(num_classes=3, width=4)).train()
+    losses, _ = model._losses((images, targets))
+    losses["loss"].backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _ddp_detector_worker(rank: int, world: int) -> list[np.ndarray]:
+    import torch.distributed as dist
+
+    images, targets = _detector_batch()
+    n = len(images) // world
+    grads = _detector_grads(images[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
+    for g in grads:  # what DDP does with gradients
+        dist.all_reduce(g)
+        g /= world
+    return [g.numpy() for g in grads]  # by value: shared-memory tensors die with the worker
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ddp_loss_gradient_equals_one_process_on_the_whole_batch() -> None:
+    """With SyncBN and the object count averaged over ranks, 2 ranks x 2 images train exactly
+    like 1 process x 4 images (the premise of the small-batch experiment's reference run)."""
+    from _dist import run_distributed
+
+    per_rank = run_distributed(_ddp_detector_worker, 2)
+    single = _detector_grads(*_detector_batch())
+    for rank_grads in per_rank:
+        for got, want in zip(rank_grads, single, strict=True):
+            torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-6)

@@ -128,14 +128,33 @@ def make_targets(
     return {"heatmap": heat, "size": size, "offset": offset, "mask": mask}
 
 
-def focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """CenterNet's penalty-reduced focal loss (alpha 2, beta 4), summed and divided by the
-    number of object centres (at least 1)."""
+def focal_loss(
+    logits: torch.Tensor, target: torch.Tensor, normalizer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """CenterNet's penalty-reduced focal loss (alpha 2, beta 4), summed and divided by
+    ``normalizer`` (default: the number of object centres in ``target``), at least 1."""
     p = logits.sigmoid().clamp(1e-4, 1 - 1e-4)
     pos = target.eq(1).float()
     pos_loss = -(torch.log(p) * (1 - p) ** 2 * pos).sum()
     neg_loss = -(torch.log(1 - p) * p**2 * (1 - target) ** 4 * (1 - pos)).sum()
-    return (pos_loss + neg_loss) / pos.sum().clamp_min(1.0)
+    count = pos.sum() if normalizer is None else normalizer
+    return (pos_loss + neg_loss) / count.clamp_min(1.0)
+
+
+def _mean_over_ranks(counts: torch.Tensor) -> torch.Tensor:
+    """``counts`` averaged over the ranks of the default group (one all_reduce); as is outside
+    torch.distributed.
+
+    Dividing each rank's summed loss by the *average* object count makes DDP's gradient average
+    equal the gradient of (sum over all ranks' images) / (all objects): exactly the loss one
+    process computes on the concatenated batch. Dividing by the rank's own count instead weights
+    the images of a rank with few objects up, and that differs more the fewer images a rank has.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return counts
+    total = counts.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
 
 
 def decode(
@@ -223,9 +242,12 @@ class CenterNet(ScaledLRModule):
         out = self(images)
         t = make_targets(targets, self.hparams.num_classes, tuple(out[0].shape[-2:]))
         t = {k: v.to(images.device) for k, v in t.items()}
-        n = t["mask"].sum().clamp_min(1.0)
+        counts = torch.stack([t["heatmap"].eq(1).sum(), t["mask"].sum()]).float()
+        if self.training:  # every rank trains the same number of steps (drop_last, DDP sampler)
+            counts = _mean_over_ranks(counts)
+        centres, n = counts[0], counts[1].clamp_min(1.0)
         losses = {
-            "heatmap": focal_loss(out[0], t["heatmap"]),
+            "heatmap": focal_loss(out[0], t["heatmap"], centres),
             "size": (F.l1_loss(out[1], t["size"], reduction="none") * t["mask"]).sum() / n,
             "offset": (F.l1_loss(out[2], t["offset"], reduction="none") * t["mask"]).sum() / n,
         }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .shapes import _check_params, generate_shapes
 
@@ -290,8 +291,13 @@ class CocoDataModule(pl.LightningDataModule):
         Train loaders shuffle and drop the last incomplete batch (every step sees
         ``batch_size`` samples per process, which keeps BatchNorm statistics comparable);
         val loaders keep every sample in order. Under DDP, Lightning adds the distributed
-        sampler. Flips use torch's RNG, so ``seed_everything(..., workers=True)`` makes them
-        reproducible.
+        sampler. In a single-process Trainer the train loader draws the same permutation that
+        sampler does (``DistributedSampler`` with one replica, seeded by the global seed and
+        the epoch), so one process with batch ``W * B`` trains at every step on exactly the images
+        that ``W`` processes with batch ``B`` see together: a large-batch reference run and its
+        DDP counterparts share their data order. Flips use torch's RNG, so
+        ``seed_everything(..., workers=True)`` makes them reproducible (they are drawn per
+        process, so they differ between such runs).
     """
 
     def __init__(
@@ -440,15 +446,27 @@ class CocoDataModule(pl.LightningDataModule):
         if dataset is None:
             stage, name = ("fit", "train") if train else ("validate", "val")
             raise RuntimeError(f"call CocoDataModule.setup({stage!r}) before {name}_dataloader()")
+        sampler = self._single_process_sampler(dataset) if train else None
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            shuffle=train and sampler is None,
+            sampler=sampler,
             drop_last=train,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             collate_fn=detection_collate,
         )
+
+    def _single_process_sampler(self, dataset: CocoDetection) -> DistributedSampler | None:
+        """DDP's shuffle order for a single-process Trainer; ``None`` (plain shuffling, which
+        Lightning replaces with its ``DistributedSampler``) under DDP or without a Trainer."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size != 1:
+            return None
+        # Lightning seeds its DistributedSampler with the same variable (seed_everything sets it).
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled batches of the training split, the last incomplete batch dropped."""

@@ -8,7 +8,13 @@
     annotations/instances_val.json        relative to the split directory
 
 Each image has a smooth, slightly noisy background and ``min_objects..max_objects`` filled shapes
-of distinct colours that contrast clearly with it. Category ids start at 1 as in COCO
+of distinct colours that contrast clearly with it. Two options make the task harder (both off by
+default, which keeps the default dataset byte-identical to earlier versions): ``clutter`` draws up
+to that many unannotated distractors under the objects (outline rings and squares, which look like
+the categories' edges, line segments and crosses), and ``photometric`` applies a random per-image
+contrast and brightness change, so that images differ in their global statistics the way photos
+taken under different exposure do (what makes the statistics of a 2-image batch unlike the
+population's). Category ids start at 1 as in COCO
 (1 circle, 2 square, 3 triangle). A box is the exact pixel extent ``[x, y, w, h]`` of the shape
 as drawn (the pixel ``(i, j)`` covers ``[i, i + 1) x [j, j + 1)``), for the whole shape even
 where a later shape covers part of it; ``area`` is its number of pixels. A shape is never placed
@@ -60,6 +66,8 @@ _MIN_BACKGROUND_DISTANCE = 140.0  # RGB Euclidean distance of an object colour t
 _MIN_OBJECT_DISTANCE = 60.0  # ... and to the other objects of the image
 _BACKGROUND_JITTER = 24  # per-channel spread of the smooth background around its base colour
 _NOISE_ALPHA = 0.1  # weight of uniform noise blended into the background
+_BRIGHTNESS_SPAN = 96.0  # photometric=p shifts an image's levels by up to +-p * this
+_HARDER_DEFAULTS: dict[str, Any] = {"clutter": 0, "photometric": 0.0}
 
 
 def _check_params(
@@ -72,8 +80,13 @@ def _check_params(
     min_size: int,
     max_size: int,
     seed: int,
-) -> dict[str, int]:
+    clutter: int = 0,
+    photometric: float = 0.0,
+) -> dict[str, Any]:
     """Validate the generation parameters and return them as the dict stored in ``info``.
+
+    ``clutter`` and ``photometric`` enter the dict only when they are not at their defaults (off),
+    so that datasets written before these options existed still match their parameters.
 
     Raises:
         ValueError: naming the first invalid argument and what it must be.
@@ -114,12 +127,27 @@ def _check_params(
             f"min_size ({min_size}) must be <= max_size ({max_size}); "
             "raise max_size or lower min_size"
         )
+    if isinstance(clutter, bool) or not isinstance(clutter, int) or clutter < 0:
+        raise ValueError(
+            f"clutter must be an int >= 0 (most unannotated distractors per image), got {clutter!r}"
+        )
+    if (
+        isinstance(photometric, bool)
+        or not isinstance(photometric, (int, float))
+        or not 0.0 <= photometric < 1.0
+    ):
+        raise ValueError(
+            f"photometric must be a number in [0, 1) (the per-image contrast and brightness "
+            f"spread), got {photometric!r}"
+        )
     if max_size >= image_size:
         raise ValueError(
             f"max_size ({max_size}) must be < image_size ({image_size}) so that shapes fit; "
             "lower max_size or raise image_size"
         )
-    return {"version": _FORMAT_VERSION, **values}
+    harder = {"clutter": clutter, "photometric": float(photometric)}
+    extra = {k: v for k, v in harder.items() if v != _HARDER_DEFAULTS[k]}
+    return {"version": _FORMAT_VERSION, **values, **extra}
 
 
 # ----------------------------------------------------------------------------- drawing
@@ -207,12 +235,57 @@ def _shape_mask(category_id: int, image_size: int, x0: int, y0: int, s: int, tur
     return mask
 
 
+def _draw_clutter(
+    rng: random.Random,
+    image: Image.Image,
+    background: list[tuple[int, int, int]],
+    params: dict[str, Any],
+) -> None:
+    """Draw ``0..params["clutter"]`` unannotated distractors onto ``image``, in place.
+
+    Outline rings and squares share the categories' edges but not their filled interior; line
+    segments and crosses add edges of other shapes. Sizes span the objects' size range, colours
+    contrast with the background as the objects' do.
+    """
+    size = params["image_size"]
+    draw = ImageDraw.Draw(image)
+    for _ in range(rng.randint(0, params["clutter"])):
+        s = rng.randint(params["min_size"], params["max_size"])
+        x0, y0 = rng.randint(0, size - s), rng.randint(0, size - s)
+        x1, y1 = x0 + s - 1, y0 + s - 1
+        colour = _object_colour(rng, background, [])
+        width = rng.randint(1, max(1, s // 6))
+        kind = rng.randrange(4)
+        if kind == 0:
+            draw.ellipse((x0, y0, x1, y1), outline=colour, width=width)
+        elif kind == 1:
+            draw.rectangle((x0, y0, x1, y1), outline=colour, width=width)
+        elif kind == 2:
+            ends = (x0, y0 + rng.randint(0, s - 1), x1, y0 + rng.randint(0, s - 1))
+            draw.line(ends, colour, width)
+        else:
+            mid_x, mid_y = (x0 + x1) // 2, (y0 + y1) // 2
+            draw.line((x0, mid_y, x1, mid_y), colour, width)
+            draw.line((mid_x, y0, mid_x, y1), colour, width)
+
+
+def _photometric(rng: random.Random, image: Image.Image, spread: float) -> Image.Image:
+    """Scale the image's contrast about mid-grey by ``U(1 - spread, 1 + spread)`` and shift its
+    brightness by ``U(-1, 1) * spread * 96`` levels (the same for the three channels)."""
+    contrast = rng.uniform(1.0 - spread, 1.0 + spread)
+    shift = rng.uniform(-1.0, 1.0) * spread * _BRIGHTNESS_SPAN
+    lut = [min(255, max(0, round((v - 128) * contrast + 128 + shift))) for v in range(256)]
+    return image.point(lut * 3)
+
+
 def _draw_image(
-    rng: random.Random, params: dict[str, int]
+    rng: random.Random, params: dict[str, Any]
 ) -> tuple[Image.Image, list[dict[str, Any]]]:
     """One image and its annotations (``category_id``, ``bbox``, ``area``; no ids yet)."""
     size = params["image_size"]
     image, background = _background(rng, size)
+    if params.get("clutter", 0):
+        _draw_clutter(rng, image, background, params)
     wanted = rng.randint(params["min_objects"], params["max_objects"])
     placed: list[tuple[int, int, int]] = []  # nominal square boxes (x0, y0, side)
     for _ in range(wanted):
@@ -240,10 +313,12 @@ def _draw_image(
                 "iscrowd": 0,
             }
         )
+    if params.get("photometric", 0.0):
+        image = _photometric(rng, image, params["photometric"])
     return image, objects
 
 
-def _write_split(dest: Path, split: str, params: dict[str, int], bar: tqdm) -> dict[str, Any]:
+def _write_split(dest: Path, split: str, params: dict[str, Any], bar: tqdm) -> dict[str, Any]:
     """Draw one split's images into ``dest/split`` and return its COCO dict."""
     rng = random.Random(f"syncbn_shapes/{split}/{params['seed']}")
     split_dir = dest / split
@@ -273,7 +348,7 @@ def _write_split(dest: Path, split: str, params: dict[str, int], bar: tqdm) -> d
     }
 
 
-def _write_dataset(dest: Path, params: dict[str, int], *, progress: bool) -> None:
+def _write_dataset(dest: Path, params: dict[str, Any], *, progress: bool) -> None:
     """Write the whole dataset into the (new) directory ``dest``; the val JSON is written last."""
     total = params["num_train"] + params["num_val"]
     (dest / "annotations").mkdir(parents=True)
@@ -302,7 +377,7 @@ def _stored_params(annotation_file: Path) -> Any:
     return info.get(_INFO_KEY) if isinstance(info, dict) else None
 
 
-def _check_existing(root: Path, params: dict[str, int]) -> bool:
+def _check_existing(root: Path, params: dict[str, Any]) -> bool:
     """Whether ``root`` holds the dataset of ``params``; ``False`` when it holds no dataset.
 
     Raises:
@@ -343,7 +418,7 @@ def _check_existing(root: Path, params: dict[str, int]) -> bool:
     return True
 
 
-def _publish(tmp: Path, root: Path, params: dict[str, int]) -> bool:
+def _publish(tmp: Path, root: Path, params: dict[str, Any]) -> bool:
     """Move the finished dataset ``tmp`` to ``root`` atomically, or adopt a concurrent winner's.
 
     ``os.rename`` replaces a missing or empty ``root`` and fails when another process has
@@ -378,6 +453,8 @@ def generate_shapes(
     min_size: int = 10,
     max_size: int = 28,
     seed: int = 0,
+    clutter: int = 0,
+    photometric: float = 0.0,
     progress: bool = True,
 ) -> Path:
     """Write the synthetic shapes detection dataset (COCO format) under ``root``, once.
@@ -400,6 +477,11 @@ def generate_shapes(
         min_size: smallest side of a shape's nominal square box in pixels (>= 4). Default 10.
         max_size: largest side (``min_size <= max_size < image_size``). Default 28.
         seed: seed of the random streams (>= 0); train and val use different streams. Default 0.
+        clutter: most unannotated distractors per image (>= 0; each image draws ``0..clutter``):
+            outline rings and squares, line segments and crosses, drawn under the objects.
+            Default 0 (none).
+        photometric: per-image contrast factor ``U(1 - p, 1 + p)`` and brightness shift up to
+            ``+-96 p`` levels, applied to the finished image (``0 <= p < 1``). Default 0 (off).
         progress: show a tqdm progress bar over the images. Default True.
 
     Returns:
@@ -432,6 +514,8 @@ def generate_shapes(
         min_size=min_size,
         max_size=max_size,
         seed=seed,
+        clutter=clutter,
+        photometric=photometric,
     )
     root = Path(root).expanduser()
     if _check_existing(root, params):

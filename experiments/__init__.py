@@ -1,0 +1,1 @@
+"""Reproducible experiments built on the training service (``python -m experiments.<name>``)."""

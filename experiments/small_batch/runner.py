@@ -1,0 +1,347 @@
+"""Run the small-batch experiment: every variant x seed as a ``train.py`` job, then the analysis.
+
+Each job is a separate ``python train.py <overrides>`` process (the service's own launcher starts
+its DDP ranks), so a run here is exactly what a user gets from the same command line. A job's
+directory ``<runs>/<variant>/seed<k>/`` keeps the service's outputs (``results.json``, CSV
+metrics, checkpoints, logs) and ``experiment.json`` (its overrides, wall time and the batch-
+statistics probe). A job whose ``experiment.json`` records the same overrides is reused, so an
+interrupted experiment resumes where it stopped; ``--force`` reruns everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning
+import lightning.pytorch as pl
+import torch
+from omegaconf import OmegaConf
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from syncbn_lightning.tasks.centernet import CenterNet
+from syncbn_lightning.tasks.coco import CocoDataModule
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_RUNS = REPO / "experiments" / "small_batch" / "runs"
+DEFAULT_DOCS = REPO / "docs" / "small_batch"
+RECORD_FILE = "experiment.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of the comparison.
+
+    Attributes:
+        name: short id (directory name, table key).
+        label: what the table and the plots call it.
+        overrides: ``train.py`` overrides that select it (on top of the preset's).
+        processes: DDP processes (``trainer.devices``).
+        per_process: images per process and step (``data.batch_size``).
+        norm_batch: images each BatchNorm layer normalizes over in training.
+    """
+
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+    processes: int
+    per_process: int
+    norm_batch: int
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "local_bn",
+        "local BN, 4 proc x 2 img",
+        ("recipe=detection_local_bn", "trainer.devices=4"),
+        4,
+        2,
+        2,
+    ),
+    Variant(
+        "group2",
+        "SyncBN group_size=2, 4 proc x 2 img",
+        ("recipe=detection_group2", "trainer.devices=4", "bn.group_size=2"),
+        4,
+        2,
+        4,
+    ),
+    Variant(
+        "syncbn",
+        "SyncBN world, 4 proc x 2 img",
+        ("recipe=detection_small_batch", "trainer.devices=4"),
+        4,
+        2,
+        8,
+    ),
+    Variant(
+        "large_batch",
+        "plain BN, 1 proc x 8 img (reference)",
+        ("recipe=detection_large_batch", "trainer.devices=1", "data.batch_size=8"),
+        1,
+        8,
+        8,
+    ),
+)
+"""The variants, in table order. All have the global batch 8 (hence the same learning rate)."""
+
+PRESETS: dict[str, tuple[str, ...]] = {
+    # The experiment: 512 training images, 16 epochs of 64 steps (1024 optimizer steps),
+    # validation every 2 epochs, PreciseBN over 32 steps' worth of images (256 = half the set).
+    "full": (
+        "data=shapes_hard",
+        "trainer.max_epochs=16",
+        "trainer.check_val_every_n_epoch=2",
+        "bn.precise_bn_batches=32",
+    ),
+    # A minute-long rehearsal of the whole pipeline on a tiny dataset (the tests use it);
+    # its numbers mean nothing.
+    "smoke": (
+        "data=shapes_hard",
+        "data.synthetic.num_train=32",
+        "data.synthetic.num_val=8",
+        "trainer.max_epochs=2",
+        "trainer.check_val_every_n_epoch=1",
+        "bn.precise_bn_batches=2",
+    ),
+}
+"""Overrides shared by every job of a preset (before the variant's own)."""
+
+SERVICE: tuple[str, ...] = (
+    "logger=csv",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "evaluate=true",
+)
+"""Overrides every job gets: CSV metrics for the plots, quiet logs, the closing evaluation."""
+
+
+def job_overrides(preset: str, variant: Variant, seed: int, extra: Sequence[str] = ()) -> list[str]:
+    """The ``train.py`` overrides of one job (without its output and data paths)."""
+    return [*PRESETS[preset], *SERVICE, *variant.overrides, f"seed={seed}", *extra]
+
+
+def _variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    names = ", ".join(v.name for v in VARIANTS)
+    raise SystemExit(f"error: --variants: unknown variant {name!r}; choose from {names}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def run_job(
+    run_dir: Path, overrides: list[str], data_dir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """Train one job (``python train.py``) into ``run_dir``; return its ``experiment.json``.
+
+    Raises:
+        RuntimeError: when the job fails or runs past ``timeout_s`` (its whole process group
+            is killed); the message has the tail of its log.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "train.py",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+        f"paths.data_dir={data_dir}",
+    ]
+    log_path = run_dir / "stdout.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(
+                f"{run_dir}: train.py ran past --timeout-s={timeout_s:g} s and was killed; "
+                f"log tail:\n{_tail(log_path)}"
+            ) from None
+    wall = time.monotonic() - start
+    if rc != 0:
+        raise RuntimeError(
+            f"{run_dir}: `{' '.join(command)}` exited with {rc}; log tail:\n{_tail(log_path)}"
+        )
+    record = {"overrides": overrides, "wall_s": round(wall, 1)}
+    record["probe"] = batch_stat_probe(run_dir)
+    (run_dir / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def batch_stat_probe(run_dir: Path) -> dict[str, float]:
+    """Validate the job's final weights normalizing with each validation batch's own statistics.
+
+    Every BatchNorm layer is switched to training mode with ``momentum=0`` during validation, so
+    it normalizes with the mean/variance of the current validation batch (``data.batch_size``
+    images: 2 for the 4-process variants, 8 for the reference) and its running statistics stay
+    untouched. The mAP drop against the running-statistics evaluation measures how much the
+    statistics a layer normalizes with change the detections on this task; for the local-BN
+    variant it is also the evaluation consistent with how it was trained.
+
+    Returns:
+        ``{"val/mAP": ..., "val/mAP50": ..., "batch": images per normalization}``.
+    """
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    root = Path(OmegaConf.select(cfg, "data.root", throw_on_missing=True))
+    batch = int(cfg.data.batch_size)
+    datamodule = CocoDataModule(
+        str(root), image_size=int(cfg.data.synthetic.image_size), batch_size=batch
+    )
+    model = CenterNet.load_from_checkpoint(
+        run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[BatchStatistics()],
+    )
+    (result,) = trainer.validate(model, datamodule=datamodule, verbose=False)
+    return {
+        "val/mAP": float(result["val/mAP"]),
+        "val/mAP50": float(result["val/mAP50"]),
+        "batch": batch,
+    }
+
+
+class BatchStatistics(pl.Callback):
+    """During validation every BatchNorm layer normalizes with the batch's own statistics; the
+    running statistics are left as they are (``momentum=0``). For :func:`batch_stat_probe`."""
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for m in pl_module.modules():
+            if isinstance(m, _BatchNorm):
+                m.train()
+                m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch: unchanged
+
+
+def _reusable(run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+    try:
+        record = json.loads((run_dir / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("overrides") != overrides or not (run_dir / "results.json").is_file():
+        return None
+    return record
+
+
+def machine() -> dict[str, Any]:
+    """What the experiment ran on: CPU, cores, memory, Python and library versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory = f"{pages / 2**30:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        memory = "unknown"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory": memory,
+        "gpu": "none (CPU, gloo)",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+    }
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.small_batch",
+        description=(
+            "Train local BN / SyncBN / SyncBN group_size=2 (4 processes x 2 images) and a "
+            "1 x 8 plain-BN reference on the harder synthetic shapes, for each seed; evaluate "
+            "each with EMA, PreciseBN and per-batch statistics; write the table and plots."
+        ),
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--variants", nargs="+", default=[v.name for v in VARIANTS], help="subset to run"
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--runs-dir", type=Path, default=DEFAULT_RUNS, help="job directories")
+    parser.add_argument("--docs-dir", type=Path, default=DEFAULT_DOCS, help="table and PNGs")
+    parser.add_argument("--data-dir", type=Path, default=REPO / "data", help="datasets")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per job")
+    parser.add_argument("--force", action="store_true", help="rerun jobs that already ran")
+    parser.add_argument(
+        "--analyze-only", action="store_true", help="only rebuild the table and plots"
+    )
+    parser.add_argument(
+        "--override", action="append", default=[], help="extra train.py override, repeatable"
+    )
+    args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
+        parser.error(f"--seeds must be distinct non-negative ints, got {args.seeds}")
+    args.variants = [_variant(n) for n in dict.fromkeys(args.variants)]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or reuse) every job, then write ``<docs>/results.{md,json}`` and the PNGs."""
+    from .analysis import write_report
+
+    args = _parse(argv)
+    runs_dir, docs_dir = args.runs_dir.resolve(), args.docs_dir.resolve()
+    command = "python -m experiments.small_batch " + " ".join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+    start = time.monotonic()
+    ran = 0
+    for variant in args.variants:
+        for seed in args.seeds:
+            run_dir = runs_dir / variant.name / f"seed{seed}"
+            overrides = job_overrides(args.preset, variant, seed, args.override)
+            if args.analyze_only or (not args.force and _reusable(run_dir, overrides)):
+                continue
+            print(f"[small_batch] {variant.name} seed {seed}: training ...", flush=True)
+            record = run_job(run_dir, overrides, args.data_dir.resolve(), args.timeout_s)
+            ran += 1
+            print(f"[small_batch] {variant.name} seed {seed}: {record['wall_s']} s", flush=True)
+    elapsed = time.monotonic() - start
+    summary = write_report(
+        runs_dir,
+        docs_dir,
+        variants=args.variants,
+        seeds=args.seeds,
+        meta={
+            "command": command.strip(),
+            "preset": args.preset,
+            "preset_overrides": list(PRESETS[args.preset]) + list(args.override),
+            "machine": machine(),
+            "jobs_run_now": ran,
+            "session_wall_s": round(elapsed, 1),
+        },
+    )
+    print(summary)
+    return 0

@@ -1,0 +1,236 @@
+"""The small-batch experiment layer: harder synthetic data, shared data order, the runner/analysis.
+
+The end-to-end test runs the real command (``python -m experiments.small_batch --preset smoke``):
+real ``train.py`` jobs with 4 gloo processes and a one-process reference, the real probe and the
+real plots; only the dataset and the number of steps are tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+from PIL import Image
+from torch.utils.data import DistributedSampler
+
+from experiments.small_batch import analysis, runner
+from syncbn_lightning.tasks.coco import CocoDataModule
+from syncbn_lightning.tasks.shapes import generate_shapes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- harder data
+
+
+def _annotations(root: Path) -> dict:
+    return json.loads((root / "annotations" / "instances_train.json").read_text())
+
+
+def test_default_dataset_records_no_new_parameters(tmp_path: Path) -> None:
+    # Datasets written before clutter/photometric existed must still match their parameters.
+    root = generate_shapes(tmp_path / "d", num_train=2, num_val=1, progress=False)
+    stored = _annotations(root)["info"]["syncbn_shapes"]
+    assert "clutter" not in stored and "photometric" not in stored
+    hard = generate_shapes(
+        tmp_path / "h", num_train=2, num_val=1, clutter=3, photometric=0.25, progress=False
+    )
+    stored = _annotations(hard)["info"]["syncbn_shapes"]
+    assert (stored["clutter"], stored["photometric"]) == (3, 0.25)
+
+
+def test_photometric_is_a_per_image_affine_change_of_the_same_image(tmp_path: Path) -> None:
+    # The change is drawn after everything else of an image, so image 0 of both datasets is the
+    # same drawing; photometric maps its levels v -> (v - 128) * c + 128 + b (then clips).
+    common = {"num_train": 1, "num_val": 1, "progress": False}
+    base = generate_shapes(tmp_path / "base", **common)
+    photo = generate_shapes(tmp_path / "photo", photometric=0.9, **common)
+    a = np.asarray(Image.open(base / "train" / "000000.png"), dtype=float).ravel()
+    b = np.asarray(Image.open(photo / "train" / "000000.png"), dtype=float).ravel()
+    inside = (b > 0) & (b < 255)  # not clipped
+    assert inside.mean() > 0.5
+    slope, intercept = np.polyfit(a[inside], b[inside], 1)
+    residual = b[inside] - (slope * a[inside] + intercept)
+    assert np.abs(residual).max() <= 1.0  # one affine map, up to rounding
+    assert abs(slope - 1.0) > 0.01  # and not the identity
+    assert _annotations(base)["annotations"] == _annotations(photo)["annotations"]
+
+
+def test_clutter_puts_unannotated_edges_outside_every_box(tmp_path: Path) -> None:
+    def edges_outside_boxes(root: Path) -> float:
+        coco = _annotations(root)
+        fractions = []
+        for image in coco["images"]:
+            gray = np.asarray(
+                Image.open(root / "train" / image["file_name"]).convert("L"), dtype=float
+            )
+            free = np.ones_like(gray, dtype=bool)
+            for ann in coco["annotations"]:
+                if ann["image_id"] == image["id"]:
+                    x, y, w, h = (int(v) for v in ann["bbox"])
+                    free[max(0, y - 1) : y + h + 1, max(0, x - 1) : x + w + 1] = False
+            step = np.abs(np.diff(gray, axis=1)) > 40  # far above the background's noise
+            fractions.append(step[free[:, 1:] & free[:, :-1]].mean())
+        return float(np.mean(fractions))
+
+    common = {"num_train": 24, "num_val": 1, "progress": False}
+    assert edges_outside_boxes(generate_shapes(tmp_path / "plain", **common)) == 0.0
+    assert edges_outside_boxes(generate_shapes(tmp_path / "clutter", clutter=4, **common)) > 0.002
+
+
+# ----------------------------------------------------------------------------- data order
+
+
+def test_one_process_sees_the_global_batches_of_four(tmp_path: Path, monkeypatch) -> None:
+    """A 1 x 8 run trains at every step on the 8 images that 4 DDP ranks x 2 train on."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    dm = CocoDataModule(
+        str(tmp_path / "shapes"),
+        batch_size=8,
+        synthetic={"num_train": 32, "num_val": 2, "progress": False},
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    dm.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False)
+    sampler = dm.train_dataloader().sampler
+    assert isinstance(sampler, DistributedSampler)
+    orders = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        single = list(sampler)
+        ranks = []
+        for rank in range(4):
+            ddp = DistributedSampler(dm.train_set, 4, rank, shuffle=True, seed=7)
+            ddp.set_epoch(epoch)
+            ranks.append(list(ddp))
+        for step in range(len(single) // 8):
+            together = {i for r in ranks for i in r[2 * step : 2 * step + 2]}
+            assert set(single[8 * step : 8 * step + 8]) == together
+        orders.append(single)
+    assert orders[0] != orders[1]  # reshuffled per epoch
+
+
+def test_without_a_trainer_the_loader_shuffles_plainly(tmp_path: Path) -> None:
+    dm = CocoDataModule(
+        str(tmp_path / "shapes"), synthetic={"num_train": 4, "num_val": 2, "progress": False}
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    assert not isinstance(dm.train_dataloader().sampler, DistributedSampler)
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def _job(seed: int, ema: float, precise: float, batch: float = 0.0) -> analysis.Job:
+    scores = {
+        "ema": {"mAP": ema, "mAP50": 2 * ema},
+        "precise": {"mAP": precise, "mAP50": 2 * precise},
+        "batch": {"mAP": batch, "mAP50": 2 * batch},
+    }
+    return analysis.Job(seed, scores, wall_s=10.0 + seed, steps=100)
+
+
+def _variants() -> dict[str, runner.Variant]:
+    return {v.name: v for v in runner.VARIANTS}
+
+
+def test_spread_is_the_sample_standard_deviation() -> None:
+    assert analysis.spread([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert analysis.spread([5.0]) == (5.0, 0.0)
+
+
+def test_goals_compare_seed_means() -> None:
+    v = _variants()
+    jobs = {
+        v["local_bn"]: [_job(0, 20.0, 18.0), _job(1, 22.0, 20.0)],
+        v["syncbn"]: [_job(0, 30.0, 31.0), _job(1, 32.0, 33.0)],
+        v["large_batch"]: [_job(0, 31.5, 31.0), _job(1, 33.5, 32.0)],
+    }
+    met = {g["goal"]: g["met"] for g in analysis.goals(jobs)}
+    assert met == {
+        "SyncBN mAP >= local-BN mAP (EMA)": True,
+        "SyncBN within 1 point of the 1 x 8 reference (EMA)": False,  # 31 vs 32.5
+        "SyncBN mAP >= local-BN mAP (PreciseBN)": True,
+        "SyncBN within 1 point of the 1 x 8 reference (PreciseBN)": True,  # 32 vs 31.5
+        "PreciseBN >= EMA (local_bn)": False,
+        "PreciseBN >= EMA (syncbn)": True,
+        "PreciseBN >= EMA (large_batch)": False,
+    }
+
+
+def test_table_has_one_row_per_variant_with_mean_and_std() -> None:
+    v = _variants()
+    text = analysis.table({v["syncbn"]: [_job(0, 30.0, 31.0), _job(1, 32.0, 33.0)]})
+    row = text.splitlines()[2]
+    assert row.startswith(f"| {v['syncbn'].label} | 8 | 2 | 31.0 ± 1.4 | 62.0 ± 2.8 | 32.0 ± 1.4")
+    assert row.endswith("| 10 s |")  # mean wall time 10.5 s
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.small_batch", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_unknown_variant_is_refused_by_name() -> None:
+    proc = _run("--variants", "syncbn", "batchnorm", timeout=120)
+    assert proc.returncode != 0
+    assert "unknown variant 'batchnorm'; choose from local_bn, group2, syncbn, large_batch" in (
+        proc.stderr
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_smoke_experiment_end_to_end_and_resume(tmp_path: Path) -> None:
+    dirs = [
+        f"--runs-dir={tmp_path / 'runs'}",
+        f"--docs-dir={tmp_path / 'docs'}",
+        f"--data-dir={tmp_path / 'data'}",
+    ]
+    args = ["--preset", "smoke", "--seeds", "0", "1", "--variants", "syncbn", "large_batch"]
+    proc = _run(*args, *dirs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    docs = tmp_path / "docs"
+    raw = json.loads((docs / "results.json").read_text())
+    assert raw["jobs_run_now"] == 4 and raw["seeds"] == [0, 1]
+    assert raw["machine"]["cores"] >= 1
+    for name, steps in (("syncbn", 8), ("large_batch", 8)):  # 32 images / 8 per step x 2 epochs
+        jobs = raw["variants"][name]["jobs"]
+        assert [j["seed"] for j in jobs] == [0, 1]
+        for j in jobs:
+            assert j["steps"] == steps and j["wall_s"] > 0
+            for key in ("ema", "precise", "batch"):
+                assert 0.0 <= j["scores"][key]["mAP"] <= 100.0
+    # Each job's own files: the service's results.json and the probe's record.
+    record = json.loads((tmp_path / "runs" / "syncbn" / "seed0" / "experiment.json").read_text())
+    assert record["probe"]["batch"] == 2 and "seed=0" in record["overrides"]
+    large_dir = tmp_path / "runs" / "large_batch" / "seed1"
+    large = json.loads((large_dir / "experiment.json").read_text())
+    assert large["probe"]["batch"] == 8
+    results = json.loads((tmp_path / "runs" / "syncbn" / "seed0" / "results.json").read_text())
+    assert results["global_step"] == 8 and "val/mAP" in results["fit"]
+    assert results["final"]["bn/norm_batch_size"] == 8.0
+    table = (docs / "results.md").read_text()
+    assert "| SyncBN world, 4 proc x 2 img | 8 | 2 |" in table and "## Goals" in table
+    for png in ("map_over_steps", "final_map", "norm_batch_size", "drift_gap"):
+        assert (docs / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The same command again reuses every finished job and rewrites the same table.
+    again = _run(*args, *dirs)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((docs / "results.json").read_text())["jobs_run_now"] == 0
+    assert (docs / "results.md").read_text().split("## Goals")[1] == table.split("## Goals")[1]
