@@ -249,10 +249,11 @@ class SyncBNCallback(Callback):
             Default: ``"warn"``.
         single_process: what to do in a single-process run (world size 1). ``"leave"``: keep
             the model's BatchNorm layers, measure nothing (PreciseBN still runs). ``"monitor"``:
-            convert them to a group of one rank (``force_sync``: the synchronized kernels on the
-            local batch, which is plain BatchNorm up to float rounding) so that the ``bn/*``
-            batch sizes, drift and train/test gap are logged as in a DDP run; for large-batch
-            reference runs compared with DDP runs. Default: ``"leave"``.
+            convert them to a group of one rank so that the ``bn/*`` batch sizes, drift and
+            train/test gap are logged as in a DDP run; for large-batch reference runs compared
+            with DDP runs. Like any group of one rank (``group_size=1``) the layers compute plain
+            BatchNorm, and on measurement steps the synchronized kernels (``force_sync``), equal
+            up to float rounding, which record the batch statistics. Default: ``"leave"``.
 
     Raises:
         TypeError / ValueError: at construction for invalid arguments; in ``setup`` when combined
@@ -447,6 +448,18 @@ class SyncBNCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_start = trainer.global_step
+        if self._active and self.drift and self.resolved_group_size == 1:
+            # One-rank groups normalize with plain BatchNorm, which records no batch statistics;
+            # on the steps that will be measured they take the synchronized path (a one-rank
+            # collective) so that the train/test gap of local BN is measured too.
+            force = self._measured(trainer, trainer.global_step + 1)
+            for bn in self._layers:
+                bn.force_sync = force
+
+    def _measured(self, trainer: pl.Trainer, step: int) -> bool:
+        """Whether the optimizer step ``step`` is a measurement step."""
+        interval = self.log_every_n_steps or trainer.log_every_n_steps
+        return step == 1 or step % interval == 0
 
     @override
     def on_train_batch_end(
@@ -480,8 +493,7 @@ class SyncBNCallback(Callback):
         step_local, self._pending_local = self._pending_local, 0
         step_norm, self._pending_norm = self._pending_norm, None
         self._since_log_local += step_local
-        interval = self.log_every_n_steps or trainer.log_every_n_steps
-        if step == 1 or step % interval == 0:
+        if self._measured(trainer, step):
             self._measure(trainer, pl_module, step, step_local, step_norm, records)
 
     def _measure(

@@ -234,3 +234,11 @@ def test_smoke_experiment_end_to_end_and_resume(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((docs / "results.json").read_text())["jobs_run_now"] == 0
     assert (docs / "results.md").read_text().split("## Goals")[1] == table.split("## Goals")[1]
+    # --force reruns a job from an empty directory: the probe and the plots read the new run.
+    forced = _run("--preset", "smoke", "--seeds", "0", "--variants", "large_batch", "--force",
+                  *dirs)  # fmt: skip
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    job = tmp_path / "runs" / "large_batch" / "seed0"
+    assert sorted(p.name for p in (job / "checkpoints").glob("last*")) == ["last.ckpt"]
+    assert [p.name for p in (job / "csv").iterdir()] == ["version_0"]
+    assert json.loads((docs / "results.json").read_text())["jobs_run_now"] == 1

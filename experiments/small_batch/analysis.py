@@ -82,7 +82,7 @@ def load_job(run_dir: Path, seed: int) -> Job:
     curves: dict[str, list[tuple[int, float]]] = {}
     files = find_metrics_files(run_dir)
     if files:
-        series = read_metrics(files[0])
+        series = read_metrics(files[-1])  # the newest version_<n> of the job
         curves = {k: list(series[k]) for k in CURVES if k in series}
         if curves.get("val/mAP"):
             curves["val/mAP"] = curves["val/mAP"][:-1]
@@ -161,7 +161,7 @@ def goals(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "goal": f"SyncBN mAP >= local-BN mAP ({name})",
-                    "value": f"{sync:.1f} vs {local:.1f} ({sync - local:+.1f})",
+                    "value": f"{sync:.2f} vs {local:.2f} ({sync - local:+.2f})",
                     "met": sync >= local,
                 }
             )
@@ -169,7 +169,7 @@ def goals(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "goal": f"SyncBN within 1 point of the 1 x 8 reference ({name})",
-                    "value": f"{sync:.1f} vs {large:.1f} ({sync - large:+.1f})",
+                    "value": f"{sync:.2f} vs {large:.2f} ({sync - large:+.2f})",
                     "met": abs(sync - large) <= 1.0,
                 }
             )
@@ -181,7 +181,7 @@ def goals(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "goal": f"PreciseBN >= EMA ({variant.name})",
-                "value": f"{precise:.1f} vs {ema:.1f} ({precise - ema:+.1f})",
+                "value": f"{precise:.2f} vs {ema:.2f} ({precise - ema:+.2f})",
                 "met": precise >= ema,
             }
         )
@@ -222,7 +222,7 @@ def plot(jobs: Mapping[Variant, Sequence[Job]], out_dir: Path) -> list[Path]:
 
     * ``map_over_steps.png``: validation mAP (EMA statistics) over optimizer steps,
     * ``final_map.png``: final mAP per variant and evaluation, seed means and each seed,
-    * ``norm_batch_size.png``: ``bn/norm_batch_size`` and ``bn/global_batch_size``,
+    * ``norm_batch_size.png``: ``bn/norm_batch_size`` (``bn/global_batch_size`` in the title),
     * ``drift_gap.png``: running-statistics drift and train/test gap (averages over layers).
     """
     import matplotlib
@@ -270,21 +270,25 @@ def plot(jobs: Mapping[Variant, Sequence[Job]], out_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     save(fig, "final_map.png")
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.0))
-    for v, runs in jobs.items():
-        _band(ax, runs, "bn/norm_batch_size", f"{v.name}: norm", color[v], 1.0)
-        steps, values = _aligned(runs, "bn/global_batch_size")
+    fig, ax = plt.subplots(figsize=(9.5, 3.8))
+    for i, (v, runs) in enumerate(jobs.items()):
+        width = 1.5 + 2.0 * (len(jobs) - 1 - i)  # earlier lines wider: equal values stay visible
+        steps, values = _aligned(runs, "bn/norm_batch_size")
         if steps:
-            ax.plot(steps, [statistics.fmean(x) for x in values], "--", color=color[v],
-                    alpha=0.6, label=f"{v.name}: global")  # fmt: skip
+            ax.plot(steps, [statistics.fmean(x) for x in values], color=color[v],
+                    linewidth=width, alpha=0.8, label=v.label)  # fmt: skip
+    globals_ = {x for runs in jobs.values() for j in runs for _, x in j.curves.get(
+        "bn/global_batch_size", [])}  # fmt: skip
+    shown = ", ".join(f"{g:g}" for g in sorted(globals_)) or "-"
     ax.set(
         xlabel="optimizer step",
-        ylabel="samples",
-        title="bn/norm_batch_size (solid) and bn/global_batch_size (dashed)",
+        ylabel="samples per BN forward",
+        title=f"bn/norm_batch_size (bn/global_batch_size: {shown} in every job)",
     )
     ax.set_yscale("log", base=2)
+    ax.set_ylim(1.4, 11.5)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, "norm_batch_size.png")
 
     panels = (

@@ -5,7 +5,8 @@ its DDP ranks), so a run here is exactly what a user gets from the same command 
 directory ``<runs>/<variant>/seed<k>/`` keeps the service's outputs (``results.json``, CSV
 metrics, checkpoints, logs) and ``experiment.json`` (its overrides, wall time and the batch-
 statistics probe). A job whose ``experiment.json`` records the same overrides is reused, so an
-interrupted experiment resumes where it stopped; ``--force`` reruns everything.
+interrupted experiment resumes where it stopped; ``--force`` reruns everything (deleting the old
+job directories).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,11 +153,17 @@ def run_job(
 ) -> dict[str, Any]:
     """Train one job (``python train.py``) into ``run_dir``; return its ``experiment.json``.
 
+    Whatever ``run_dir`` held before (an older run of the job, a partial one) is deleted first.
+
     Raises:
         RuntimeError: when the job fails or runs past ``timeout_s`` (its whole process group
             is killed); the message has the tail of its log.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # A rerun starts from an empty directory: Lightning would version new checkpoints and CSV
+    # files next to the old ones (last-v1.ckpt, version_1/) and the probe would read the old.
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
     command = [
         sys.executable,
         "train.py",
@@ -307,15 +315,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _reproduce_command(args: argparse.Namespace) -> str:
+    """The command that trains (or reuses) these jobs and writes this report: the invocation
+    without ``--force``/``--analyze-only`` and without the defaults."""
+    parts = ["python -m experiments.small_batch"]
+    if args.seeds != [0, 1, 2]:
+        parts.append("--seeds " + " ".join(map(str, args.seeds)))
+    if [v.name for v in args.variants] != [v.name for v in VARIANTS]:
+        parts.append("--variants " + " ".join(v.name for v in args.variants))
+    if args.preset != "full":
+        parts.append(f"--preset {args.preset}")
+    parts += [f"--override '{o}'" for o in args.override]
+    return " ".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or reuse) every job, then write ``<docs>/results.{md,json}`` and the PNGs."""
     from .analysis import write_report
 
     args = _parse(argv)
     runs_dir, docs_dir = args.runs_dir.resolve(), args.docs_dir.resolve()
-    command = "python -m experiments.small_batch " + " ".join(
-        sys.argv[1:] if argv is None else list(argv)
-    )
+    command = _reproduce_command(args)
     start = time.monotonic()
     ran = 0
     for variant in args.variants:
@@ -329,13 +349,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             ran += 1
             print(f"[small_batch] {variant.name} seed {seed}: {record['wall_s']} s", flush=True)
     elapsed = time.monotonic() - start
+    # The report covers every variant finished for these seeds, not only the ones run now, so
+    # that rerunning one variant keeps the others in the table.
+    finished = [
+        v
+        for v in VARIANTS
+        if v in args.variants
+        or all((runs_dir / v.name / f"seed{s}" / RECORD_FILE).is_file() for s in args.seeds)
+    ]
     summary = write_report(
         runs_dir,
         docs_dir,
-        variants=args.variants,
+        variants=finished,
         seeds=args.seeds,
         meta={
-            "command": command.strip(),
+            "command": command,
             "preset": args.preset,
             "preset_overrides": list(PRESETS[args.preset]) + list(args.override),
             "machine": machine(),

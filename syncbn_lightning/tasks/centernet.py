@@ -200,7 +200,10 @@ class CenterNet(ScaledLRModule):
         not its batch size). Under DDP each rank decodes its share of the validation set; one
         ``all_gather_object`` brings the detections to rank 0, which evaluates and broadcasts the
         two numbers, so every rank logs the same mAP. Images the DistributedSampler repeated to
-        even out the shards are counted once.
+        even out the shards are counted once. In training the losses are divided by the object
+        count averaged over ranks (one scalar all_reduce per step), as detectron2 does, so that a
+        DDP step's gradient is one process's gradient on the concatenated batch (with SyncBN
+        over the world, exactly; tested).
     """
 
     def __init__(
