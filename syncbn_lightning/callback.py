@@ -130,9 +130,9 @@ def _convert(
     force_sync: bool = False,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place, put every SyncBatchNorm in ``group``, apply the overrides."""
-    convert_sync_batchnorm(model, process_group=group, force_sync=force_sync)
+    convert_sync_batchnorm(model, process_group=group)
     layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
-    for bn in layers:
+    for bn in layers:  # also the layers that already were SyncBatchNorm
         bn.process_group = group
         bn.force_sync = force_sync
         if momentum is not None:

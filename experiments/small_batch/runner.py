@@ -48,16 +48,12 @@ class Variant:
         name: short id (directory name, table key).
         label: what the table and the plots call it.
         overrides: ``train.py`` overrides that select it (on top of the preset's).
-        processes: DDP processes (``trainer.devices``).
-        per_process: images per process and step (``data.batch_size``).
         norm_batch: images each BatchNorm layer normalizes over in training.
     """
 
     name: str
     label: str
     overrides: tuple[str, ...]
-    processes: int
-    per_process: int
     norm_batch: int
 
 
@@ -66,8 +62,6 @@ VARIANTS: tuple[Variant, ...] = (
         "local_bn",
         "local BN, 4 proc x 2 img",
         ("recipe=detection_local_bn", "trainer.devices=4"),
-        4,
-        2,
         2,
     ),
     Variant(
@@ -75,23 +69,17 @@ VARIANTS: tuple[Variant, ...] = (
         "SyncBN group_size=2, 4 proc x 2 img",
         ("recipe=detection_group2", "trainer.devices=4", "bn.group_size=2"),
         4,
-        2,
-        4,
     ),
     Variant(
         "syncbn",
         "SyncBN world, 4 proc x 2 img",
         ("recipe=detection_small_batch", "trainer.devices=4"),
-        4,
-        2,
         8,
     ),
     Variant(
         "large_batch",
         "plain BN, 1 proc x 8 img (reference)",
         ("recipe=detection_large_batch", "trainer.devices=1", "data.batch_size=8"),
-        1,
-        8,
         8,
     ),
 )
