@@ -507,12 +507,16 @@ bool aligned_to(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// Most blocks an elementwise launch uses: its grid-stride loops step by at most this many blocks
+// times kThreads (channels-first: blocks x kThreads; channels-last: row blocks x TY <= kThreads).
+int64_t elemt_max_blocks(int device) { return int64_t(sm_count(device)) * kBlocksPerSm * 8; }
+
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 void launch_elemt_with(
     const Op& op, const ElemtPointers<scalar_t, Op::kInputs>& ptr, const Geometry& g, int device,
     cudaStream_t stream) {
   const int64_t numel = g.N * g.C * g.S;
-  const int64_t max_blocks = int64_t(sm_count(device)) * kBlocksPerSm * 8;
+  const int64_t max_blocks = elemt_max_blocks(device);
   if (g.layout == Layout::kChannelsFirst) {
     const int64_t nvec = numel / VEC;
     const auto blocks = static_cast<unsigned>(std::min(ceil_div(nvec, kThreads), max_blocks));
@@ -547,7 +551,10 @@ void launch_elemt(
   for (int t = 0; t < Op::kInputs; ++t) {
     vectorize = vectorize && aligned_to(ptr.in[t], sizeof(scalar_t) * kVec);
   }
-  const bool small = g.N * g.C * g.S <= std::numeric_limits<int32_t>::max();
+  // 32-bit indices only if the grid-stride loops' last step past the end (index + stride) fits
+  // too: with numel <= INT32_MAX alone, k += stride wrapped for numel near INT32_MAX.
+  const int64_t max_stride = elemt_max_blocks(device) * kThreads;
+  const bool small = g.N * g.C * g.S + max_stride <= std::numeric_limits<int32_t>::max();
   if (vectorize && small) {
     launch_elemt_with<Op, scalar_t, acc_t, kVec, int32_t>(op, ptr, g, device, stream);
   } else if (vectorize) {

@@ -117,6 +117,27 @@ def _cpu_arch_flags() -> list[str]:
     return []
 
 
+def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
+    """A 16-hex-digit cache key of ``files`` (names and bytes), ``extra`` and the toolchain.
+
+    The torch, CUDA and Python versions and the machine architecture are always part of the key,
+    so a build made by another of them is never loaded.
+    """
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    for item in (
+        *extra,
+        torch.__version__,
+        torch.version.cuda,
+        sys.version_info[:2],
+        platform.machine(),
+    ):
+        digest.update(repr(item).encode())
+    return digest.hexdigest()[:16]
+
+
 def _build_spec() -> dict[str, Any]:
     csrc = _csrc_dir()
     with_cuda = _cuda_build_enabled(csrc)
@@ -126,20 +147,7 @@ def _build_spec() -> dict[str, Any]:
         ["-DWITH_CUDA"] if with_cuda else []
     )
     cuda_cflags = list(_CUDA_CFLAGS) if with_cuda else []
-    digest = hashlib.sha256()
-    for path in sources + headers:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    for item in (
-        cflags,
-        cuda_cflags,
-        torch.__version__,
-        torch.version.cuda,
-        sys.version_info[:2],
-        platform.machine(),
-    ):
-        digest.update(repr(item).encode())
-    key = digest.hexdigest()[:16]
+    key = source_key(sources + headers, (cflags, cuda_cflags))
     return {
         "name": f"syncbn_lightning_ext_{key}",
         "key": key,
@@ -151,7 +159,7 @@ def _build_spec() -> dict[str, Any]:
     }
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     root = os.environ.get(CACHE_ENV)
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "syncbn_lightning"
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -160,7 +168,7 @@ def _cache_root() -> Path:
 
 def build_dir() -> Path:
     """The build directory for the current sources, flags and versions (created if needed)."""
-    path = _cache_root() / _build_spec()["key"]
+    path = cache_root() / _build_spec()["key"]
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
@@ -232,10 +240,38 @@ def _safe_build_dir() -> str:
 
 
 def _build_and_import() -> ModuleType:
+    spec = _build_spec()
+    return build_locked(
+        spec["name"],
+        build_dir(),
+        sources=spec["sources"],
+        include_paths=[spec["include"]],
+        cflags=spec["cflags"],
+        ldflags=["-fopenmp"],
+        with_cuda=spec["with_cuda"],
+        cuda_cflags=spec["cuda_cflags"],
+    )
+
+
+def build_locked(
+    name: str,
+    directory: Path,
+    *,
+    sources: list[str],
+    include_paths: list[str],
+    cflags: list[str],
+    ldflags: list[str],
+    with_cuda: bool = False,
+    cuda_cflags: list[str] | None = None,
+) -> ModuleType:
+    """Compile and import extension ``name`` in ``directory`` under the inter-process build lock.
+
+    A ``lock`` file that torch's builder left behind (its build was killed) is removed first; the
+    wait for another builder is bounded by ``SYNCBN_BUILD_TIMEOUT`` (default 900 s). Also used by
+    the CUDA emulation build in ``tests/cuda_emu``.
+    """
     from torch.utils import cpp_extension
 
-    spec = _build_spec()
-    directory = build_dir()
     timeout_s = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
     with _build_lock(directory, timeout_s):
         stale = directory / "lock"
@@ -248,22 +284,17 @@ def _build_and_import() -> ModuleType:
             stale.unlink()
         started = time.perf_counter()
         module = cpp_extension.load(
-            name=spec["name"],
-            sources=spec["sources"],
-            extra_include_paths=[spec["include"]],
-            extra_cflags=spec["cflags"],
-            extra_cuda_cflags=spec["cuda_cflags"],
-            extra_ldflags=["-fopenmp"],
+            name=name,
+            sources=sources,
+            extra_include_paths=include_paths,
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_cflags or [],
+            extra_ldflags=ldflags,
             build_directory=str(directory),
-            with_cuda=spec["with_cuda"],
+            with_cuda=with_cuda,
             verbose=False,
         )
-    log.info(
-        "syncbn_lightning extension %s ready in %.1f s (%s)",
-        spec["name"],
-        time.perf_counter() - started,
-        directory,
-    )
+    log.info("extension %s ready in %.1f s (%s)", name, time.perf_counter() - started, directory)
     return module
 
 

@@ -14,7 +14,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if expected.numel() == 0:
         assert actual.numel() == 0
         return 0.0
-    a, e = actual.detach().double(), expected.detach().double()
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
     scale = e.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     return ((a - e).abs().max() / scale).item()
 
@@ -29,5 +29,6 @@ def sum_err(actual: torch.Tensor, truth: torch.Tensor, abs_sum: torch.Tensor) ->
     """
     if truth.numel() == 0:
         return 0.0
-    scale = abs_sum.double().clamp_min(torch.finfo(torch.float64).tiny)
-    return ((actual.detach().double() - truth.double()).abs() / scale).max().item()
+    scale = abs_sum.detach().cpu().double().clamp_min(torch.finfo(torch.float64).tiny)
+    a, t = actual.detach().cpu().double(), truth.detach().cpu().double()
+    return ((a - t).abs() / scale).max().item()

@@ -16,29 +16,13 @@ import zlib
 import pytest
 import torch
 from _dist import run_distributed
-from _numerics import rel_err, sum_err
+from _kernel_matrix import DTYPES, OUT_TOL, SHAPES, base_input, check_primitives, layouts
+from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, _backend
-from syncbn_lightning import reference as R
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-SHAPES = [
-    (6, 5),  # (N, C) matrix
-    (64, 40),  # channels-last vector path (C % 8 == 0)
-    (3, 5, 17),
-    (4, 5, 7, 7),  # S = 49: scalar path, several channels per warp walk
-    (2, 33, 16, 16),  # C > 32 and odd: two channel tiles in channels-last
-    (2, 4, 200, 168),  # 67k values per channel: the reduction splits every channel
-    (2, 5, 3, 4, 5),
-    (0, 5, 4, 4),
-    (1, 300, 9, 9),
-]
-# Statistics accumulate in float32 (float64) in another order than the reference and the truth.
-STAT_TOL = {torch.float64: 1e-12}
-OUT_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(scope="module")
@@ -54,96 +38,16 @@ def _poison(nbytes: int) -> None:
     del block
 
 
-def _layouts(x: torch.Tensor) -> list[torch.Tensor]:
-    out = [x.contiguous()]
-    if x.dim() == 4:
-        out.append(x.contiguous(memory_format=torch.channels_last))
-    elif x.dim() == 5:
-        out.append(x.contiguous(memory_format=torch.channels_last_3d))
-    elif x.dim() == 3:
-        out.append(x.transpose(1, 2).contiguous().transpose(1, 2))
-    if x.numel() > 0:  # a view 1 element into its storage: no 16-byte alignment, scalar path
-        flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
-        view = flat[1:].view(x.shape)
-        view.copy_(x)
-        out.append(view)
-    return out
-
-
-def _truth_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dims = [d for d in range(x.dim()) if d != 1]
-    x64 = x.detach().cpu().double()
-    if x64.numel() == 0:
-        return torch.zeros(x.shape[1], dtype=torch.float64), torch.zeros(
-            x.shape[1], dtype=torch.float64
-        )
-    mean = x64.mean(dims)
-    view = [1, -1] + [1] * (x.dim() - 2)
-    return mean, ((x64 - mean.view(view)) ** 2).sum(dims)
-
-
-def _backward_sums(
-    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    dims = [d for d in range(x.dim()) if d != 1]
-    view = [1, -1] + [1] * (x.dim() - 2)
-    g, xmu = dy.cpu().double(), x.cpu().double() - mean.cpu().double().view(view)
-    terms = [g, g * xmu, g * xmu * invstd.cpu().double().view(view), g]
-    return [(t.sum(dims), t.abs().sum(dims)) for t in terms]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_cuda_kernels_match_reference_and_float64(
     ext, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> None:
     torch.manual_seed(zlib.crc32(repr((shape, str(dtype), "cuda")).encode()))
-    acc = R.acc_dtype(dtype)
-    base = (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype).cuda()
+    base = base_input(shape, dtype, "cuda")
     nbytes = base.numel() * base.element_size() + 4096
-    stat_tol = STAT_TOL.get(dtype, 1e-5)
-    for x in _layouts(base):
-        _poison(nbytes)
-        mean, m2 = ext.local_stats(x)
-        assert mean.is_cuda and mean.dtype == acc and m2.dtype == acc
-        t_mean, t_m2 = _truth_stats(x)
-        assert rel_err(mean, t_mean) <= stat_tol and rel_err(m2, t_m2) <= stat_tol
-        r_mean, r_m2 = R.local_stats(x)
-        assert rel_err(mean, r_mean) <= stat_tol and rel_err(m2, r_m2) <= stat_tol
-
-        w = torch.rand(shape[1], dtype=acc, device="cuda") + 0.5
-        b = torch.randn(shape[1], dtype=acc, device="cuda")
-        counts = torch.tensor([x.numel() // shape[1], 5, 0], dtype=acc, device="cuda")
-        junk = torch.full_like(mean, float("nan"))  # a zero-count rank's row must be ignored
-        means = torch.stack([mean, torch.randn_like(mean), junk])
-        m2s = torch.stack([m2, torch.rand_like(m2) * 4, junk])
-        _poison(nbytes)
-        merged = ext.merge_stats(counts, means, m2s, 1e-5, True)
-        want = R.merge_stats(counts[:2], means[:2], m2s[:2], 1e-5, True)
-        for got, ref in zip(merged, want, strict=True):
-            assert torch.isfinite(got).all() and rel_err(got, ref) <= stat_tol
-        g_mean, g_invstd, _ = merged
-
-        _poison(nbytes)
-        y = ext.normalize(x, g_mean, g_invstd, w, b)
-        assert y.dtype == dtype and y.shape == x.shape and y.stride() == x.stride()
-        assert rel_err(y, R.normalize(x, g_mean, g_invstd, w, b)) <= OUT_TOL[dtype]
-        _poison(nbytes)
-        y0 = ext.normalize(x, g_mean, g_invstd, None, None)
-        assert rel_err(y0, R.normalize(x, g_mean, g_invstd, None, None)) <= OUT_TOL[dtype]
-
-        dy = torch.randn(x.shape, dtype=torch.float64).to(dtype).cuda()
-        _poison(nbytes)
-        got = ext.backward_reduce(dy, x, g_mean, g_invstd, w, True, True)
-        truths = _backward_sums(dy, x, g_mean, g_invstd)
-        for g, (truth, abs_sum) in zip(got, truths, strict=True):
-            assert g.is_cuda and sum_err(g, truth, abs_sum) <= stat_tol
-        total = counts.sum()
-        _poison(nbytes)
-        gx = ext.backward_elemt(dy, x, g_mean, g_invstd, w, got[0], got[1], total)
-        rx = R.backward_elemt(dy, x, g_mean, g_invstd, w, got[0], got[1], total)
-        assert gx.dtype == dtype and torch.isfinite(gx).all()
-        assert rel_err(gx, rx) <= OUT_TOL[dtype]
+    for x in layouts(base):
+        check_primitives(ext, x, poison=lambda: _poison(nbytes))
 
 
 def test_cuda_merge_of_an_all_empty_group(ext) -> None:

@@ -1,0 +1,1 @@
+"""SIMT emulation of the CUDA kernels on the CPU (see build.py and the README)."""

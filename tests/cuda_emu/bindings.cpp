@@ -1,0 +1,141 @@
+// Python bindings of the emulation extension: the five CUDA entry points of csrc/syncbn_cuda.cu on
+// CPU tensors, the emulator's controls, and its self-test kernels. Every entry point runs with
+// heap poisoning on, so an output element a kernel never writes reads as NaN.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "simt_control.h"
+#include "syncbn.h"
+
+namespace simt_selftest {
+at::Tensor run(
+    const std::string& name, const at::Tensor& x, const std::vector<int64_t>& grid,
+    const std::vector<int64_t>& block, int64_t shared_bytes, int64_t arg, int64_t out_numel);
+}
+
+namespace {
+
+struct PoisonScope {
+  PoisonScope() { simt::poison_allocations(true); }
+  ~PoisonScope() { simt::poison_allocations(false); }
+  PoisonScope(const PoisonScope&) = delete;
+  PoisonScope& operator=(const PoisonScope&) = delete;
+};
+
+std::tuple<at::Tensor, at::Tensor> local_stats(const at::Tensor& input) {
+  const PoisonScope poison;
+  return syncbn::local_stats_cuda(input);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
+    bool unbiased) {
+  const PoisonScope poison;
+  return syncbn::merge_stats_cuda(counts, means, m2s, eps, unbiased);
+}
+
+at::Tensor normalize(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  const PoisonScope poison;
+  return syncbn::normalize_cuda(input, mean, invstd, weight, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, bool weight_grad,
+    bool bias_grad) {
+  const PoisonScope poison;
+  return syncbn::backward_reduce_cuda(
+      grad_out, input, mean, invstd, weight, weight_grad, bias_grad);
+}
+
+at::Tensor backward_elemt(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+    const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
+  const PoisonScope poison;
+  return syncbn::backward_elemt_cuda(
+      grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count);
+}
+
+void set_schedule(const std::string& order, uint64_t seed) {
+  simt::Order o;
+  if (order == "forward") {
+    o = simt::Order::kForward;
+  } else if (order == "reverse") {
+    o = simt::Order::kReverse;
+  } else if (order == "random") {
+    o = simt::Order::kRandom;
+  } else {
+    TORCH_CHECK(false, "set_schedule: `order` must be 'forward', 'reverse' or 'random', got '",
+                order, "'");
+  }
+  simt::set_schedule(o, seed);
+}
+
+py::list take_launches() {
+  py::list out;
+  for (const auto& r : simt::take_launches()) {
+    py::dict d;
+    d["kernel"] = r.kernel;
+    d["site"] = r.site;
+    d["function"] = r.function;
+    d["grid"] = py::make_tuple(r.grid_x, r.grid_y, r.grid_z);
+    d["block"] = py::make_tuple(r.block_x, r.block_y, r.block_z);
+    d["shared_bytes"] = r.shared_bytes;
+    out.append(d);
+  }
+  return out;
+}
+
+py::dict take_stats() {
+  const simt::Stats s = simt::take_stats();
+  py::dict d;
+  d["launches"] = s.launches;
+  d["blocks"] = s.blocks;
+  d["threads"] = s.threads;
+  d["switches"] = s.switches;
+  d["warp_ops"] = s.warp_ops;
+  d["barriers"] = s.barriers;
+  return d;
+}
+
+at::Tensor poisoned_empty(int64_t numel) {
+  const PoisonScope poison;
+  return at::empty({numel}, at::kFloat);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "csrc/*.cu kernels on CPU tensors under SIMT emulation (tests only)";
+#if defined(__SANITIZE_ADDRESS__)
+  m.attr("asan") = true;
+#else
+  m.attr("asan") = false;
+#endif
+  m.def("local_stats", &local_stats, py::arg("input"));
+  m.def("merge_stats", &merge_stats, py::arg("counts"), py::arg("means"), py::arg("m2s"),
+        py::arg("eps"), py::arg("unbiased"));
+  m.def("normalize", &normalize, py::arg("input"), py::arg("mean"), py::arg("invstd"),
+        py::arg("weight"), py::arg("bias"));
+  m.def("backward_reduce", &backward_reduce, py::arg("grad_out"), py::arg("input"),
+        py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("weight_grad"),
+        py::arg("bias_grad"));
+  m.def("backward_elemt", &backward_elemt, py::arg("grad_out"), py::arg("input"),
+        py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("sum_dy"),
+        py::arg("sum_dy_xmu"), py::arg("count"));
+  m.def("set_schedule", &set_schedule, "Thread and block order: forward, reverse or random",
+        py::arg("order"), py::arg("seed") = 0);
+  m.def("take_diagnostics", &simt::take_diagnostics, "Diagnostics since the last call");
+  m.def("take_launches", &take_launches, "Launches since the last call");
+  m.def("take_stats", &take_stats, "Counters since the last call");
+  m.def("poisoned_empty", &poisoned_empty, "at::empty under the entry points' heap poisoning",
+        py::arg("numel"));
+  m.def("selftest", &simt_selftest::run, "Run one of the emulator's self-test kernels",
+        py::arg("name"), py::arg("x"), py::arg("grid"), py::arg("block"),
+        py::arg("shared_bytes"), py::arg("arg"), py::arg("out_numel"));
+}
