@@ -210,6 +210,7 @@ struct NormalizeOp {
   const acc_t* __restrict__ weight;  // may be null
   const acc_t* __restrict__ bias;    // may be null
 
+  __device__ __forceinline__ void begin() {}
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
     return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
   }
@@ -233,13 +234,18 @@ struct BackwardElemtOp {
   const acc_t* __restrict__ sum_dy;
   const acc_t* __restrict__ sum_dy_xmu;
   const acc_t* __restrict__ count;  // one element
+  acc_t inv_n = acc_t(0);           // 1 / count, set by begin()
 
+  // Once per thread, before coeff(): one read of the group count and one division, instead of
+  // an FP64 division and three FP64 multiplies per element (1/32-1/64 rate on many GPUs).
+  __device__ __forceinline__ void begin() {
+    const acc_t n = count[0];
+    inv_n = acc_t(1) / (n > acc_t(1) ? n : acc_t(1));
+  }
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
-    const double inv_n = 1.0 / fmax(static_cast<double>(count[0]), 1.0);
-    const double is = invstd[c];
-    return {
-        mean[c], static_cast<acc_t>(is * (weight ? static_cast<double>(weight[c]) : 1.0)),
-        static_cast<acc_t>(sum_dy[c] * inv_n), static_cast<acc_t>(sum_dy_xmu[c] * inv_n * is * is)};
+    const acc_t is = invstd[c];
+    const acc_t iw = weight ? is * weight[c] : is;
+    return {mean[c], iw, sum_dy[c] * inv_n, sum_dy_xmu[c] * inv_n * is * is};
   }
   __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
     return (in[0] - k.mean_dy - (in[1] - k.mean) * k.k) * k.iw;
@@ -399,6 +405,7 @@ __device__ __forceinline__ void apply_vector(
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 __global__ void elemt_channels_first_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t nvec, index_t s_vec, index_t C) {
+  op.begin();
   const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
   for (index_t k = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nvec;
        k += stride) {
@@ -415,6 +422,7 @@ __global__ void elemt_channels_last_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t M, index_t c_vec) {
   const index_t cv = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (cv >= c_vec) return;
+  op.begin();
   typename Op::Coeff coeff[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) coeff[e] = op.coeff(static_cast<int64_t>(cv) * VEC + e);

@@ -9,9 +9,11 @@
 
 The extension is built on first use, never at import or test collection. Its build directory is
 ``$SYNCBN_CACHE_DIR/<key>`` (default root ``~/.cache/syncbn_lightning``, created ``0700``), where
-the key hashes the sources, headers, compiler flags and the torch/CUDA/Python versions, so a
-change of any of them triggers a rebuild and never loads a stale binary. Builds are serialized
-across processes with an ``flock`` (released by the kernel if the builder dies); holding it, a
+the key hashes the sources, headers, compiler flags, the CUDA architectures and the visible GPUs'
+compute capabilities (CUDA builds), the torch/CUDA/Python versions and the interpreter, so a change
+of any of them triggers a rebuild and never loads a stale binary. If the CUDA part fails to build,
+the CPU kernels are built alone (one warning naming the cause). Builds are serialized across
+processes with an ``flock`` (released by the kernel if the builder dies); holding it, a
 leftover ``lock`` file from torch's builder can only come from a build that was killed, and is
 removed.
 """
@@ -120,8 +122,9 @@ def _cpu_arch_flags() -> list[str]:
 def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
     """A 16-hex-digit cache key of ``files`` (names and bytes), ``extra`` and the toolchain.
 
-    The torch, CUDA and Python versions and the machine architecture are always part of the key,
-    so a build made by another of them is never loaded.
+    The torch, CUDA and Python versions, the interpreter (its environment's prefix and resolved
+    path) and the machine architecture are always part of the key, so a build made by another of
+    them is never loaded, and two virtual environments never take turns rebuilding one directory.
     """
     digest = hashlib.sha256()
     for path in files:
@@ -132,22 +135,43 @@ def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
         torch.__version__,
         torch.version.cuda,
         sys.version_info[:2],
+        sys.prefix,
+        os.path.realpath(sys.executable),
         platform.machine(),
     ):
         digest.update(repr(item).encode())
     return digest.hexdigest()[:16]
 
 
-def _build_spec() -> dict[str, Any]:
+def _cuda_targets() -> tuple[Any, ...]:
+    """What a CUDA build is compiled for and run on: cpp_extension's ``-gencode`` flags (from
+    ``TORCH_CUDA_ARCH_LIST``, or the visible GPUs when it is unset) and the visible devices'
+    compute capabilities. Part of the cache key, so a cache shared by machines with different GPUs
+    never loads a binary built for another architecture."""
+    from torch.utils import cpp_extension
+
+    try:
+        flags: tuple[str, ...] = tuple(cpp_extension._get_cuda_arch_flags())
+    except Exception as exc:  # a private helper of torch: it must not break the build
+        flags = (f"<arch flags unavailable: {type(exc).__name__}>",)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    capabilities = tuple(torch.cuda.get_device_capability(i) for i in range(count))
+    return flags, capabilities
+
+
+def _build_spec(cuda: bool | None = None) -> dict[str, Any]:
+    """Sources, flags and cache key of the extension; ``cuda`` forces the CUDA part on or off
+    (``None``: on when torch, a GPU, the toolkit and ``.cu`` sources are all there)."""
     csrc = _csrc_dir()
-    with_cuda = _cuda_build_enabled(csrc)
+    with_cuda = _cuda_build_enabled(csrc) if cuda is None else cuda
     sources = sorted(csrc.glob("*.cpp")) + (sorted(csrc.glob("*.cu")) if with_cuda else [])
     headers = sorted(csrc.glob("*.h")) + sorted(csrc.glob("*.cuh"))
     cflags = ["-O3", "-DNDEBUG", "-fopenmp", *_cpu_arch_flags()] + (
         ["-DWITH_CUDA"] if with_cuda else []
     )
     cuda_cflags = list(_CUDA_CFLAGS) if with_cuda else []
-    key = source_key(sources + headers, (cflags, cuda_cflags))
+    targets = _cuda_targets() if with_cuda else ()
+    key = source_key(sources + headers, (cflags, cuda_cflags, targets))
     return {
         "name": f"syncbn_lightning_ext_{key}",
         "key": key,
@@ -240,10 +264,31 @@ def _safe_build_dir() -> str:
 
 
 def _build_and_import() -> ModuleType:
+    """Build the extension; if its CUDA part fails, warn once and build the CPU kernels alone
+    (CUDA tensors then use the reference), rather than losing the CPU kernels too."""
     spec = _build_spec()
+    try:
+        return _build_from(spec)
+    except Exception as exc:
+        if not spec["with_cuda"]:
+            raise
+        cause = str(exc).strip()
+        warnings.warn(
+            f"syncbn_lightning: building the CUDA kernels failed ({type(exc).__name__}: "
+            f"...{cause[-600:]}); building the CPU kernels only, so CUDA tensors will use the "
+            f"pure-PyTorch reference. Build dir: {cache_root() / spec['key']}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return _build_from(_build_spec(cuda=False))
+
+
+def _build_from(spec: dict[str, Any]) -> ModuleType:
+    directory = cache_root() / spec["key"]
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     return build_locked(
         spec["name"],
-        build_dir(),
+        directory,
         sources=spec["sources"],
         include_paths=[spec["include"]],
         cflags=spec["cflags"],

@@ -113,3 +113,48 @@ def test_stale_lock_from_a_killed_build_is_removed() -> None:
     assert "LOADED" in result.stdout
     assert "removing a stale build lock" in result.stderr
     assert not lock.exists()
+
+
+def test_cache_key_follows_cuda_architectures_and_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    hopper = _backend._build_spec(cuda=True)["key"]
+    cpu = _backend._build_spec(cuda=False)["key"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    assert _backend._build_spec(cuda=True)["key"] != hopper  # an sm_90 binary is not for an A100
+    assert _backend._build_spec(cuda=False)["key"] == cpu  # CPU builds do not depend on it
+    monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-venv")
+    assert _backend._build_spec(cuda=False)["key"] != cpu
+
+
+def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() -> None:
+    """The CUDA part of the build fails (here: made to); the CPU kernels still build and serve."""
+    result = _python(
+        """
+        import warnings, torch
+        from torch.utils import cpp_extension
+        from syncbn_lightning import _backend
+        real_load, calls = cpp_extension.load, []
+        def load(**kwargs):
+            calls.append(kwargs["with_cuda"])
+            if kwargs["with_cuda"]:
+                raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_99'")
+            return real_load(**kwargs)
+        cpp_extension.load = load
+        _backend._cuda_build_enabled = lambda csrc: True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ext = _backend.load_extension()
+        assert calls == [True, False], calls
+        assert ext.with_cuda is False
+        messages = [str(w.message) for w in caught if "CUDA kernels failed" in str(w.message)]
+        assert len(messages) == 1 and "compute_99" in messages[0], messages
+        assert "CPU kernels only" in messages[0]
+        x = torch.randn(6, 3)
+        torch.testing.assert_close(ext.local_stats(x)[0], x.mean(0))
+        print("ok")
+        """,
+        {},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from _dist import run_distributed
@@ -21,6 +22,7 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, _backend
+from syncbn_lightning import reference as R
 
 pytestmark = pytest.mark.gpu
 
@@ -89,6 +91,35 @@ def test_cuda_kernels_index_past_2_pow_31_elements(ext) -> None:
     torch.testing.assert_close(
         sums[0], torch.full((2,), float(length), device="cuda"), rtol=1e-5, atol=0
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_cuda_elementwise_kernels_in_the_32_bit_overflow_band(ext, layout: str) -> None:
+    """numel = INT32_MAX - 1000 on the scalar path (odd size): a 32-bit grid-stride index wrapped
+    there (tests/test_cuda_emu.py runs the same case under emulation). 2 x 4.3 GB of float16."""
+    numel = 2**31 - 1 - 1000
+    shape = (1, 1, numel) if layout == "channels_first" else (numel, 1)
+    x = torch.full(shape, 1.5, dtype=torch.float16, device="cuda")
+    flat = x.view(-1)
+    flat[:4096] = torch.randn(4096, device="cuda").half()
+    flat[-4096:] = torch.randn(4096, device="cuda").half()
+    mean, invstd = torch.tensor([0.25], device="cuda"), torch.tensor([2.0], device="cuda")
+    sums = torch.tensor([3.0], device="cuda"), torch.tensor([-2.0], device="cuda")
+    count = torch.tensor(1e6, device="cuda")
+    for kernel in ("normalize", "backward_elemt"):
+        if kernel == "normalize":
+            got = ext.normalize(x, mean, invstd, None, None).view(-1)
+        else:
+            got = ext.backward_elemt(x, x, mean, invstd, None, *sums, count).view(-1)
+        for part in (slice(0, 4096), slice(numel - 4096, numel), slice(4096, -4096, 1_000_003)):
+            p = flat[part].view(1, 1, -1)
+            if kernel == "normalize":
+                want = R.normalize(p, mean, invstd, None, None)
+            else:
+                want = R.backward_elemt(p, p, mean, invstd, None, *sums, count)
+            assert rel_err(got[part], want.view(-1)) <= 2e-3, (kernel, part)
+        del got
 
 
 def test_cuda_layer_runs_without_host_synchronization(ext, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +195,7 @@ TWO_RANK_BATCHES = [(3, 5), (4, 0)]  # uneven; one rank empty
 
 def _two_rank_worker(
     rank: int, world: int, batches: tuple[int, ...], seed: int
-) -> dict[str, torch.Tensor]:
+) -> dict[str, np.ndarray]:
     import os
 
     os.environ["SYNCBN_IMPL"] = "ext"
@@ -177,13 +208,15 @@ def _two_rank_worker(
     x = full[mine].cuda().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     y = layer(x)
     y.backward(dy[mine].cuda())
+    # numpy arrays, not tensors: the spawn harness shares returned tensors through
+    # multiprocessing's resource_sharer, which failed on the GPU machine (FileNotFoundError).
     return {
-        "y": y.detach().cpu(),
-        "dx": x.grad.cpu(),
-        "dw": layer.weight.grad.cpu(),
-        "db": layer.bias.grad.cpu(),
-        "rm": layer.running_mean.cpu(),
-        "rv": layer.running_var.cpu(),
+        "y": y.detach().cpu().numpy(),
+        "dx": x.grad.cpu().numpy(),
+        "dw": layer.weight.grad.cpu().numpy(),
+        "db": layer.bias.grad.cpu().numpy(),
+        "rm": layer.running_mean.cpu().numpy(),
+        "rv": layer.running_var.cpu().numpy(),
     }
 
 
@@ -192,7 +225,10 @@ def _two_rank_worker(
 def test_cuda_two_ranks_on_one_gpu_equal_one_process_on_the_concatenated_batch(
     ext, batches: tuple[int, ...]
 ) -> None:
-    results = run_distributed(_two_rank_worker, len(batches), batches, 7, timeout=300)
+    results = [
+        {k: torch.from_numpy(v) for k, v in r.items()}
+        for r in run_distributed(_two_rank_worker, len(batches), batches, 7, timeout=300)
+    ]
     torch.manual_seed(7)
     full = torch.randn(sum(batches), 6, 10, 12) * 2 + 0.5
     dy = torch.randn_like(full)
