@@ -39,15 +39,21 @@ STAT_TOL = {torch.float64: 1e-12}
 OUT_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def layouts(x: torch.Tensor) -> list[torch.Tensor]:
-    """``x`` contiguous, channels-last (3-D to 5-D) and as an unaligned view (no vector path)."""
+def dense_layouts(x: torch.Tensor) -> list[torch.Tensor]:
+    """``x`` contiguous and, for 3-D to 5-D, channels-last (the kernels' two native layouts)."""
     out = [x.contiguous()]
     if x.dim() == 4:
         out.append(x.contiguous(memory_format=torch.channels_last))
     elif x.dim() == 5:
         out.append(x.contiguous(memory_format=torch.channels_last_3d))
     elif x.dim() == 3:
-        out.append(x.transpose(1, 2).contiguous().transpose(1, 2))
+        out.append(x.transpose(1, 2).contiguous().transpose(1, 2))  # (N, L, C) storage
+    return out
+
+
+def layouts(x: torch.Tensor) -> list[torch.Tensor]:
+    """:func:`dense_layouts` and an unaligned view (no 16-byte alignment: no vector path)."""
+    out = dense_layouts(x)
     if x.numel() > 0:  # a view 1 element into its storage: no 16-byte alignment, scalar path
         flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
         view = flat[1:].view(x.shape)

@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 import torch
+from _kernel_matrix import dense_layouts
 from _numerics import rel_err, sum_err
 
 from syncbn_lightning import _backend
@@ -37,13 +38,7 @@ def ext():
 
 
 def _layouts(x: torch.Tensor) -> list[torch.Tensor]:
-    out = [x.contiguous()]
-    if x.dim() == 4:
-        out.append(x.contiguous(memory_format=torch.channels_last))
-    elif x.dim() == 5:
-        out.append(x.contiguous(memory_format=torch.channels_last_3d))
-    elif x.dim() == 3:
-        out.append(x.transpose(1, 2).contiguous().transpose(1, 2))  # (N, L, C) storage
+    out = dense_layouts(x)
     out.append(x.transpose(0, -1) if x.dim() > 2 else x.t().contiguous().t())  # other strides
     return out
 

@@ -248,46 +248,30 @@ inline void __threadfence() {}
 inline void __threadfence_block() {}
 
 // Atomics: fibers never interleave inside one call, so a plain read-modify-write is atomic.
-template <typename T>
-T atomicAdd(T* address, T value) {
+namespace simt {
+template <typename T, typename F>
+T read_modify_write(T* address, F update) {
   const T old = *address;
-  *address = old + value;
+  *address = update(old);
   return old;
 }
+}  // namespace simt
 template <typename T>
-T atomicSub(T* address, T value) {
-  const T old = *address;
-  *address = old - value;
-  return old;
-}
+T atomicAdd(T* a, T v) { return simt::read_modify_write(a, [v](T old) { return old + v; }); }
 template <typename T>
-T atomicMax(T* address, T value) {
-  const T old = *address;
-  *address = old < value ? value : old;
-  return old;
-}
+T atomicSub(T* a, T v) { return simt::read_modify_write(a, [v](T old) { return old - v; }); }
 template <typename T>
-T atomicMin(T* address, T value) {
-  const T old = *address;
-  *address = value < old ? value : old;
-  return old;
-}
+T atomicMax(T* a, T v) { return simt::read_modify_write(a, [v](T old) { return old < v ? v : old; }); }
 template <typename T>
-T atomicExch(T* address, T value) {
-  const T old = *address;
-  *address = value;
-  return old;
-}
+T atomicMin(T* a, T v) { return simt::read_modify_write(a, [v](T old) { return v < old ? v : old; }); }
 template <typename T>
-T atomicCAS(T* address, T compare, T value) {
-  const T old = *address;
-  if (old == compare) *address = value;
-  return old;
+T atomicExch(T* a, T v) { return simt::read_modify_write(a, [v](T) { return v; }); }
+template <typename T>
+T atomicCAS(T* a, T compare, T v) {
+  return simt::read_modify_write(a, [=](T old) { return old == compare ? v : old; });
 }
-inline unsigned atomicInc(unsigned* address, unsigned limit) {
-  const unsigned old = *address;
-  *address = old >= limit ? 0u : old + 1u;
-  return old;
+inline unsigned atomicInc(unsigned* a, unsigned limit) {
+  return simt::read_modify_write(a, [limit](unsigned old) { return old >= limit ? 0u : old + 1u; });
 }
 
 template <typename T>
