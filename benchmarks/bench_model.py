@@ -1,0 +1,290 @@
+"""Whole-network train step: plain BatchNorm vs our SyncBatchNorm vs torch's SyncBatchNorm.
+
+    python benchmarks/bench_model.py --device cuda                       # ResNet-50 (torchvision)
+    python benchmarks/bench_model.py --device cpu --model tiny --batch 4 --size 32 --steps 3
+
+One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The BN layers are:
+
+* ``plain``: the model's own ``nn.BatchNorm2d`` (cuDNN on a GPU): the floor;
+* ``ours``: converted by :func:`syncbn_lightning.convert_sync_batchnorm`, every layer with
+  ``force_sync=True`` and ``SYNCBN_IMPL=ext``, so a one-rank group pays every kernel and
+  collective of a real group;
+* ``torch_sync`` (CUDA only): ``nn.SyncBatchNorm`` forced through torch's own sync Function
+  (``torch.nn.modules._functions.SyncBatchNorm``) the same way.
+
+A one-rank process group (NCCL on CUDA, gloo on CPU) makes the collectives real. Two modes, each
+measured the same way for every implementation:
+
+* ``eager``: whole steps timed from the host (host work included for all);
+* ``graph`` (CUDA only): the whole step captured once in a CUDA graph and replayed (host work
+  excluded for all), timed with CUDA events.
+
+Configurations: ``fp32-nchw`` (float32, contiguous) and ``bf16-cl`` (bfloat16 autocast,
+channels-last model and input). Prints one markdown table with the device line, the versions
+and the command, and the issue's goals: graph step ours <= 1.05x plain, eager ours at least as
+fast as torch_sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import cpu_model, env_var
+from torch import nn
+from torch.nn.modules import _functions as torch_functions
+
+import syncbn_lightning
+
+CONFIGS = ("fp32-nchw", "bf16-cl")
+IMPLS = ("plain", "ours", "torch_sync")
+MODES = ("eager", "graph")
+
+
+class ForcedTorchSyncBatchNorm(nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` that takes torch's sync Function in training even in a one-rank group
+    (torch falls back to ``F.batch_norm`` there), with the module's own momentum handling."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(input)
+        assert self.num_batches_tracked is not None and self.momentum is not None
+        self.num_batches_tracked.add_(1)
+        return torch_functions.SyncBatchNorm.apply(
+            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+            self.momentum, self.process_group or dist.group.WORLD, 1,
+        )  # fmt: skip
+
+
+def _tiny_model(classes: int = 10) -> nn.Module:
+    """Six conv-BN-ReLU blocks and a linear head: the CPU smoke test's stand-in for ResNet-50."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for width, stride in ((16, 1), (32, 2), (32, 1), (64, 2), (64, 1), (128, 2)):
+        layers += [
+            nn.Conv2d(channels, width, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        ]
+        channels = width
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)]
+    return nn.Sequential(*layers, *head)
+
+
+def _model(name: str) -> nn.Module:
+    if name == "tiny":
+        return _tiny_model()
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit(
+            "--model resnet50 needs torchvision (pip install torchvision); use --model tiny"
+        ) from None
+    return torchvision.models.resnet50(weights=None)
+
+
+def _with_impl(model: nn.Module, impl: str) -> nn.Module:
+    if impl == "ours":
+        model = syncbn_lightning.convert_sync_batchnorm(model)
+        for module in model.modules():
+            if isinstance(module, syncbn_lightning.SyncBatchNorm):
+                module.force_sync = True
+    elif impl == "torch_sync":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        for module in model.modules():
+            if type(module) is nn.SyncBatchNorm:
+                module.__class__ = ForcedTorchSyncBatchNorm
+    return model
+
+
+@contextlib.contextmanager
+def _one_rank_group(device: torch.device) -> Iterator[None]:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="bench_model_") as tmp:
+        dist.init_process_group(
+            backend, init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _train_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: str
+) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    autocast = config == "bf16-cl"
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eager_ms(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
+    """Median of ``steps`` whole steps, each timed from the host between two device syncs."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _graph_ms(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
+    """Median replay time of the whole step captured in one CUDA graph (CUDA events)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 3)):  # optimizer state and allocator pools exist before capture
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> dict[str, float]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = _with_impl(_model(args.model), impl).to(device).train()
+    x = torch.randn(batch, 3, args.size, args.size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    if config == "bf16-cl":
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    step = _train_step(model, x, y, config)
+    out = {}
+    for mode in args.modes:
+        if mode == "eager":
+            out[mode] = _eager_ms(step, device, args.steps, args.warmup)
+        elif device.type == "cuda":
+            out[mode] = _graph_ms(step, device, args.steps, args.warmup)
+    return out
+
+
+def _device_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"{name} | torch {torch.__version__} | CUDA {torch.version.cuda}"
+    return f"{cpu_model()} ({torch.get_num_threads()} threads) | torch {torch.__version__}"
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+Results = dict[tuple[str, int, str], dict[str, float]]  # (config, batch, impl) -> mode -> ms
+
+
+def _report(args: argparse.Namespace, results: Results) -> None:
+    device = torch.device(args.device)
+    print(f"device: {_device_line(device)}")
+    print(f"command: python benchmarks/bench_model.py {' '.join(sys.argv[1:])}")
+    print(f"model: {args.model}, {args.size}x{args.size} input, median of {args.steps} steps\n")
+    print("| config | batch | BN | eager ms | graph ms | eager / plain | graph / plain |")
+    print("|---|---|---|---|---|---|---|")
+    goals = []
+    for (config, batch, impl), times in results.items():
+        plain = results.get((config, batch, "plain"), {})
+        print(
+            f"| {config} | {batch} | {impl} | {_ms(times.get('eager'))} | "
+            f"{_ms(times.get('graph'))} | {_ratio(times.get('eager'), plain.get('eager'))} | "
+            f"{_ratio(times.get('graph'), plain.get('graph'))} |"
+        )
+        if impl == "ours" and "graph" in times and "graph" in plain:
+            ratio = times["graph"] / plain["graph"]
+            verdict = "PASS" if ratio <= 1.05 else "FAIL"
+            goals.append(f"{verdict} {config} b{batch}: graph ours/plain {ratio:.2f} (<= 1.05)")
+        torch_sync = results.get((config, batch, "torch_sync"), {})
+        if impl == "ours" and "eager" in torch_sync:
+            ratio = torch_sync["eager"] / times["eager"]
+            verdict = "PASS" if ratio >= 1.0 else "FAIL"
+            goals.append(f"{verdict} {config} b{batch}: eager torch_sync/ours {ratio:.2f} (>= 1.0)")
+    if goals:
+        print("\n" + "\n".join(goals))
+
+
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", choices=("resnet50", "tiny"), default="resnet50")
+    parser.add_argument("--batch", type=_csv, default=["32", "128"])
+    parser.add_argument("--size", type=int, default=224, help="input height and width")
+    parser.add_argument("--configs", type=_csv, default=list(CONFIGS))
+    parser.add_argument("--impls", type=_csv, help=f"default: all of {IMPLS} the device has")
+    parser.add_argument("--modes", type=_csv, help=f"default: all of {MODES} the device has")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    args = parser.parse_args(argv)
+    cuda = not args.device.startswith("cpu")
+    args.impls = args.impls or [i for i in IMPLS if cuda or i != "torch_sync"]
+    args.modes = args.modes or [m for m in MODES if cuda or m != "graph"]
+    for name, allowed in (("configs", CONFIGS), ("impls", IMPLS), ("modes", MODES)):
+        bad = [v for v in getattr(args, name) if v not in allowed]
+        if bad:
+            parser.error(f"--{name}: {bad} not in {list(allowed)}")
+    if not cuda:
+        for name, cuda_only in (("impls", "torch_sync"), ("modes", "graph")):
+            if cuda_only in getattr(args, name):
+                parser.error(f"--{name} {cuda_only} needs --device cuda")
+    args.batch = [int(b) for b in args.batch]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse_args(argv)
+    device = torch.device(args.device)
+    results: Results = {}
+    with _one_rank_group(device), env_var(syncbn_lightning._backend.IMPL_ENV, "ext"):
+        for config in args.configs:
+            for batch in args.batch:
+                for impl in args.impls:
+                    results[(config, batch, impl)] = _measure(args, config, batch, impl)
+    _report(args, results)
+
+
+if __name__ == "__main__":
+    main()

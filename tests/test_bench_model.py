@@ -1,0 +1,38 @@
+"""benchmarks/bench_model.py runs (CPU smoke: tiny model, eager mode, plain vs ours).
+
+The GPU comparison it exists for (ResNet-50, CUDA graphs, torch's SyncBN forced) needs a GPU;
+this keeps the script working between the sessions that have one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bench_model_prints_a_table_for_each_configuration() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_model.py", "--device", "cpu", "--model", "tiny",
+         "--batch", "4", "--size", "32", "--steps", "2", "--warmup", "1",
+         "--configs", "fp32-nchw,bf16-cl", "--modes", "eager", "--impls", "plain,ours"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| fp32") or
+            line.startswith("| bf16")]  # fmt: skip
+    assert len(rows) == 4 and all(" - |" in row for row in rows)  # no graph mode on CPU
+    assert "device: " in done.stdout and "command: " in done.stdout
+
+
+def test_bench_model_refuses_cuda_only_choices_on_cpu() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_model.py", "--device", "cpu", "--modes", "graph"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--modes graph needs --device cuda" in done.stderr
