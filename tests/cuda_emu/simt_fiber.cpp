@@ -161,7 +161,6 @@ Fiber* fiber(int i) {
     Fiber* raw = f.release();
     r.pool.push_back(raw);
     run_fiber(raw, nullptr);  // runs to its first wait, idle
-    raw->started = true;
   }
   return r.pool[i];
 }

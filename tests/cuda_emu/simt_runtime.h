@@ -3,9 +3,9 @@
 // scheduler, controls); kernels never include this.
 //
 // A launch runs on the CPU one block at a time, each CUDA thread a cooperative fiber on its own
-// stack. A fiber runs until it reaches a warp collective or a block
-// barrier (or ends); the scheduler then resumes the next runnable fiber in the configured order
-// (forward, reverse or seeded random thread order, and the same order over blocks), so a missing
+// stack. A fiber runs until it reaches a warp collective or a block barrier (or ends); the
+// scheduler then resumes the next runnable fiber in the configured order (forward, reverse or
+// seeded random thread order, and the same order over blocks), so a missing
 // barrier or a read of a value another thread has not written yet shows up as a different result
 // under another order, or as the 0xFF (NaN) poison of fresh shared memory.
 //
@@ -55,7 +55,6 @@ struct Fiber {
   jmp_buf top{};  // its loop head: restarting discards an aborted kernel's frames
   ucontext_t start{};
   void* stack = nullptr;
-  bool started = false;
   ThreadCoords coords{};
   int tid = 0;
   State state = State::kIdle;
