@@ -190,9 +190,10 @@ def cache_root() -> Path:
     return base
 
 
-def build_dir() -> Path:
-    """The build directory for the current sources, flags and versions (created if needed)."""
-    path = cache_root() / _build_spec()["key"]
+def build_dir(spec: dict[str, Any] | None = None) -> Path:
+    """The build directory of ``spec`` (default: the current sources, flags and versions),
+    created if needed."""
+    path = cache_root() / (spec or _build_spec())["key"]
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
@@ -284,11 +285,9 @@ def _build_and_import() -> ModuleType:
 
 
 def _build_from(spec: dict[str, Any]) -> ModuleType:
-    directory = cache_root() / spec["key"]
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     return build_locked(
         spec["name"],
-        directory,
+        build_dir(spec),
         sources=spec["sources"],
         include_paths=[spec["include"]],
         cflags=spec["cflags"],

@@ -140,3 +140,41 @@ def check_primitives(ops: Any, x: torch.Tensor, poison: Callable[[], None] = lam
 def base_input(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
     """The matrix's input for ``shape``: mean 2, std 3, rounded to ``dtype``."""
     return (torch.randn(shape, dtype=torch.float64) * 3 + 2).to(dtype).to(device)
+
+
+# The 32-bit index band: numel = INT32_MAX - 1000 (odd: the scalar path), where a 32-bit
+# grid-stride index of the elementwise kernels wrapped before the fix.
+BAND_NUMEL = 2**31 - 1 - 1000
+BAND_KERNELS = ("normalize", "backward_elemt")
+_BAND_EDGE = 4096
+
+
+def check_overflow_band(ops: Any, kernel: str, layout: str, device: str) -> None:
+    """``ops.<kernel>`` on a float16 input of :data:`BAND_NUMEL` elements, shape (1, 1, numel)
+    for ``channels_first`` or (numel, 1) for ``channels_last``: the first and last 4096 outputs
+    and a strided sample of the rest against the reference. Needs two 4.3 GB tensors (the input
+    doubles as the output gradient of ``backward_elemt``)."""
+    shape = (1, 1, BAND_NUMEL) if layout == "channels_first" else (BAND_NUMEL, 1)
+    x = torch.full(shape, 1.5, dtype=torch.float16, device=device)
+    flat = x.view(-1)
+    torch.manual_seed(0)
+    flat[:_BAND_EDGE] = torch.randn(_BAND_EDGE).half()
+    flat[-_BAND_EDGE:] = torch.randn(_BAND_EDGE).half()
+    one = {"dtype": torch.float32, "device": device}
+    mean, invstd, weight = (torch.tensor([v], **one) for v in (0.25, 2.0, 0.75))
+    sum_dy, sum_dy_xmu, count = (torch.tensor(v, **one) for v in ([3.0], [-2.0], 1e6))
+
+    def run(impl: Any, part: torch.Tensor) -> torch.Tensor:
+        if kernel == "normalize":
+            return impl.normalize(part, mean, invstd, weight, None)
+        return impl.backward_elemt(part, part, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+
+    got = run(ops, x).view(-1)
+    for name, index in (
+        ("head", slice(0, _BAND_EDGE)),
+        ("tail", slice(BAND_NUMEL - _BAND_EDGE, BAND_NUMEL)),
+        ("sample", slice(_BAND_EDGE, BAND_NUMEL - _BAND_EDGE, 1_000_003)),
+    ):
+        want = run(R, flat[index].view(1, 1, -1)).view(-1)
+        err = rel_err(got[index], want)
+        assert err <= 2e-3, f"{kernel} {layout}: {name} differs from the reference by {err}"

@@ -17,12 +17,20 @@ import numpy as np
 import pytest
 import torch
 from _dist import run_distributed
-from _kernel_matrix import DTYPES, OUT_TOL, SHAPES, base_input, check_primitives, layouts
+from _kernel_matrix import (
+    BAND_KERNELS,
+    DTYPES,
+    OUT_TOL,
+    SHAPES,
+    base_input,
+    check_overflow_band,
+    check_primitives,
+    layouts,
+)
 from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, _backend
-from syncbn_lightning import reference as R
 
 pytestmark = pytest.mark.gpu
 
@@ -96,30 +104,10 @@ def test_cuda_kernels_index_past_2_pow_31_elements(ext) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
 def test_cuda_elementwise_kernels_in_the_32_bit_overflow_band(ext, layout: str) -> None:
-    """numel = INT32_MAX - 1000 on the scalar path (odd size): a 32-bit grid-stride index wrapped
-    there (tests/test_cuda_emu.py runs the same case under emulation). 2 x 4.3 GB of float16."""
-    numel = 2**31 - 1 - 1000
-    shape = (1, 1, numel) if layout == "channels_first" else (numel, 1)
-    x = torch.full(shape, 1.5, dtype=torch.float16, device="cuda")
-    flat = x.view(-1)
-    flat[:4096] = torch.randn(4096, device="cuda").half()
-    flat[-4096:] = torch.randn(4096, device="cuda").half()
-    mean, invstd = torch.tensor([0.25], device="cuda"), torch.tensor([2.0], device="cuda")
-    sums = torch.tensor([3.0], device="cuda"), torch.tensor([-2.0], device="cuda")
-    count = torch.tensor(1e6, device="cuda")
-    for kernel in ("normalize", "backward_elemt"):
-        if kernel == "normalize":
-            got = ext.normalize(x, mean, invstd, None, None).view(-1)
-        else:
-            got = ext.backward_elemt(x, x, mean, invstd, None, *sums, count).view(-1)
-        for part in (slice(0, 4096), slice(numel - 4096, numel), slice(4096, -4096, 1_000_003)):
-            p = flat[part].view(1, 1, -1)
-            if kernel == "normalize":
-                want = R.normalize(p, mean, invstd, None, None)
-            else:
-                want = R.backward_elemt(p, p, mean, invstd, None, *sums, count)
-            assert rel_err(got[part], want.view(-1)) <= 2e-3, (kernel, part)
-        del got
+    """numel = INT32_MAX - 1000 on the scalar path, where a 32-bit grid-stride index wrapped
+    (tests/test_cuda_emu.py runs the same check under emulation). 2 x 4.3 GB of float16."""
+    for kernel in BAND_KERNELS:
+        check_overflow_band(ext, kernel, layout, "cuda")
 
 
 def test_cuda_layer_runs_without_host_synchronization(ext, monkeypatch: pytest.MonkeyPatch) -> None:

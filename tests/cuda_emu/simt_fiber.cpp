@@ -70,8 +70,7 @@ std::string ranges(const std::vector<int>& ids) {
   return out.str();
 }
 
-std::string block_name(const Runtime& r) {
-  const uint3 b = r.current ? r.current->coords.block_idx : uint3{0, 0, 0};
+std::string block_name(const Runtime& r, uint3 b) {
   std::ostringstream out;
   out << "block (" << b.x << "," << b.y << "," << b.z << ") of " << r.kernel << " launched at "
       << where(r.config->site) << " [" << r.config->site.function_name() << "]";
@@ -170,10 +169,10 @@ Fiber* fiber(int i) {
 // Records a diagnostic and ends the launch: the calling fiber never continues its kernel.
 [[noreturn]] void abort_launch(const std::string& message) {
   Runtime& r = rt();
-  r.diagnostics.push_back(message + " — in " + block_name(r));
-  r.aborted = true;
   Fiber* f = r.current;
   if (f == nullptr) fatal(message.c_str());
+  r.diagnostics.push_back(message + " — in " + block_name(r, f->coords.block_idx));
+  r.aborted = true;
   f->state = State::kBroken;
   to_scheduler(f);
   fatal("a broken fiber was resumed");

@@ -74,10 +74,7 @@ bool run_block(Runtime& r, uint3 block_idx) {
       if (r.aborted) break;
     }
     if (!progressed && !r.aborted) {
-      r.diagnostics.push_back(deadlock_report(r) + " — in block (" + std::to_string(block_idx.x) +
-                              "," + std::to_string(block_idx.y) + "," +
-                              std::to_string(block_idx.z) + ") of " + r.kernel +
-                              " launched at " + where(r.config->site));
+      r.diagnostics.push_back(deadlock_report(r) + " — in " + block_name(r, block_idx));
       r.aborted = true;
     }
   }

@@ -126,6 +126,8 @@ std::string hex(unsigned v);
 const char* op_name(WarpOp op);
 std::string ranges(const std::vector<int>& ids);
 std::vector<int> lanes_of(unsigned mask);
+// "block (x,y,z) of KERNEL launched at FILE:LINE [host function]" for the launch being run.
+std::string block_name(const Runtime& r, uint3 block_idx);
 
 // Fibers (simt_fiber.cpp).
 Fiber* fiber(int i);                          // fiber i of the pool, created on first use
