@@ -136,7 +136,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
   const auto param_dtype = has_weight ? weight->scalar_type() : sum_dy.scalar_type();
   at::Tensor grad_weight, grad_bias;
   if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
-  if (bias_grad) grad_bias = sum_dy.to(param_dtype);
+  // A copy even in the same dtype: the fused grad_sums returns it beside the buffer sum_dy lives in.
+  if (bias_grad) grad_bias = sum_dy.to(param_dtype, /*non_blocking=*/false, /*copy=*/true);
   return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
 }
 
@@ -145,6 +146,68 @@ at::Tensor optional_acc(
   if (!v.has_value() || !v->defined()) return at::Tensor();
   check_channel_vector(*v, name, input, /*require_acc_dtype=*/false);
   return v->to(acc_dtype_of(input.scalar_type())).contiguous();
+}
+
+int64_t check_rows(const at::Tensor& rows, const at::Tensor& input) {
+  const int64_t width = row_width(input.size(1));
+  TORCH_CHECK(
+      rows.dim() == 1 && rows.is_contiguous() && rows.numel() >= width &&
+          rows.numel() % width == 0,
+      "syncbn: `rows` must be the gathered 1-D buffer of W rows of ", width,
+      " values (4 + 2 * C), got shape ", rows.sizes());
+  TORCH_CHECK(
+      rows.scalar_type() == acc_dtype_of(input.scalar_type()) && rows.device() == input.device(),
+      "syncbn: `rows` must be ", acc_dtype_of(input.scalar_type()), " on ", input.device(),
+      ", got ", rows.scalar_type(), " on ", rows.device());
+  return rows.numel() / width;
+}
+
+void check_calls(const at::Tensor& calls, const at::Tensor& input) {
+  TORCH_CHECK(
+      calls.numel() == 1 && calls.scalar_type() == at::kLong && calls.device() == input.device(),
+      "syncbn: `calls` must be a one-element int64 counter on ", input.device(), ", got ",
+      calls.scalar_type(), " of shape ", calls.sizes(), " on ", calls.device());
+}
+
+void check_running(
+    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, const at::Tensor& input) {
+  const bool has_mean = running_mean.has_value() && running_mean->defined();
+  const bool has_var = running_var.has_value() && running_var->defined();
+  TORCH_CHECK(
+      has_mean == has_var, "syncbn: `running_mean` and `running_var` must be given together");
+  if (has_mean) {
+    check_channel_vector(*running_mean, "running_mean", input, false);
+    check_channel_vector(*running_var, "running_var", input, false);
+    TORCH_CHECK(
+        running_mean->is_contiguous() && running_var->is_contiguous() &&
+            running_mean->scalar_type() == running_var->scalar_type(),
+        "syncbn: `running_mean` and `running_var` must be contiguous and of one dtype");
+  }
+  for (const auto* counter : {&num_batches_tracked, &nonfinite}) {
+    if (!counter->has_value() || !(*counter)->defined()) continue;
+    TORCH_CHECK(
+        (*counter)->numel() == 1 && (*counter)->scalar_type() == at::kLong &&
+            (*counter)->device() == input.device(),
+        "syncbn: `num_batches_tracked` and `nonfinite` must be one-element int64 counters on ",
+        input.device());
+  }
+}
+
+int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {
+  const int64_t C = input.size(1);
+  const auto acc = acc_dtype_of(input.scalar_type());
+  TORCH_CHECK(
+      sums.dim() == 1 && sums.is_contiguous() && sums.numel() >= 2 * C &&
+          sums.numel() % (2 * C) == 0 && sums.scalar_type() == acc &&
+          sums.device() == input.device(),
+      "syncbn: `sums` must be R rows of [sum_dy[C], sum_dy_xmu[C]] (1-D, ", acc, ", on ",
+      input.device(), "), got ", sums.scalar_type(), " of shape ", sums.sizes());
+  TORCH_CHECK(
+      info.numel() == kInfoFields && info.scalar_type() == acc && info.device() == input.device(),
+      "syncbn: `info` must be the merge's ", kInfoFields, "-value info tensor");
+  return sums.numel() / (2 * C);
 }
 
 }  // namespace detail

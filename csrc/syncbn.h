@@ -62,6 +62,54 @@ at::Tensor backward_elemt_cpu(
     const at::Tensor& sum_dy_xmu, const at::Tensor& count);
 
 // ------------------------------------------------------------------------------------------------
+// Fused steps of one synchronized layer call, registered as the `syncbn::` operators (ops.cpp).
+// Each is one dispatcher call; the collectives between them are torch's.
+//
+// Row layout of the forward collective, per rank, in the acc dtype:
+//   [count, samples, layer_tag, call_tag, mean[C], m2[C]]         (kRowHeader + 2 * C values)
+// count = values per channel (N * S), samples = N, and the two tags identify the layer and its
+// call for the call-order check. The gathered buffer is W such rows back to back.
+// ------------------------------------------------------------------------------------------------
+
+// The rank's row: local Welford statistics plus the header. `calls` (int64, one element, on the
+// input's device) is the layer's call counter: its value is written as the call tag (mod 2^24) and
+// it is incremented in place.
+at::Tensor stats_row_cpu(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls);
+
+// Merge the W gathered rows, update the running statistics, normalize.
+//   * call order: every row must carry row 0's tags. CPU: a mismatch throws an error starting
+//     with "syncbn call order:" and listing each row's tags. CUDA: info[2] = 0 (checked later).
+//   * a group whose total count is 1 throws torch's "Expected more than 1 value per channel"
+//     (CPU only: on CUDA it would need a host sync).
+//   * running stats (all optional, updated in place, any floating dtype): unless the merged mean
+//     or var has a NaN/inf, or the group is empty, running = lerp(running, batch, momentum or
+//     1 / num_batches_tracked) with the unbiased (or biased) var; num_batches_tracked += finite;
+//     nonfinite (int64 counter) += !finite.
+// Returns (output, mean, invstd, var, info) with info = [count, samples, order_ok, finite] (acc
+// dtype, group-wide count and samples).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cpu(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased);
+
+// Local backward sums packed for the collective, [sum_dy[C], sum_dy_xmu[C]] (acc dtype), with the
+// local grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy in the weight's dtype (acc dtype
+// without weight). Returns (sums, grad_weight, grad_bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight);
+
+// Input gradient from R >= 1 rows of sums ([R * 2C]: all-reduced, R = 1, or gathered, summed here
+// in row order) and the group count info[0] (read on the device).
+at::Tensor grad_input_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
+    const at::Tensor& info);
+
+// ------------------------------------------------------------------------------------------------
 // Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp, no nvcc).
 // ------------------------------------------------------------------------------------------------
 namespace detail {
@@ -116,9 +164,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
 at::Tensor optional_acc(
     const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input);
 
+// Values in front of the statistics in a gathered row, and a row's width for C channels.
+constexpr int64_t kRowHeader = 4;
+inline int64_t row_width(int64_t C) { return kRowHeader + 2 * C; }
+// Fields of a merge's `info` output.
+constexpr int64_t kInfoFields = 4;
+// Rows of `rows` (1-D, contiguous, the acc dtype of `input`, on its device, a multiple of the row
+// width long).
+int64_t check_rows(const at::Tensor& rows, const at::Tensor& input);
+// `calls`: one int64 element on the input's device.
+void check_calls(const at::Tensor& calls, const at::Tensor& input);
+// Optional running statistics: [C] floating tensors / one-element int64 counters on the device.
+void check_running(
+    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, const at::Tensor& input);
+// sums: [R * 2C] in the acc dtype; info: kInfoFields values of the acc dtype. Returns R.
+int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
+// The CPU kernels writing into given [C] outputs (dense input, acc-dtype outputs).
+void local_stats_into_cpu(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
+void merge_rows_cpu(
+    const at::Tensor& rows, int64_t W, int64_t C, double eps, bool unbiased, at::Tensor& mean,
+    at::Tensor& invstd, at::Tensor& var);
+void backward_sums_into_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu);
+
 }  // namespace detail
 
 #ifdef WITH_CUDA
+namespace detail {
+// The CUDA reductions writing into given [C] outputs (dense, non-empty input; acc-dtype outputs).
+void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
+void backward_sums_into_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu);
+}  // namespace detail
+
 std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cuda(
     const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
@@ -134,6 +216,21 @@ at::Tensor backward_elemt_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
     const at::Tensor& sum_dy_xmu, const at::Tensor& count);
+at::Tensor stats_row_cuda(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cuda(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight);
+at::Tensor grad_input_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
+    const at::Tensor& info);
 #endif
 
 }  // namespace syncbn

@@ -287,27 +287,30 @@ void welford_stats_channels_last(
   fold_welford_partials(partial, C, chunks, 1, C, mean_out, m2_out);
 }
 
+// Counts are read at counts[w * count_stride], rank w's means and m2s at [w * row_stride + c]: the
+// same code merges separate [W] / [W, C] tensors and the packed rows of the gathered buffer.
 template <typename acc_t>
 void chan_merge(
-    const acc_t* counts, const acc_t* means, const acc_t* m2s, int64_t W, int64_t C, double eps,
-    bool unbiased, acc_t* mean_out, acc_t* invstd_out, acc_t* var_out) {
+    const acc_t* counts, int64_t count_stride, const acc_t* means, const acc_t* m2s,
+    int64_t row_stride, int64_t W, int64_t C, double eps, bool unbiased, acc_t* mean_out,
+    acc_t* invstd_out, acc_t* var_out) {
   at::parallel_for(0, C, 256, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       // Two passes over the W ranks in double: the weighted mean first, then the deviations
       // of the rank means from it, which stay accurate when the mean is far from zero.
       double n = 0, sum = 0;
       for (int64_t w = 0; w < W; ++w) {
-        const double nw = counts[w];
+        const double nw = counts[w * count_stride];
         n += nw;
-        sum += nw * static_cast<double>(means[w * C + c]);
+        sum += nw * static_cast<double>(means[w * row_stride + c]);
       }
       const double mean = sum / std::max(n, 1.0);
       double m2 = 0;
       for (int64_t w = 0; w < W; ++w) {
-        const double nw = counts[w];
+        const double nw = counts[w * count_stride];
         if (nw == 0) continue;
-        const double d = static_cast<double>(means[w * C + c]) - mean;
-        m2 += static_cast<double>(m2s[w * C + c]) + nw * d * d;
+        const double d = static_cast<double>(means[w * row_stride + c]) - mean;
+        m2 += static_cast<double>(m2s[w * row_stride + c]) + nw * d * d;
       }
       mean_out[c] = static_cast<acc_t>(mean);
       invstd_out[c] = static_cast<acc_t>(1.0 / std::sqrt(m2 / std::max(n, 1.0) + eps));
@@ -538,14 +541,15 @@ const T* data_or_null(const at::Tensor& t) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
-  check_input(input_, c10::DeviceType::CPU);
-  const at::Tensor input = dense_input(input_);
+namespace detail {
+
+void local_stats_into_cpu(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2) {
   const Geometry g = geometry_of(input);
-  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
-  at::Tensor mean = at::zeros({g.C}, opts);
-  at::Tensor m2 = at::zeros({g.C}, opts);
-  if (g.N * g.S == 0) return {mean, m2};
+  if (g.N * g.S == 0) {
+    mean.zero_();
+    m2.zero_();
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = input.const_data_ptr<scalar_t>();
@@ -557,6 +561,54 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
           x, g, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
     }
   });
+}
+
+void merge_rows_cpu(
+    const at::Tensor& rows, int64_t W, int64_t C, double eps, bool unbiased, at::Tensor& mean,
+    at::Tensor& invstd, at::Tensor& var) {
+  const int64_t width = row_width(C);
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_rows_cpu", [&] {
+    const scalar_t* r = rows.const_data_ptr<scalar_t>();
+    chan_merge<scalar_t>(
+        r, width, r + kRowHeader, r + kRowHeader + C, width, W, C, eps, unbiased,
+        mean.mutable_data_ptr<scalar_t>(), invstd.mutable_data_ptr<scalar_t>(),
+        var.mutable_data_ptr<scalar_t>());
+  });
+}
+
+void backward_sums_into_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu) {
+  if (input.numel() == 0) {
+    sum_dy.zero_();
+    sum_dy_xmu.zero_();
+    return;
+  }
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    const acc_t* m = mean.const_data_ptr<acc_t>();
+    if (g.layout == Layout::kChannelsFirst) {
+      backward_reduce_channels_first<scalar_t, acc_t>(
+          dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+    } else {
+      backward_reduce_channels_last<scalar_t, acc_t>(
+          dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+    }
+  });
+}
+
+}  // namespace detail
+
+std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
+  check_input(input_, c10::DeviceType::CPU);
+  const at::Tensor input = dense_input(input_);
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
+  at::Tensor mean = at::empty({input.size(1)}, opts);
+  at::Tensor m2 = at::empty({input.size(1)}, opts);
+  local_stats_into_cpu(input, mean, m2);
   return {mean, m2};
 }
 
@@ -573,8 +625,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
   at::Tensor var = at::empty({C}, means.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "merge_stats_cpu", [&] {
     chan_merge<scalar_t>(
-        counts.const_data_ptr<scalar_t>(), means.const_data_ptr<scalar_t>(),
-        m2s.const_data_ptr<scalar_t>(), W, C, eps, unbiased, mean.mutable_data_ptr<scalar_t>(),
+        counts.const_data_ptr<scalar_t>(), 1, means.const_data_ptr<scalar_t>(),
+        m2s.const_data_ptr<scalar_t>(), C, W, C, eps, unbiased, mean.mutable_data_ptr<scalar_t>(),
         invstd.mutable_data_ptr<scalar_t>(), var.mutable_data_ptr<scalar_t>());
   });
   return {mean, invstd, var};
@@ -610,24 +662,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
-  const Geometry g = geometry_of(input);
-  at::Tensor sum_dy = at::zeros({g.C}, mean.options());
-  at::Tensor sum_dy_xmu = at::zeros({g.C}, mean.options());
-  if (input.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
-      const scalar_t* x = input.const_data_ptr<scalar_t>();
-      const acc_t* m = mean.const_data_ptr<acc_t>();
-      if (g.layout == Layout::kChannelsFirst) {
-        backward_reduce_channels_first<scalar_t, acc_t>(
-            dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
-      } else {
-        backward_reduce_channels_last<scalar_t, acc_t>(
-            dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
-      }
-    });
-  }
+  at::Tensor sum_dy = at::empty({input.size(1)}, mean.options());
+  at::Tensor sum_dy_xmu = at::empty({input.size(1)}, mean.options());
+  backward_sums_into_cpu(grad_out, input, mean, sum_dy, sum_dy_xmu);
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
 

@@ -35,6 +35,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "merge.cuh"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -350,9 +352,7 @@ __global__ void fold_partials_kernel(
   op.outputs(s, out0[c], out1[c]);
 }
 
-// Count-weighted merge of W ranks' statistics, one thread per channel, in double. Ranks with
-// count 0 are skipped (their rows may hold anything), and denominators are clamped to >= 1, so an
-// all-empty group yields mean 0, var 0 and invstd 1/sqrt(eps) without a host round trip.
+// Count-weighted merge of W ranks' statistics, one thread per channel (merge.cuh).
 template <typename acc_t>
 __global__ void chan_merge_kernel(
     const acc_t* __restrict__ counts, const acc_t* __restrict__ means,
@@ -360,24 +360,8 @@ __global__ void chan_merge_kernel(
     acc_t* __restrict__ mean_out, acc_t* __restrict__ invstd_out, acc_t* __restrict__ var_out) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  double n = 0, sum = 0;
-  for (int64_t w = 0; w < W; ++w) {
-    const double nw = counts[w];
-    if (nw == 0) continue;
-    n += nw;
-    sum += nw * static_cast<double>(means[w * C + c]);
-  }
-  const double mean = sum / fmax(n, 1.0);
-  double m2 = 0;
-  for (int64_t w = 0; w < W; ++w) {
-    const double nw = counts[w];
-    if (nw == 0) continue;
-    const double d = static_cast<double>(means[w * C + c]) - mean;
-    m2 += static_cast<double>(m2s[w * C + c]) + nw * d * d;
-  }
-  mean_out[c] = static_cast<acc_t>(mean);
-  invstd_out[c] = static_cast<acc_t>(1.0 / sqrt(m2 / fmax(n, 1.0) + eps));
-  var_out[c] = static_cast<acc_t>(m2 / fmax(unbiased ? n - 1 : n, 1.0));
+  const MergedChannel m = merge_channel(counts, 1, means, m2s, C, W, c);
+  m.store(c, eps, unbiased, mean_out, invstd_out, var_out);
 }
 
 // out[k] = op(in[0][k], in[1][k], ...) for vector k of VEC elements; element e of the vector uses
@@ -585,6 +569,34 @@ const T* data_or_null(const at::Tensor& t) {
 // Entry points: argument checks, layout, dtype dispatch
 // ------------------------------------------------------------------------------------------------
 
+namespace detail {
+
+void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2) {
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t shift_stride = g.layout == Layout::kChannelsFirst ? g.S : 1;
+    const WelfordOp<scalar_t, acc_t> op{input.const_data_ptr<scalar_t>(), shift_stride};
+    launch_reduction(op, g, input, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+  });
+}
+
+void backward_sums_into_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu) {
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const GradSumOp<scalar_t, acc_t> op{
+        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+        mean.const_data_ptr<acc_t>()};
+    launch_reduction(
+        op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+  });
+}
+
+}  // namespace detail
+
 std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input_) {
   check_input(input_, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(input_.device());
@@ -594,12 +606,7 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input_) {
   if (g.N * g.S == 0) return {at::zeros({g.C}, opts), at::zeros({g.C}, opts)};
   at::Tensor mean = at::empty({g.C}, opts);
   at::Tensor m2 = at::empty({g.C}, opts);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t shift_stride = g.layout == Layout::kChannelsFirst ? g.S : 1;
-    const WelfordOp<scalar_t, acc_t> op{input.const_data_ptr<scalar_t>(), shift_stride};
-    launch_reduction(op, g, input, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
-  });
+  local_stats_into_cuda(input, mean, m2);
   return {mean, m2};
 }
 
@@ -666,14 +673,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
   } else {
     sum_dy = at::empty({g.C}, mean.options());
     sum_dy_xmu = at::empty({g.C}, mean.options());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
-      using acc_t = at::opmath_type<scalar_t>;
-      const GradSumOp<scalar_t, acc_t> op{
-          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-          mean.const_data_ptr<acc_t>()};
-      launch_reduction(
-          op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
-    });
+    backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu);
   }
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }

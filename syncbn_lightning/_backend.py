@@ -240,7 +240,11 @@ def load_extension() -> ModuleType:
         if _ext_error is not None:
             raise _ext_error
         try:
-            _ext_module = _build_and_import()
+            module = _build_and_import()
+            from .ops import register_fakes  # the operators exist once the module is loaded
+
+            register_fakes()
+            _ext_module = module
         except ExtensionBuildError as exc:
             _ext_error = exc
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import zlib
 from typing import Any, NamedTuple
@@ -10,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .function import TAG_LIMIT, SyncBatchNormFunction, register_layer_name
-from .groups import _group_key, sync_group_size
+from .function import TAG_LIMIT, SyncBatchNormFunction, group_name_of, register_layer_name
+from .groups import sync_group_size
 
 __all__ = ["SyncBatchNorm", "BatchRecord"]
 
@@ -29,19 +30,28 @@ class BatchRecord(NamedTuple):
 
     Attributes:
         local_samples: ``N`` of this rank's input.
-        samples: 0-d tensor, the sum of ``N`` over the sync group; ``None`` when the layer did not
-            synchronize (group of one rank), in which case the group is this rank alone.
-        mean: the group's batch mean per channel (``None`` without synchronization).
+        mean: the group's batch mean per channel (``None`` without synchronization, i.e. a group
+            of one rank, in which case the group is this rank alone).
         var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
             ``unbiased_running_var=False``; ``None`` without synchronization).
-        count: 0-d tensor, the group's number of values per channel (``None`` without sync).
+        info: the merge's ``[count, samples, order_ok, finite]`` tensor (``None`` without sync);
+            read through :attr:`samples` and :attr:`count`.
     """
 
     local_samples: int
-    samples: torch.Tensor | None = None
     mean: torch.Tensor | None = None
     var: torch.Tensor | None = None
-    count: torch.Tensor | None = None
+    info: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> torch.Tensor | None:
+        """0-d tensor, the sum of ``N`` over the sync group (``None`` without sync)."""
+        return None if self.info is None else self.info[1]
+
+    @property
+    def count(self) -> torch.Tensor | None:
+        """0-d tensor, the group's number of values per channel (``None`` without sync)."""
+        return None if self.info is None else self.info[0]
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -110,7 +120,10 @@ class SyncBatchNorm(_BatchNorm):
     #: callback); it names the layer in call-order errors and fixes its call-order tag.
     sync_name: str | None = None
     _sync_serial: int = 0
-    _sync_calls: int = 0
+    _named_tag: tuple[str, int] | None = None
+    # Per-layer int64 counters on the layer's device (created on first use; not state): the calls
+    # of the synchronized path (the call-order tag) and the skipped non-finite updates.
+    _calls: torch.Tensor | None = None
     _nonfinite: torch.Tensor | None = None
 
     def __init__(
@@ -139,26 +152,63 @@ class SyncBatchNorm(_BatchNorm):
         """The id this layer sends with its statistics for the call-order check.
 
         A hash of :attr:`sync_name` when the layer has one (equal on every rank of a model built
-        the same way), else its construction number in this process."""
+        the same way), else its construction number in this process. Computed when the name is
+        set, so that the forward (and torch.compile) only reads an int."""
+        if self._named_tag is not None and self._named_tag[0] == self.sync_name:
+            return self._named_tag[1]
         if self.sync_name is None:
             return self._sync_serial % TAG_LIMIT
-        return zlib.crc32(self.sync_name.encode()) % TAG_LIMIT
+        return self._tag_of(self.sync_name)
 
     def set_sync_name(self, name: str) -> None:
         """Name the layer (its qualified name in the model) for call-order checks and errors."""
         self.sync_name = name
-        register_layer_name(self.layer_tag, name)
+        register_layer_name(self._tag_of(name), name)
+
+    def _tag_of(self, name: str) -> int:
+        tag = zlib.crc32(name.encode()) % TAG_LIMIT
+        self._named_tag = (name, tag)
+        return tag
 
     def nonfinite_skips(self) -> torch.Tensor:
         """How many running-stat updates were skipped because the synchronized batch statistics
         were NaN or inf: the layer's 0-d int64 counter on the buffers' device, updated in place
         (copy it to keep a snapshot; reading its value syncs on CUDA)."""
+        device = self.running_mean.device if self.running_mean is not None else None
         if self._nonfinite is None:
-            device = self.running_mean.device if self.running_mean is not None else None
             return torch.zeros((), dtype=torch.long, device=device)
-        if self.running_mean is not None and self._nonfinite.device != self.running_mean.device:
-            self._nonfinite = self._nonfinite.to(self.running_mean.device)
-        return self._nonfinite
+        if device is not None and self._nonfinite.device != device:
+            self._nonfinite = self._nonfinite.to(device)
+        return self._nonfinite.view(())
+
+    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call and non-finite counters on ``device`` (moved there with their values)."""
+        calls, nonfinite = self._calls, self._nonfinite
+        if calls is None or calls.device != device:
+            calls = (
+                torch.zeros(1, dtype=torch.long, device=device)
+                if calls is None
+                else calls.to(device)
+            )
+            self._calls = calls
+        if nonfinite is None or nonfinite.device != device:
+            nonfinite = (
+                torch.zeros(1, dtype=torch.long, device=device)
+                if nonfinite is None
+                else nonfinite.reshape(1).to(device)
+            )
+            self._nonfinite = nonfinite
+        return calls, nonfinite
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        """A deep copy that shares the process group (a ProcessGroup cannot be copied; the copy
+        synchronizes with the same ranks, e.g. an EMA or a compiled twin of the model)."""
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -177,51 +227,30 @@ class SyncBatchNorm(_BatchNorm):
         return self._forward_sync(input, world_size)
 
     def _forward_sync(self, input: torch.Tensor, world_size: int) -> torch.Tensor:
-        output, mean, var, total, samples = SyncBatchNormFunction.apply(
+        """The synchronized training forward: statistics over the group, running stats updated
+        in place by the merge (non-finite group statistics skip the update, see
+        :meth:`nonfinite_skips`; an all-empty group leaves them alone as torch does)."""
+        calls, nonfinite = self._counters(input.device)
+        track = self.track_running_stats and self.running_mean is not None
+        communicate = dist.is_available() and dist.is_initialized()
+        output, mean, var, info = SyncBatchNormFunction.apply(
             input,
             self.weight,
             self.bias,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.num_batches_tracked if track else None,
+            nonfinite if track else None,
+            calls,
+            self.momentum,
             float(self.eps),
-            _group_key(self.process_group),
+            group_name_of(self.process_group) if communicate else None,
             world_size,
             self.unbiased_running_var,
             self.layer_tag,
-            self._sync_calls,
         )
-        self._sync_calls += 1
-        self.last_batch = BatchRecord(int(input.shape[0]), samples, mean, var, total)
-        if self.track_running_stats and self.running_mean is not None:
-            self._update_running_stats(mean, var, total, input)
+        self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
         return output
-
-    @torch.no_grad()
-    def _update_running_stats(
-        self, mean: torch.Tensor, var: torch.Tensor, total: torch.Tensor, input: torch.Tensor
-    ) -> None:
-        """Fold the group's batch statistics into the running ones, unless they are not finite.
-
-        A NaN/inf in the synchronized mean or variance (one bad batch on any rank of the group)
-        would otherwise stay in ``running_mean``/``running_var`` forever; the update is then
-        skipped, on the device (``torch.where``, no host sync), ``num_batches_tracked`` is not
-        advanced, and :meth:`nonfinite_skips` counts it. Every rank of the group sees the same
-        statistics, so they all skip together. The output still carries the NaN, as in torch.
-        """
-        assert self.num_batches_tracked is not None and self.running_var is not None
-        finite = torch.isfinite(mean).all() & torch.isfinite(var).all()
-        self.num_batches_tracked.add_(finite.to(self.num_batches_tracked.dtype))
-        self._nonfinite = self.nonfinite_skips()
-        self._nonfinite.add_((~finite).to(self._nonfinite.dtype))
-        # An all-empty group has nothing to average in (torch leaves the stats as they are). Only a
-        # rank with < 2 local values can be in such a group, so only it reads the count.
-        if input.numel() // input.shape[1] < 2 and int(total.item()) == 0:
-            return
-        if self.momentum is None:
-            factor: Any = self.num_batches_tracked.to(self.running_mean.dtype).reciprocal()
-        else:
-            factor = self.momentum
-        for running, batch in ((self.running_mean, mean), (self.running_var, var)):
-            updated = torch.lerp(running, batch.to(running.dtype), factor)
-            running.copy_(torch.where(finite, updated, running))
 
     def _check_input(self, input: torch.Tensor) -> None:
         if not isinstance(input, torch.Tensor):

@@ -1,8 +1,10 @@
-"""Pure-PyTorch reference of the BatchNorm primitives (layer 1).
+"""Pure-PyTorch reference of the BatchNorm primitives and fused steps (layer 1).
 
-The same five primitives as the C++/CUDA extension in ``csrc/`` with identical signatures and
-semantics (see ``csrc/syncbn.h``). They run on any device and dtype, serve as the test oracle for
-the kernels, and are the fallback when the extension cannot be built (``SYNCBN_IMPL=ref``).
+The same five primitives and four fused steps as the C++/CUDA extension in ``csrc/`` (the fused
+steps are its ``syncbn::`` operators) with identical signatures and semantics (see
+``csrc/syncbn.h``). They run on any device and dtype, serve as the test oracle for the kernels, and
+are the fallback when the extension cannot be built (``SYNCBN_IMPL=ref``); plain torch code, so
+``torch.compile`` traces them too.
 
 Conventions:
     * ``input`` has shape ``(N, C, *)``; statistics are per channel (dim 1).
@@ -22,7 +24,21 @@ __all__ = [
     "normalize",
     "backward_reduce",
     "backward_elemt",
+    "ROW_HEADER",
+    "TAG_LIMIT",
+    "CALL_ORDER_MARK",
+    "stats_row",
+    "merge_normalize",
+    "grad_sums",
+    "grad_input",
 ]
+
+# Values in front of the statistics in a gathered row: [count, samples, layer_tag, call_tag].
+ROW_HEADER = 4
+# Tags travel in the statistics' float dtype: below 2**24 they are exact even in float32.
+TAG_LIMIT = 1 << 24
+# How a call-order mismatch found while merging starts its message (C++ kernels and this file).
+CALL_ORDER_MARK = "syncbn call order:"
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,12 +139,11 @@ def backward_reduce(
     acc = acc_dtype(input.dtype)
     dims = _reduce_dims(input)
     dy = grad_out.to(acc)
-    if input.numel() == 0:
-        sum_dy = torch.zeros_like(mean)
-        sum_dy_xmu = torch.zeros_like(mean)
-    else:
-        sum_dy = dy.sum(dims)
-        sum_dy_xmu = (dy * (input.to(acc) - _per_channel(mean, input))).sum(dims)
+    # No shortcut for an empty batch (a sum over no elements is 0): under torch.compile the sums
+    # must depend on dy, or the partitioner may hoist this rank's backward collective into the
+    # forward graph, where it would pair with another rank's forward collective.
+    sum_dy = dy.sum(dims)
+    sum_dy_xmu = (dy * (input.to(acc) - _per_channel(mean, input))).sum(dims)
     param_dtype = weight.dtype if weight is not None else acc
     grad_weight = (sum_dy_xmu * invstd).to(param_dtype) if weight_grad else None
     grad_bias = sum_dy.to(param_dtype) if bias_grad else None
@@ -159,3 +174,158 @@ def backward_elemt(
     xmu = input.to(acc) - _per_channel(mean, input)
     dx = grad_out.to(acc) - _per_channel(mean_dy, input) - xmu * _per_channel(k, input)
     return (dx * _per_channel(iw, input)).to(input.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused steps (the syncbn:: operators of the extension)
+# ------------------------------------------------------------------------------------------------
+
+
+def stats_row(input: torch.Tensor, layer_tag: int, calls: torch.Tensor) -> torch.Tensor:
+    """This rank's row for the forward collective, ``[count, samples, layer_tag, call_tag,
+    mean[C], m2[C]]`` in the acc dtype; ``calls`` (one int64 element) is the layer's call counter,
+    written as the call tag and incremented in place."""
+    mean, m2 = local_stats(input)
+    count = input.numel() // input.shape[1]
+    header = torch.stack(
+        [
+            mean.new_full((), float(count)),
+            mean.new_full((), float(input.shape[0])),
+            mean.new_full((), float(layer_tag % TAG_LIMIT)),
+            (calls.reshape(()) % TAG_LIMIT).to(mean.dtype),
+        ]
+    )
+    calls.add_(1)
+    return torch.cat([header, mean, m2])
+
+
+def merge_normalize(
+    input: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    nonfinite: torch.Tensor | None,
+    momentum: float | None,
+    eps: float,
+    unbiased: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge the gathered rows, update the running statistics, normalize.
+
+    Returns ``(output, mean, invstd, var, info)`` with ``info = [count, samples, order_ok,
+    finite]``. On CPU tensors a call-order mismatch raises (message starting with
+    :data:`CALL_ORDER_MARK`) and a group with a single value per channel raises torch's
+    ValueError; on other devices these need a host sync, so only ``info[2]`` reports the order.
+    The running statistics are left alone when the merged statistics are not finite or the group
+    is empty; ``num_batches_tracked`` advances unless they are not finite, ``nonfinite`` counts the
+    skips.
+    """
+    channels = input.shape[1]
+    table = rows.view(-1, ROW_HEADER + 2 * channels)
+    tags = table[:, 2:ROW_HEADER]
+    order_ok = (tags == tags[0]).all()
+    counts = table[:, 0]
+    total = counts.sum()
+    if input.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_cpu_merge(tags, order_ok, total, input, table.shape[0])
+    mean, invstd, var = merge_stats(
+        counts,
+        table[:, ROW_HEADER : ROW_HEADER + channels],
+        table[:, ROW_HEADER + channels :],
+        eps,
+        unbiased,
+    )
+    finite = torch.isfinite(mean).all() & torch.isfinite(var).all()
+    with torch.no_grad():
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(finite.to(num_batches_tracked.dtype))
+        if nonfinite is not None:
+            nonfinite.add_((~finite).to(nonfinite.dtype))
+        if running_mean is not None and running_var is not None:
+            _update_running(
+                running_mean,
+                running_var,
+                mean,
+                var,
+                finite & (total > 0),
+                momentum,
+                num_batches_tracked,
+            )
+    info = torch.stack([total, table[:, 1].sum(), order_ok.to(mean.dtype), finite.to(mean.dtype)])
+    return normalize(input, mean, invstd, weight, bias), mean, invstd, var, info
+
+
+def _check_cpu_merge(
+    tags: torch.Tensor,
+    order_ok: torch.Tensor,
+    total: torch.Tensor,
+    input: torch.Tensor,
+    world: int,
+) -> None:
+    if not bool(order_ok):
+        calls = "; ".join(
+            f"row {i}: layer tag {int(layer)} call #{int(call) + 1}"
+            for i, (layer, call) in enumerate(tags.tolist())
+        )
+        raise RuntimeError(f"{CALL_ORDER_MARK} tags differ ({calls})")
+    if int(total.item()) == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{input.size()} (1 value per channel in the whole sync group of {world} rank(s))"
+        )
+
+
+def _update_running(
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    keep: torch.Tensor,
+    momentum: float | None,
+    num_batches_tracked: torch.Tensor | None,
+) -> None:
+    """``running = lerp(running, batch, factor)`` where ``keep`` (on the device, no host sync)."""
+    if momentum is None:
+        assert num_batches_tracked is not None, "momentum=None needs num_batches_tracked"
+        factor: float | torch.Tensor = num_batches_tracked.to(running_mean.dtype).reciprocal()
+    else:
+        factor = momentum
+    for running, batch in ((running_mean, mean), (running_var, var)):
+        updated = torch.lerp(running, batch.to(running.dtype), factor)
+        running.copy_(torch.where(keep, updated, running))
+
+
+def grad_sums(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sums, grad_weight, grad_bias)``: the local ``[sum_dy[C], sum_dy_xmu[C]]`` packed for the
+    collective, and the local parameter gradients (weight dtype, acc dtype without weight)."""
+    sum_dy, sum_dy_xmu, grad_weight, grad_bias = backward_reduce(
+        grad_out, input, mean, invstd, weight, True, True
+    )
+    assert grad_weight is not None and grad_bias is not None
+    return torch.cat([sum_dy, sum_dy_xmu]), grad_weight, grad_bias
+
+
+def grad_input(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    sums: torch.Tensor,
+    info: torch.Tensor,
+) -> torch.Tensor:
+    """The input gradient from ``R`` rows of sums (``[R * 2C]``, summed in row order) and the
+    group count ``info[0]``."""
+    channels = input.shape[1]
+    total = sums.view(-1, 2 * channels).sum(0)
+    return backward_elemt(
+        grad_out, input, mean, invstd, weight, total[:channels], total[channels:], info[:1]
+    )

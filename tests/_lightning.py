@@ -40,6 +40,20 @@ def make_net(seed: int = 0) -> nn.Sequential:
     )
 
 
+def single_process_reference(steps: int, per_rank: int, world: int) -> nn.Module:
+    """Plain BN, one process, batch ``world * per_rank`` made of what the ranks saw at each step
+    (``DistributedSampler(shuffle=False)``: rank r holds samples r, r + world, r + 2 world, ...)."""
+    x, y = make_data()
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        idx = [(step * per_rank + j) * world + r for r in range(world) for j in range(per_rank)]
+        opt.zero_grad()
+        F.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+    return net
+
+
 class BNNet(pl.LightningModule):
     """Conv/BN net on fixed synthetic data.
 
@@ -94,6 +108,18 @@ class BNNet(pl.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader()
+
+
+class CompiledBNNet(BNNet):
+    """BNNet whose network is ``torch.compile(..., fullgraph=True)``-d in ``configure_model``; the
+    callback converts the BN layers inside the compiled wrapper before the first forward."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(build_in_configure_model=True, **kwargs)
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = torch.compile(make_net(), fullgraph=True)
 
 
 class Probe(Callback):

@@ -17,8 +17,15 @@ import textwrap
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from _lightning import BNNet, NaNBatchNet, Probe, load_ranks, make_data, make_net, trainer
+from _lightning import (
+    BNNet,
+    NaNBatchNet,
+    Probe,
+    load_ranks,
+    make_data,
+    single_process_reference,
+    trainer,
+)
 from _numerics import rel_err
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -44,20 +51,6 @@ def _fit(tmp_path, name: str, world: int, callbacks: list, model: BNNet | None =
     return load_ranks(str(out), world)
 
 
-def _single_process_reference(steps: int, per_rank: int, world: int) -> nn.Module:
-    """Plain BN, one process, batch ``world * per_rank`` made of what the ranks saw at each step."""
-    x, y = make_data()
-    net = make_net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for step in range(steps):
-        # DistributedSampler(shuffle=False): rank r holds samples r, r + world, r + 2 world, ...
-        idx = [(step * per_rank + j) * world + r for r in range(world) for j in range(per_rank)]
-        opt.zero_grad()
-        F.cross_entropy(net(x[idx]), y[idx]).backward()
-        opt.step()
-    return net
-
-
 # ----------------------------------------------------------------------------- parity
 
 
@@ -72,7 +65,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
         max_steps=steps,
     )
     local = _fit(tmp_path, "local", 2, [], max_steps=steps)
-    want = {f"net.{k}": v for k, v in _single_process_reference(steps, 2, 2).state_dict().items()}
+    want = {f"net.{k}": v for k, v in single_process_reference(steps, 2, 2).state_dict().items()}
     for rank, got in enumerate(synced):
         assert got["sync_layers"] == 2, "layers built in configure_model were not converted"
         assert got["optimizer_holds_model_params"]
@@ -89,7 +82,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
 def test_layer_sync_plugin_matches_callback(tmp_path):
     steps = 3
     plugin = _fit(tmp_path, "plugin", 2, [], plugins=[SyncBNLayerSync()], max_steps=steps)
-    want = {f"net.{k}": v for k, v in _single_process_reference(steps, 2, 2).state_dict().items()}
+    want = {f"net.{k}": v for k, v in single_process_reference(steps, 2, 2).state_dict().items()}
     assert plugin[0]["sync_layers"] == 2
     for key, value in _bn_state(want).items():
         assert rel_err(plugin[1]["state"][key], value) <= 1e-5, key

@@ -49,6 +49,7 @@ from syncbn_lightning import (
     new_sync_group,
     revert_sync_batchnorm,
 )
+from syncbn_lightning import ops as syncbn_ops
 from syncbn_lightning._backend import ExtensionBuildError
 from syncbn_lightning.callback import resolve_group_size
 from syncbn_lightning.tasks.coco import CocoDetection
@@ -120,6 +121,7 @@ def fresh_extension(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (both restored afterwards)."""
     monkeypatch.setattr(_backend, "_ext_module", None)
     monkeypatch.setattr(_backend, "_ext_error", None)
+    monkeypatch.setattr(syncbn_ops, "_choices", {})  # the layers' remembered choice of kernels
     monkeypatch.setenv("SYNCBN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
 

@@ -35,8 +35,22 @@ def test_gradcheck_float64(
     b = torch.randn(4, dtype=torch.float64).requires_grad_(affine)
 
     def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls = torch.zeros(1, dtype=torch.long)
         return SyncBatchNormFunction.apply(
-            x, w if affine else None, b if affine else None, 1e-5, 0, 1, True
+            x,
+            w if affine else None,
+            b if affine else None,
+            None,
+            None,
+            None,
+            None,
+            calls,
+            None,
+            1e-5,
+            None,
+            1,
+            True,
+            0,
         )[0]
 
     assert torch.autograd.gradcheck(fn, (x, w, b), eps=1e-6, atol=1e-7)

@@ -1,6 +1,6 @@
-// Python bindings of the emulation extension: the five CUDA entry points of csrc/syncbn_cuda.cu on
-// CPU tensors, the emulator's controls, and its self-test kernels. Every entry point runs with
-// heap poisoning on, so an output element a kernel never writes reads as NaN.
+// Python bindings of the emulation extension: the CUDA entry points of csrc/*.cu (five primitives,
+// four fused steps) on CPU tensors, the emulator's controls, and its self-test kernels. Every entry
+// point runs with heap poisoning on, so an output element a kernel never writes reads as NaN.
 #include <torch/extension.h>
 
 #include <string>
@@ -59,6 +59,39 @@ at::Tensor backward_elemt(
   const PoisonScope poison;
   return syncbn::backward_elemt_cuda(
       grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count);
+}
+
+at::Tensor stats_row(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls) {
+  const PoisonScope poison;
+  return syncbn::stats_row_cuda(input, layer_tag, calls);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased) {
+  const PoisonScope poison;
+  return syncbn::merge_normalize_cuda(
+      input, rows, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
+      momentum, eps, unbiased);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+  const PoisonScope poison;
+  return syncbn::grad_sums_cuda(grad_out, input, mean, invstd, weight);
+}
+
+at::Tensor grad_input(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
+    const at::Tensor& info) {
+  const PoisonScope poison;
+  return syncbn::grad_input_cuda(grad_out, input, mean, invstd, weight, sums, info);
 }
 
 void set_schedule(const std::string& order, uint64_t seed) {
@@ -128,6 +161,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_elemt", &backward_elemt, py::arg("grad_out"), py::arg("input"),
         py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("sum_dy"),
         py::arg("sum_dy_xmu"), py::arg("count"));
+  // The fused steps (csrc/fused_cuda.cu), same arguments as the syncbn:: operators.
+  m.def("stats_row", &stats_row, py::arg("input"), py::arg("layer_tag"), py::arg("calls"));
+  m.def("merge_normalize", &merge_normalize, py::arg("input"), py::arg("rows"),
+        py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
+        py::arg("num_batches_tracked"), py::arg("nonfinite"), py::arg("momentum"),
+        py::arg("eps"), py::arg("unbiased"));
+  m.def("grad_sums", &grad_sums, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
+        py::arg("invstd"), py::arg("weight"));
+  m.def("grad_input", &grad_input, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
+        py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"));
   m.def("set_schedule", &set_schedule, "Thread and block order: forward, reverse or random",
         py::arg("order"), py::arg("seed") = 0);
   m.def("take_diagnostics", &simt::take_diagnostics, "Diagnostics since the last call");

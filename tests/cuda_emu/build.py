@@ -211,7 +211,10 @@ def _build() -> ModuleType:
         csrc / "common.cpp",
     ]
     headers = (
-        sorted(INCLUDE_DIR.rglob("*.h")) + sorted(EMU_DIR.glob("*.h")) + sorted(csrc.glob("*.h"))
+        sorted(INCLUDE_DIR.rglob("*.h"))
+        + sorted(EMU_DIR.glob("*.h"))
+        + sorted(csrc.glob("*.h"))
+        + sorted(csrc.glob("*.cuh"))
     )
     cflags = _CFLAGS + (_ASAN_FLAGS if _asan() else [])
     ldflags = _ASAN_FLAGS if _asan() else []

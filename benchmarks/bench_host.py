@@ -1,0 +1,143 @@
+"""Host cost of one BatchNorm layer: dispatcher ops and microseconds per forward + backward.
+
+On a tiny tensor the kernels cost next to nothing, so the time is what the host spends around
+them: Python, autograd, the dispatcher, the collectives' bookkeeping. Compared, eager, each as a
+whole ``layer(x).backward(g)`` step, interleaved round by round, median of the rounds:
+
+* ``bn``: ``nn.BatchNorm2d`` (no synchronization; the floor);
+* ``ext``: ``SyncBatchNorm(force_sync=True)`` with the ``syncbn::`` operators;
+* ``ref``: the same layer with the pure-PyTorch reference steps.
+
+Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
+gloo group (the sync layer really calls gloo twice; gloo's own cost is shown on its own line).
+The op counts come from a ``TorchDispatchMode`` around one step, AccumulateGrad's ``add_`` of the
+three gradients included (``bn`` pays them too).
+
+    python benchmarks/bench_host.py [--rounds 15] [--steps 1000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from syncbn_lightning import SyncBatchNorm
+
+SHAPE = (2, 8, 4, 4)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layers() -> dict[str, tuple[str, nn.Module]]:
+    return {
+        "bn": ("auto", nn.BatchNorm2d(SHAPE[1])),
+        "ext": ("ext", SyncBatchNorm(SHAPE[1], force_sync=True)),
+        "ref": ("ref", SyncBatchNorm(SHAPE[1], force_sync=True)),
+    }
+
+
+def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        layer(x).backward(grad)
+
+    return run
+
+
+def _time(fn: Callable[[], None], steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def measure(rounds: int, steps: int) -> dict[str, dict[str, Any]]:
+    """Per layer: median microseconds per step and the op counts of one step."""
+    x = torch.randn(*SHAPE, requires_grad=True)
+    grad = torch.ones_like(x)
+    results: dict[str, dict[str, Any]] = {}
+    runs = {}
+    for name, (impl, layer) in _layers().items():
+        os.environ["SYNCBN_IMPL"] = impl
+        run = _step(layer, x, grad)
+        for _ in range(50):
+            run()
+        with _Ops() as counter:
+            run()
+        runs[name] = (impl, run)
+        results[name] = {"ops": counter.ops, "us": []}
+    for _ in range(rounds):
+        for name, (impl, run) in runs.items():
+            os.environ["SYNCBN_IMPL"] = impl
+            results[name]["us"].append(_time(run, steps))
+    for entry in results.values():
+        entry["median_us"] = statistics.median(entry["us"])
+    return results
+
+
+def gloo_cost(rounds: int, steps: int) -> float:
+    """Median microseconds of one functional all_gather + all_reduce pair (+ waits) on the group."""
+    c10d = torch.ops._c10d_functional
+    name = dist.group.WORLD.group_name
+    row = torch.randn(20)
+
+    def pair() -> None:
+        c10d.wait_tensor(c10d.all_gather_into_tensor(row, 1, name))
+        c10d.wait_tensor(c10d.all_reduce(row, "sum", name))
+
+    return statistics.median(_time(pair, steps) for _ in range(rounds))
+
+
+def _table(results: dict[str, dict[str, Any]]) -> list[str]:
+    floor = results["bn"]["median_us"]
+    lines = ["| layer | dispatcher ops | us / step | x bn |", "|---|---:|---:|---:|"]
+    for name, entry in results.items():
+        lines.append(
+            f"| {name} | {sum(entry['ops'].values())} | {entry['median_us']:.1f} | "
+            f"{entry['median_us'] / floor:.2f} |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), input {SHAPE}, float32, CPU")
+    print("\nNo process group (no collective is issued):\n")
+    print("\n".join(_table(measure(args.rounds, args.steps))))
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            print("\nOne-rank gloo group (one all-gather forward, one collective backward):\n")
+            results = measure(args.rounds, args.steps)
+            print("\n".join(_table(results)))
+            print(f"\ngloo alone, all_gather + all_reduce with waits: {gloo_cost(5, 500):.1f} us")
+            print("\nops of one ext step:", dict(results["ext"]["ops"]))
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

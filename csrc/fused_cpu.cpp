@@ -1,0 +1,184 @@
+// CPU twins of the fused steps (see syncbn.h): one call per step of a synchronized layer, writing
+// straight into the buffers the collectives use. The kernels themselves are in syncbn_cpu.cpp.
+#include "syncbn.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace syncbn {
+namespace {
+
+using namespace detail;
+
+// Tags travel as floats of the acc dtype: exact below 2^24.
+constexpr int64_t kTagLimit = int64_t(1) << 24;
+
+// torch.lerp's formula (ATen/native/Lerp.h) in the running dtype's opmath, as the vectorized
+// kernel computes it (one fused multiply-add), so the update matches `running.lerp_(batch, w)`.
+template <typename T>
+T lerp(T start, T end, T weight) {
+  const bool small = std::abs(weight) < T(0.5);
+  return std::fma(small ? weight : weight - T(1), end - start, small ? start : end);
+}
+
+template <typename run_t, typename acc_t>
+void lerp_channels(run_t* running, const acc_t* batch, int64_t C, double factor) {
+  using op_t = at::opmath_type<run_t>;
+  for (int64_t c = 0; c < C; ++c) {
+    // The batch statistic is first rounded to the running dtype, as batch.to(running.dtype).
+    const op_t target = static_cast<op_t>(static_cast<run_t>(batch[c]));
+    running[c] = static_cast<run_t>(
+        lerp<op_t>(static_cast<op_t>(running[c]), target, static_cast<op_t>(factor)));
+  }
+}
+
+// The momentum of this update: the given one, or 1 / num_batches_tracked (cumulative average,
+// computed in the running dtype as torch does).
+double update_factor(c10::optional<double> momentum, int64_t tracked, at::ScalarType run) {
+  if (momentum.has_value()) return *momentum;
+  if (run == at::kDouble) return 1.0 / static_cast<double>(tracked);
+  return static_cast<double>(1.0f / static_cast<float>(tracked));
+}
+
+template <typename acc_t>
+void update_running(
+    const acc_t* mean, const acc_t* var, int64_t C, double total, bool finite,
+    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum) {
+  int64_t tracked = 0;
+  if (num_batches_tracked.has_value() && num_batches_tracked->defined()) {
+    tracked = (*num_batches_tracked->mutable_data_ptr<int64_t>() += finite ? 1 : 0);
+  }
+  if (nonfinite.has_value() && nonfinite->defined()) {
+    *nonfinite->mutable_data_ptr<int64_t>() += finite ? 0 : 1;
+  }
+  // An empty group has nothing to average in, and NaN/inf would stay in the running stats forever.
+  if (!finite || total == 0 || !running_mean.has_value() || !running_mean->defined()) return;
+  const double factor = update_factor(momentum, tracked, running_mean->scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean->scalar_type(), "update_running_cpu", [&] {
+    lerp_channels(running_mean->mutable_data_ptr<scalar_t>(), mean, C, factor);
+    lerp_channels(running_var->mutable_data_ptr<scalar_t>(), var, C, factor);
+  });
+}
+
+// Throws when the rows' (layer, call) tags differ: the ranks called their layers in different
+// orders. Python turns the message into CallOrderError with the layers' names.
+template <typename acc_t>
+void check_call_order(const acc_t* rows, int64_t W, int64_t width) {
+  bool same = true;
+  for (int64_t w = 1; w < W; ++w) {
+    same = same && rows[w * width + 2] == rows[2] && rows[w * width + 3] == rows[3];
+  }
+  if (same) return;
+  std::ostringstream text;
+  for (int64_t w = 0; w < W; ++w) {
+    text << (w ? "; " : "") << "row " << w << ": layer tag "
+         << static_cast<int64_t>(rows[w * width + 2]) << " call #"
+         << static_cast<int64_t>(rows[w * width + 3]) + 1;
+  }
+  TORCH_CHECK(
+      false, "syncbn call order: SyncBatchNorm layers were called in a different order on the ",
+      "ranks of one sync group (", text.str(), "). Every rank must run every SyncBatchNorm layer ",
+      "of the group in the same order and the same number of times per training forward.");
+}
+
+}  // namespace
+
+at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::Tensor& calls) {
+  check_input(input_, c10::DeviceType::CPU);
+  check_calls(calls, input_);
+  const at::Tensor input = dense_input(input_);
+  const int64_t C = input.size(1);
+  at::Tensor row = at::empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
+  at::Tensor mean = row.narrow(0, kRowHeader, C), m2 = row.narrow(0, kRowHeader + C, C);
+  local_stats_into_cpu(input, mean, m2);
+  int64_t& call = *calls.mutable_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(row.scalar_type(), "stats_row_cpu", [&] {
+    scalar_t* head = row.mutable_data_ptr<scalar_t>();
+    head[0] = static_cast<scalar_t>(input.numel() / C);
+    head[1] = static_cast<scalar_t>(input.size(0));
+    head[2] = static_cast<scalar_t>(layer_tag % kTagLimit);
+    head[3] = static_cast<scalar_t>(call % kTagLimit);
+  });
+  ++call;
+  return row;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cpu(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased) {
+  check_input(input, c10::DeviceType::CPU);
+  const int64_t W = check_rows(rows, input);
+  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
+  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  const int64_t C = input.size(1), width = row_width(C);
+  const auto opts = rows.options();
+  at::Tensor mean = at::empty({C}, opts), invstd = at::empty({C}, opts), var = at::empty({C}, opts);
+  at::Tensor info = at::empty({kInfoFields}, opts);
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_normalize_cpu", [&] {
+    const scalar_t* r = rows.const_data_ptr<scalar_t>();
+    check_call_order(r, W, width);
+    double total = 0, samples = 0;
+    for (int64_t w = 0; w < W; ++w) {
+      total += r[w * width];
+      samples += r[w * width + 1];
+    }
+    TORCH_CHECK_VALUE(
+        total != 1, "Expected more than 1 value per channel when training, got input size ",
+        "torch.Size(", input.sizes(), ") (1 value per channel in the whole sync group of ", W,
+        " rank(s))");
+    merge_rows_cpu(rows, W, C, eps, unbiased, mean, invstd, var);
+    const scalar_t* m = mean.const_data_ptr<scalar_t>();
+    const scalar_t* v = var.const_data_ptr<scalar_t>();
+    bool finite = true;
+    for (int64_t c = 0; c < C; ++c) finite = finite && std::isfinite(m[c]) && std::isfinite(v[c]);
+    update_running(
+        m, v, C, total, finite, running_mean, running_var, num_batches_tracked, nonfinite,
+        momentum);
+    scalar_t* out = info.mutable_data_ptr<scalar_t>();
+    out[0] = static_cast<scalar_t>(total);
+    out[1] = static_cast<scalar_t>(samples);
+    out[2] = scalar_t(1);
+    out[3] = finite ? scalar_t(1) : scalar_t(0);
+  });
+  at::Tensor output = normalize_cpu(input, mean, invstd, weight, bias);
+  return {output, mean, invstd, var, info};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+  check_backward_args(grad_out_, input_, mean, invstd, c10::DeviceType::CPU);
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const int64_t C = input.size(1);
+  at::Tensor sums = at::empty({2 * C}, mean.options());
+  at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
+  backward_sums_into_cpu(grad_out, input, mean.contiguous(), sum_dy, sum_dy_xmu);
+  auto grads = with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, true, true);
+  return {sums, std::get<2>(grads), std::get<3>(grads)};
+}
+
+at::Tensor grad_input_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
+    const at::Tensor& info) {
+  check_input(input, c10::DeviceType::CPU);
+  const int64_t R = check_sums(sums, info, input), C = input.size(1);
+  // Rows summed in rank order: the same bits on every rank of the group.
+  const at::Tensor total = R == 1 ? sums : sums.view({R, 2 * C}).sum(0);
+  return backward_elemt_cpu(
+      grad_out, input, mean, invstd, weight, total.narrow(0, 0, C), total.narrow(0, C, C),
+      info.narrow(0, 0, 1));
+}
+
+}  // namespace syncbn

@@ -1,0 +1,206 @@
+// CUDA twins of the fused steps (see syncbn.h): the row header and the merge + running-stat update
+// kernels, around the reductions and elementwise kernels of syncbn_cuda.cu. Per layer call:
+// forward = header + reduction (+ fold) | collective | merge-update + normalize; backward =
+// reduction (+ fold) | collective | elementwise. Nothing reads device memory on the host, so a
+// layer call can be captured in a CUDA graph; the call-order flag stays on the device (info[2]).
+#include "syncbn.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+#include "merge.cuh"
+
+#include <cstdint>
+
+namespace syncbn {
+namespace {
+
+using namespace detail;
+
+constexpr int kHeaderThreads = 256;
+// One block merges every channel, so that the finiteness of the whole batch (a reduction over
+// channels) is known before any running statistic is updated, without a second launch.
+constexpr int kMergeThreads = 1024;
+constexpr int64_t kTagLimit = int64_t(1) << 24;
+
+// Writes [count, samples, layer_tag, call_tag] and advances the call counter; zeroes the
+// statistics when the input is empty (no reduction ran).
+template <typename acc_t>
+__global__ void row_header_kernel(
+    acc_t* row, int64_t C, int64_t count, int64_t samples, int64_t layer_tag, int64_t* calls,
+    bool empty) {
+  if (threadIdx.x == 0) {
+    const int64_t call = *calls;
+    row[0] = static_cast<acc_t>(count);
+    row[1] = static_cast<acc_t>(samples);
+    row[2] = static_cast<acc_t>(layer_tag % kTagLimit);
+    row[3] = static_cast<acc_t>(call % kTagLimit);
+    *calls = call + 1;
+  }
+  if (!empty) return;
+  for (int64_t i = threadIdx.x; i < 2 * C; i += blockDim.x) row[kRowHeader + i] = acc_t(0);
+}
+
+// torch.lerp's formula (ATen/native/Lerp.h) with one fused multiply-add.
+template <typename T>
+__device__ __forceinline__ T lerp_fma(T start, T end, T weight) {
+  const bool small = fabs(weight) < T(0.5);
+  return fma(small ? weight : weight - T(1), end - start, small ? start : end);
+}
+
+struct RunningState {
+  int64_t* tracked;    // num_batches_tracked or null
+  int64_t* nonfinite;  // skipped-update counter or null
+  double momentum;
+  bool cumulative;     // momentum None: 1 / num_batches_tracked
+};
+
+// Merges the W gathered rows (one block, channels strided by blockDim.x), writes mean / invstd /
+// var and info = [count, samples, order_ok, finite], then updates the running statistics unless a
+// merged value is NaN/inf or the group is empty. Every thread reads the counters before the block
+// barrier and only thread 0 writes them after it.
+template <typename acc_t, typename run_t>
+__global__ void merge_update_kernel(
+    const acc_t* __restrict__ rows, int64_t W, int64_t C, double eps, bool unbiased,
+    acc_t* __restrict__ mean, acc_t* __restrict__ invstd, acc_t* __restrict__ var,
+    acc_t* __restrict__ info, run_t* running_mean, run_t* running_var, RunningState state) {
+  const int64_t width = kRowHeader + 2 * C;
+  double total = 0, samples = 0;
+  bool same_order = true;
+  for (int64_t w = 0; w < W; ++w) {
+    total += rows[w * width];
+    samples += rows[w * width + 1];
+    same_order = same_order && rows[w * width + 2] == rows[2] && rows[w * width + 3] == rows[3];
+  }
+  const int64_t tracked = state.tracked ? *state.tracked : 0;
+  bool bad = false;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const MergedChannel m =
+        merge_channel(rows, width, rows + kRowHeader, rows + kRowHeader + C, width, W, c);
+    m.store(c, eps, unbiased, mean, invstd, var);
+    bad = bad || !is_finite_value(mean[c]) || !is_finite_value(var[c]);
+  }
+  const bool finite = !__syncthreads_or(bad);
+  if (threadIdx.x == 0) {
+    info[0] = static_cast<acc_t>(total);
+    info[1] = static_cast<acc_t>(samples);
+    info[2] = same_order ? acc_t(1) : acc_t(0);
+    info[3] = finite ? acc_t(1) : acc_t(0);
+    if (state.tracked) *state.tracked = tracked + (finite ? 1 : 0);
+    if (state.nonfinite) *state.nonfinite += finite ? 0 : 1;
+  }
+  if (!finite || total == 0 || running_mean == nullptr) return;
+  using op_t = at::opmath_type<run_t>;
+  const op_t factor = state.cumulative
+                          ? op_t(1) / static_cast<op_t>(static_cast<run_t>(tracked + 1))
+                          : static_cast<op_t>(state.momentum);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    running_mean[c] = static_cast<run_t>(lerp_fma<op_t>(
+        static_cast<op_t>(running_mean[c]), static_cast<op_t>(static_cast<run_t>(mean[c])),
+        factor));
+    running_var[c] = static_cast<run_t>(lerp_fma<op_t>(
+        static_cast<op_t>(running_var[c]), static_cast<op_t>(static_cast<run_t>(var[c])), factor));
+  }
+}
+
+template <typename T>
+T* mutable_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->mutable_data_ptr<T>() : nullptr;
+}
+
+}  // namespace
+
+at::Tensor stats_row_cuda(const at::Tensor& input_, int64_t layer_tag, const at::Tensor& calls) {
+  check_input(input_, c10::DeviceType::CUDA);
+  check_calls(calls, input_);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const int64_t C = input.size(1);
+  at::Tensor row = at::empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
+  const bool empty = input.numel() == 0;
+  if (!empty) {
+    at::Tensor mean = row.narrow(0, kRowHeader, C), m2 = row.narrow(0, kRowHeader + C, C);
+    local_stats_into_cuda(input, mean, m2);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.get_device()).stream();
+  AT_DISPATCH_FLOATING_TYPES(row.scalar_type(), "stats_row_cuda", [&] {
+    row_header_kernel<scalar_t><<<1, kHeaderThreads, 0, stream>>>(
+        row.mutable_data_ptr<scalar_t>(), C, input.numel() / C, input.size(0), layer_tag,
+        calls.mutable_data_ptr<int64_t>(), empty);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return row;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cuda(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased) {
+  check_input(input, c10::DeviceType::CUDA);
+  const int64_t W = check_rows(rows, input);
+  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
+  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t C = input.size(1);
+  const auto opts = rows.options();
+  at::Tensor mean = at::empty({C}, opts), invstd = at::empty({C}, opts), var = at::empty({C}, opts);
+  at::Tensor info = at::empty({kInfoFields}, opts);
+  const RunningState state{
+      mutable_or_null<int64_t>(num_batches_tracked), mutable_or_null<int64_t>(nonfinite),
+      momentum.value_or(0.0), !momentum.has_value()};
+  const bool has_running = running_mean.has_value() && running_mean->defined();
+  const auto run_type = has_running ? running_mean->scalar_type() : rows.scalar_type();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.get_device()).stream();
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_normalize_cuda", [&] {
+    using acc_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, run_type, "merge_update_cuda", [&] {
+      merge_update_kernel<acc_t, scalar_t><<<1, kMergeThreads, 0, stream>>>(
+          rows.const_data_ptr<acc_t>(), W, C, eps, unbiased, mean.mutable_data_ptr<acc_t>(),
+          invstd.mutable_data_ptr<acc_t>(), var.mutable_data_ptr<acc_t>(),
+          info.mutable_data_ptr<acc_t>(), mutable_or_null<scalar_t>(running_mean),
+          mutable_or_null<scalar_t>(running_var), state);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  at::Tensor output = normalize_cuda(input, mean, invstd, weight, bias);
+  return {output, mean, invstd, var, info};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+  check_backward_args(grad_out_, input_, mean_, invstd, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous();
+  const int64_t C = input.size(1);
+  at::Tensor sums = input.numel() == 0 ? at::zeros({2 * C}, mean.options())
+                                       : at::empty({2 * C}, mean.options());
+  at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
+  if (input.numel() > 0) backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu);
+  auto grads = with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, true, true);
+  return {sums, std::get<2>(grads), std::get<3>(grads)};
+}
+
+at::Tensor grad_input_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
+    const at::Tensor& info) {
+  check_input(input, c10::DeviceType::CUDA);
+  const int64_t R = check_sums(sums, info, input), C = input.size(1);
+  const at::Tensor total = R == 1 ? sums : sums.view({R, 2 * C}).sum(0);
+  return backward_elemt_cuda(
+      grad_out, input, mean, invstd, weight, total.narrow(0, 0, C), total.narrow(0, C, C),
+      info.narrow(0, 0, 1));
+}
+
+}  // namespace syncbn

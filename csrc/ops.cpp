@@ -1,0 +1,57 @@
+// The `syncbn::` PyTorch operators: one per step of a synchronized layer call (see syncbn.h), with
+// CPU and CUDA kernels. Being dispatcher operators, they are traced whole by torch.compile (their
+// fake implementations are in syncbn_lightning/ops.py), captured by CUDA graphs and counted by
+// profilers like any aten op. They are not differentiable on their own: the layer's derivative,
+// collectives included, is one autograd.Function (syncbn_lightning/function.py).
+#include <torch/library.h>
+
+#include "syncbn.h"
+
+TORCH_LIBRARY(syncbn, m) {
+  // Fake (meta) implementations live in this Python module; torch imports it when it needs them.
+  m.set_python_module("syncbn_lightning.ops");
+  m.def("stats_row(Tensor input, int layer_tag, Tensor(a!) calls) -> Tensor");
+  m.def(
+      "merge_normalize(Tensor input, Tensor rows, Tensor? weight, Tensor? bias, "
+      "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
+      "Tensor(d!)? nonfinite, float? momentum, float eps, bool unbiased) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "grad_input(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+      "Tensor sums, Tensor info) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
+  m.impl("stats_row", &syncbn::stats_row_cpu);
+  m.impl("merge_normalize", &syncbn::merge_normalize_cpu);
+  m.impl("grad_sums", &syncbn::grad_sums_cpu);
+  m.impl("grad_input", &syncbn::grad_input_cpu);
+}
+
+// Autograd: the steps are not differentiable on their own (the Function above them is), so the
+// autograd key falls through: no per-call bookkeeping of the generic "not implemented" fallback,
+// which cost each call a few microseconds of host time. ADInplaceOrView likewise: the tensors they
+// mutate (call counter, running statistics) are never saved for a backward.
+TORCH_LIBRARY_IMPL(syncbn, Autograd, m) {
+  for (const char* name : {"stats_row", "merge_normalize", "grad_sums", "grad_input"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
+}
+
+TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
+  for (const char* name : {"stats_row", "merge_normalize"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
+}
+
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
+  m.impl("stats_row", &syncbn::stats_row_cuda);
+  m.impl("merge_normalize", &syncbn::merge_normalize_cuda);
+  m.impl("grad_sums", &syncbn::grad_sums_cuda);
+  m.impl("grad_input", &syncbn::grad_input_cuda);
+}
+#endif

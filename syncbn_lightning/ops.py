@@ -1,0 +1,137 @@
+"""The ``syncbn::`` operators: fake implementations, and which implementation a layer uses.
+
+The extension (``csrc/ops.cpp``) registers four operators, one per step of a synchronized layer
+call, with CPU and CUDA kernels:
+
+* ``syncbn::stats_row(input, layer_tag, calls!) -> row``
+* ``syncbn::merge_normalize(input, rows, weight, bias, running_mean!, running_var!,
+  num_batches_tracked!, nonfinite!, momentum, eps, unbiased) -> (output, mean, invstd, var, info)``
+* ``syncbn::grad_sums(grad_out, input, mean, invstd, weight) -> (sums, grad_weight, grad_bias)``
+* ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info) -> grad_input``
+
+Their semantics are those of the same-named functions of :mod:`syncbn_lightning.reference`. The
+fake (meta) implementations below give ``torch.compile`` their output shapes, dtypes and strides
+without running a kernel; torch imports this module for them (``set_python_module`` in C++), and
+:func:`register_fakes` registers them when the extension is loaded.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import reference
+from ._backend import get_impl, ops_for
+
+__all__ = ["uses_extension", "register_fakes"]
+
+_choice_lock = threading.Lock()
+_choices: dict[tuple[str, str], bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def uses_extension(device_type: str) -> bool:
+    """Whether layers on ``device_type`` run the ``syncbn::`` operators (else the reference).
+
+    Decided like :func:`~syncbn_lightning._backend.ops_for` (``SYNCBN_IMPL``, whether the extension
+    builds and has kernels for the device), once per value of ``SYNCBN_IMPL`` and device type.
+    ``torch.compile`` calls it while tracing and bakes the answer into the graph, so a compiled
+    model keeps the implementation it was compiled with.
+    """
+    key = (get_impl(), device_type)
+    choice = _choices.get(key)
+    if choice is None:
+        with _choice_lock:
+            probe = torch.empty(0, device="meta" if device_type == "meta" else device_type)
+            choice = ops_for(probe) is not reference
+            _choices[key] = choice
+    return choice
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return reference.acc_dtype(dtype)
+
+
+def _dense_like(input: torch.Tensor) -> torch.Tensor:
+    """What the kernels allocate for an elementwise output: the input's layout when it is dense
+    channels-first or channels-last, else contiguous."""
+    if input.is_contiguous() or input.movedim(1, -1).is_contiguous():
+        return torch.empty_like(input)
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+def _stats_row_fake(input: torch.Tensor, layer_tag: int, calls: torch.Tensor) -> torch.Tensor:
+    return input.new_empty(reference.ROW_HEADER + 2 * input.shape[1], dtype=_acc(input.dtype))
+
+
+def _merge_normalize_fake(
+    input: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None,
+    nonfinite: torch.Tensor | None,
+    momentum: float | None,
+    eps: float,
+    unbiased: bool,
+) -> tuple[torch.Tensor, ...]:
+    channels = input.shape[1]
+    stats = [rows.new_empty(channels) for _ in range(3)]
+    return (_dense_like(input), *stats, rows.new_empty(4))
+
+
+def _grad_sums_fake(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    channels = input.shape[1]
+    param_dtype = weight.dtype if weight is not None else mean.dtype
+    return (
+        mean.new_empty(2 * channels),
+        mean.new_empty(channels, dtype=param_dtype),
+        mean.new_empty(channels, dtype=param_dtype),
+    )
+
+
+def _grad_input_fake(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    sums: torch.Tensor,
+    info: torch.Tensor,
+) -> torch.Tensor:
+    return _dense_like(input)
+
+
+_FAKES = {
+    "syncbn::stats_row": _stats_row_fake,
+    "syncbn::merge_normalize": _merge_normalize_fake,
+    "syncbn::grad_sums": _grad_sums_fake,
+    "syncbn::grad_input": _grad_input_fake,
+}
+_registered = False
+_fakes_lock = threading.Lock()
+
+
+def register_fakes() -> None:
+    """Register the fake implementations (once per process; the operators must exist)."""
+    global _registered
+    with _fakes_lock:
+        if _registered:
+            return
+        for name, fake in _FAKES.items():
+            torch.library.register_fake(name)(fake)
+        _registered = True
+
+
+if hasattr(torch.ops, "syncbn") and hasattr(torch.ops.syncbn, "stats_row"):
+    # Imported by torch on behalf of an already loaded extension (set_python_module).
+    register_fakes()

@@ -1,0 +1,112 @@
+"""Layer 1: the ``syncbn::`` operators (CPU kernels) against the reference's fused steps.
+
+Each case plays W ranks in one process (``tests/_fused_cases.py``): uneven and empty batches,
+channels-first and channels-last, every input dtype, running statistics in float32, float16 or
+float64, momentum or the cumulative average. ``torch.library.opcheck`` checks every operator's
+schema, fake implementation and dispatch registration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _fused_cases import FUSED_SHAPES, channels_last, compare, rank_inputs, run_fused
+
+from syncbn_lightning import reference
+from syncbn_lightning._backend import load_extension
+from syncbn_lightning.ops import uses_extension
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    load_extension()
+    assert uses_extension("cpu")
+    return torch.ops.syncbn
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize(("sizes", "channels", "spatial"), FUSED_SHAPES)
+def test_operators_match_reference(ops, sizes, channels, spatial, dtype) -> None:
+    xs = rank_inputs(sizes, channels, spatial, dtype, seed=len(sizes) * 100 + channels)
+    for layout in (xs, channels_last(xs)):
+        compare(run_fused(ops, layout), run_fused(reference, layout), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(
+    ("momentum", "running_dtype", "affine"),
+    [(None, torch.float32, True), (0.3, torch.float16, False), (1.0, torch.float64, True)],
+)
+def test_running_statistics_options_match_reference(ops, momentum, running_dtype, affine) -> None:
+    xs = rank_inputs([2, 3], 6, (4,), torch.float32, seed=5)
+    options = {"momentum": momentum, "running_dtype": running_dtype, "affine": affine}
+    got, want = run_fused(ops, xs, **options), run_fused(reference, xs, **options)
+    compare(got, want, 2e-3 if running_dtype == torch.float16 else 1e-5)
+    assert int(got[0]["num_batches_tracked"]) == 5 and int(got[0]["calls"]) == 3
+
+
+def test_nonfinite_batch_skips_the_update_and_counts_it(ops) -> None:
+    xs = rank_inputs([2, 2], 3, (4,), torch.float32, seed=6)
+    xs[1][0, 1, 0] = float("nan")
+    for impl in (ops, reference):
+        results = run_fused(impl, xs)
+        for r in results:
+            assert float(r["info"][3]) == 0.0  # finite flag
+            assert int(r["nonfinite"]) == 1 and int(r["num_batches_tracked"]) == 4
+            # left untouched, i.e. still the values the state was made with
+            assert (
+                torch.isfinite(r["running_mean"]).all() and torch.isfinite(r["running_var"]).all()
+            )
+
+
+def test_call_order_mismatch_raises_in_the_merge(ops) -> None:
+    x = torch.randn(2, 3, 4)
+    calls = torch.zeros(1, dtype=torch.long)
+    rows = torch.cat([ops.stats_row(x, 5, calls), ops.stats_row(x, 6, calls)])
+    for impl in (ops, reference):
+        with pytest.raises(RuntimeError, match=r"syncbn call order:.*layer tag 5.*layer tag 6"):
+            impl.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True)
+
+
+def test_one_value_per_channel_in_the_whole_group_raises(ops) -> None:
+    x, empty = torch.randn(1, 3), torch.randn(0, 3)
+    calls = torch.zeros(1, dtype=torch.long)
+    rows = torch.cat([ops.stats_row(x, 1, calls.clone()), ops.stats_row(empty, 1, calls.clone())])
+    for impl in (ops, reference):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            impl.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True)
+
+
+def test_bad_arguments_name_the_argument(ops) -> None:
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(RuntimeError, match="`calls` must be a one-element int64"):
+        ops.stats_row(x, 1, torch.zeros(1))
+    row = ops.stats_row(x, 1, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="`rows` must be the gathered 1-D buffer"):
+        ops.merge_normalize(x, row[:-1], None, None, None, None, None, None, 0.1, 1e-5, True)
+
+
+def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(3, 4, 5, 2).contiguous(memory_format=layout)
+        w, b = torch.rand(4) + 0.5, torch.randn(4)
+        calls = torch.zeros(1, dtype=torch.long)
+        torch.library.opcheck(ops.stats_row.default, (x, 3, calls))
+        rows = torch.cat([ops.stats_row(x, 3, calls.clone()) for _ in range(2)])
+        state = (
+            torch.zeros(4),
+            torch.ones(4),
+            torch.zeros((), dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+        )
+        torch.library.opcheck(
+            ops.merge_normalize.default, (x, rows, w, b, *state, None, 1e-5, True)
+        )
+        output, mean, invstd, _var, info = ops.merge_normalize(
+            x, rows, w, b, None, None, None, None, 0.1, 1e-5, True
+        )
+        dy = torch.randn_like(output)
+        torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w))
+        sums = torch.cat([ops.grad_sums(dy, x, mean, invstd, w)[0]] * 2)
+        torch.library.opcheck(ops.grad_input.default, (dy, x, mean, invstd, w, sums, info))
