@@ -210,5 +210,20 @@ int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Ten
   return sums.numel() / (2 * C);
 }
 
+at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {
+  const int64_t R = check_sums(sums, info, input), C = input.size(1);
+  // Rows summed in rank order: the same bits on every rank of the group.
+  return R == 1 ? sums : sums.view({R, 2 * C}).sum(0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
+    const at::Tensor& sums, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const at::Tensor& input) {
+  const int64_t C = input.size(1);
+  auto grads = with_param_grads(
+      sums.narrow(0, 0, C), sums.narrow(0, C, C), invstd, weight, input, true, true);
+  return {sums, std::get<2>(grads), std::get<3>(grads)};
+}
+
 }  // namespace detail
 }  // namespace syncbn

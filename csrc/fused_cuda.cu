@@ -187,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
                                        : at::empty({2 * C}, mean.options());
   at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
   if (input.numel() > 0) backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu);
-  auto grads = with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, true, true);
-  return {sums, std::get<2>(grads), std::get<3>(grads)};
+  return with_packed_param_grads(sums, invstd, weight, input);
 }
 
 at::Tensor grad_input_cuda(
@@ -196,8 +195,8 @@ at::Tensor grad_input_cuda(
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info) {
   check_input(input, c10::DeviceType::CUDA);
-  const int64_t R = check_sums(sums, info, input), C = input.size(1);
-  const at::Tensor total = R == 1 ? sums : sums.view({R, 2 * C}).sum(0);
+  const int64_t C = input.size(1);
+  const at::Tensor total = group_sums(sums, info, input);
   return backward_elemt_cuda(
       grad_out, input, mean, invstd, weight, total.narrow(0, 0, C), total.narrow(0, C, C),
       info.narrow(0, 0, 1));

@@ -181,6 +181,13 @@ void check_running(
     const c10::optional<at::Tensor>& nonfinite, const at::Tensor& input);
 // sums: [R * 2C] in the acc dtype; info: kInfoFields values of the acc dtype. Returns R.
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
+// The group's [sum_dy, sum_dy_xmu] from R checked rows of sums (summed in row order when R > 1).
+at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
+// grad_sums' result from the packed local sums: (sums, grad_weight, grad_bias), see
+// with_param_grads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
+    const at::Tensor& sums, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const at::Tensor& input);
 // The CPU kernels writing into given [C] outputs (dense input, acc-dtype outputs).
 void local_stats_into_cpu(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
 void merge_rows_cpu(
