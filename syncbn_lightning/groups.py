@@ -12,9 +12,6 @@ import torch.distributed as dist
 
 __all__ = ["new_sync_group", "sync_group_size"]
 
-# Keys let the autograd Function receive a process group as a plain int.
-_GROUPS: dict[int, dist.ProcessGroup | None] = {0: None}
-
 
 def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
     """Split the world into consecutive blocks of ``group_size`` ranks; return this rank's block.
@@ -84,16 +81,3 @@ def sync_group_size(process_group: dist.ProcessGroup | None) -> int:
             f"process_group; give every rank the group it belongs to (see new_sync_group)"
         )
     return size
-
-
-def _group_key(process_group: dist.ProcessGroup | None) -> int:
-    """A plain-int handle for ``process_group`` (kept alive by the registry)."""
-    if process_group is None:
-        return 0
-    key = id(process_group)
-    _GROUPS[key] = process_group
-    return key
-
-
-def _group_from_key(key: int) -> dist.ProcessGroup | None:
-    return _GROUPS[key]
