@@ -14,9 +14,6 @@ namespace {
 
 using namespace detail;
 
-// Tags travel as floats of the acc dtype: exact below 2^24.
-constexpr int64_t kTagLimit = int64_t(1) << 24;
-
 // torch.lerp's formula (ATen/native/Lerp.h) in the running dtype's opmath, as the vectorized
 // kernel computes it (one fused multiply-add), so the update matches `running.lerp_(batch, w)`.
 template <typename T>

@@ -26,7 +26,6 @@ constexpr int kHeaderThreads = 256;
 // One block merges every channel, so that the finiteness of the whole batch (a reduction over
 // channels) is known before any running statistic is updated, without a second launch.
 constexpr int kMergeThreads = 1024;
-constexpr int64_t kTagLimit = int64_t(1) << 24;
 
 // Writes [count, samples, layer_tag, call_tag] and advances the call counter; zeroes the
 // statistics when the input is empty (no reduction ran).

@@ -167,6 +167,8 @@ at::Tensor optional_acc(
 // Values in front of the statistics in a gathered row, and a row's width for C channels.
 constexpr int64_t kRowHeader = 4;
 inline int64_t row_width(int64_t C) { return kRowHeader + 2 * C; }
+// Tags travel as floats of the acc dtype: exact below 2^24 (TAG_LIMIT in Python).
+constexpr int64_t kTagLimit = int64_t(1) << 24;
 // Fields of a merge's `info` output.
 constexpr int64_t kInfoFields = 4;
 // Rows of `rows` (1-D, contiguous, the acc dtype of `input`, on its device, a multiple of the row

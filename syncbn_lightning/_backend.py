@@ -46,6 +46,7 @@ __all__ = [
     "IMPL_ENV",
     "get_impl",
     "ops_for",
+    "ops_for_device",
     "load_extension",
     "build_dir",
     "cuda_compile_check",
@@ -365,6 +366,11 @@ def ops_for(tensor: torch.Tensor) -> Any:
         ValueError: on an invalid ``SYNCBN_IMPL``.
         ExtensionBuildError: with ``SYNCBN_IMPL=ext`` when the extension cannot serve ``tensor``.
     """
+    return ops_for_device(tensor.device.type)
+
+
+def ops_for_device(device_type: str) -> Any:
+    """:func:`ops_for` for tensors on devices of type ``device_type`` (``"cpu"``, ``"cuda"``...)."""
     impl = get_impl()
     if impl == "ref":
         return reference
@@ -380,15 +386,15 @@ def ops_for(tensor: torch.Tensor) -> Any:
             f"Set {IMPL_ENV}=ref to silence this, or {IMPL_ENV}=ext to make it an error.",
         )
         return reference
-    if tensor.device.type == "cpu" or (tensor.is_cuda and ext.with_cuda):
+    if device_type == "cpu" or (device_type == "cuda" and ext.with_cuda):
         return ext
     message = (
-        f"syncbn_lightning: the C++ extension has no kernels for {tensor.device.type} tensors in "
+        f"syncbn_lightning: the C++ extension has no kernels for {device_type} tensors in "
         f"this build; using the pure-PyTorch reference for them"
     )
     if impl == "ext":
         raise ExtensionBuildError(message + f" is not allowed with {IMPL_ENV}=ext")
-    _warn_once(f"device:{tensor.device.type}", message + ".")
+    _warn_once(f"device:{device_type}", message + ".")
     return reference
 
 

@@ -183,22 +183,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The call and non-finite counters on ``device`` (moved there with their values)."""
-        calls, nonfinite = self._calls, self._nonfinite
-        if calls is None or calls.device != device:
-            calls = (
-                torch.zeros(1, dtype=torch.long, device=device)
-                if calls is None
-                else calls.to(device)
-            )
-            self._calls = calls
-        if nonfinite is None or nonfinite.device != device:
-            nonfinite = (
-                torch.zeros(1, dtype=torch.long, device=device)
-                if nonfinite is None
-                else nonfinite.reshape(1).to(device)
-            )
-            self._nonfinite = nonfinite
-        return calls, nonfinite
+        if self._calls is None or self._calls.device != device:
+            self._calls = _counter_on(self._calls, device)
+        if self._nonfinite is None or self._nonfinite.device != device:
+            self._nonfinite = _counter_on(self._nonfinite, device)
+        return self._calls, self._nonfinite
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         """A deep copy that shares the process group (a ProcessGroup cannot be copied; the copy
@@ -232,7 +221,6 @@ class SyncBatchNorm(_BatchNorm):
         :meth:`nonfinite_skips`; an all-empty group leaves them alone as torch does)."""
         calls, nonfinite = self._counters(input.device)
         track = self.track_running_stats and self.running_mean is not None
-        communicate = dist.is_available() and dist.is_initialized()
         output, mean, var, info = SyncBatchNormFunction.apply(
             input,
             self.weight,
@@ -244,7 +232,7 @@ class SyncBatchNorm(_BatchNorm):
             calls,
             self.momentum,
             float(self.eps),
-            group_name_of(self.process_group) if communicate else None,
+            group_name_of(self.process_group),
             world_size,
             self.unbiased_running_var,
             self.layer_tag,
@@ -310,6 +298,13 @@ class SyncBatchNorm(_BatchNorm):
         if not self.unbiased_running_var:
             text += ", unbiased_running_var=False"
         return text
+
+
+def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0."""
+    if counter is None:
+        return torch.zeros(1, dtype=torch.long, device=device)
+    return counter.reshape(1).to(device)
 
 
 def _dtypes_compatible(input_dtype: torch.dtype, param_dtype: torch.dtype) -> bool:

@@ -74,7 +74,8 @@ class CallOrderError(RuntimeError):
 
 
 _layer_names: dict[int, str] = {}
-_pending: list[tuple[torch.Tensor, torch.Tensor, str | None]] = []
+# (info, gathered rows, channels, group name) of CUDA calls not checked yet.
+_pending: list[tuple[torch.Tensor, torch.Tensor, int, str | None]] = []
 
 
 def register_layer_name(tag: int, name: str) -> None:
@@ -82,8 +83,11 @@ def register_layer_name(tag: int, name: str) -> None:
     _layer_names[tag] = name
 
 
-def group_name_of(process_group: dist.ProcessGroup | None) -> str:
-    """The name torch's functional collectives know ``process_group`` by (``None``: the world)."""
+def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:
+    """The name torch's functional collectives know ``process_group`` by (``None``: the world);
+    ``None`` when torch.distributed is not initialized (there is nothing to communicate with)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     group = process_group if process_group is not None else dist.group.WORLD
     return group.group_name
 
@@ -133,10 +137,10 @@ def check_call_order() -> None:
         return
     queued = list(_pending)
     _pending.clear()
-    flags = torch.stack([info[2] for info, _, _ in queued]).cpu()
-    for ok, (_, tags, group_name) in zip(flags.tolist(), queued, strict=True):
+    flags = torch.stack([info[2] for info, _, _, _ in queued]).cpu()
+    for ok, (_, rows, channels, group_name) in zip(flags.tolist(), queued, strict=True):
         if not ok:
-            _raise_if_out_of_order(tags.cpu(), group_name)
+            _raise_if_out_of_order(_row_tags(rows, channels).cpu(), group_name)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -200,9 +204,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             _raise_if_out_of_order(_row_tags(rows, input.shape[1]), group_name)
             raise
         if input.device.type != "cpu":
-            _queue_order_check(info, _row_tags(rows, input.shape[1]), group_name)
+            _queue_order_check(info, rows, input.shape[1], group_name)
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
-                _check_group_count(int(info[0].item()), input, world_size)
+                reference.check_group_count(int(info[0].item()), input, world_size)
         ctx.save_for_backward(input, weight, mean, invstd, info)
         ctx.group_name = group_name
         ctx.world_size = world_size
@@ -255,7 +259,6 @@ def sync_batch_norm(
     """
     if calls is None:
         calls = torch.zeros(1, dtype=torch.long, device=input.device)
-    communicate = dist.is_available() and dist.is_initialized()
     output, mean, var, info = SyncBatchNormFunction.apply(
         input,
         weight,
@@ -267,7 +270,7 @@ def sync_batch_norm(
         calls,
         None,
         eps,
-        group_name_of(process_group) if communicate else None,
+        group_name_of(process_group),
         world_size,
         unbiased,
         layer_tag,
@@ -275,9 +278,12 @@ def sync_batch_norm(
     return output, mean, var, info[0], info[1]
 
 
-def _queue_order_check(info: torch.Tensor, tags: torch.Tensor, group_name: str | None) -> None:
-    """Queue a device-side order flag and its rows' tags for :func:`check_call_order`."""
-    _pending.append((info, tags, group_name))
+def _queue_order_check(
+    info: torch.Tensor, rows: torch.Tensor, channels: int, group_name: str | None
+) -> None:
+    """Queue a device-side order flag (``info[2]``) for :func:`check_call_order`, with the rows
+    whose tags name the layers if it is 0 (read only then: no work per call beyond the append)."""
+    _pending.append((info, rows, channels, group_name))
     if len(_pending) >= _MAX_PENDING and not torch.compiler.is_compiling():
         check_call_order()
 
@@ -304,11 +310,3 @@ def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) ->
     (monitoring); the layer itself uses the functional collectives."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, input, group=group)
-
-
-def _check_group_count(total: int, input: torch.Tensor, world_size: int) -> None:
-    if total == 1:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {input.size()} "
-            f"(1 value per channel in the whole sync group of {world_size} rank(s))"
-        )

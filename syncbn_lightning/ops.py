@@ -22,7 +22,7 @@ import threading
 import torch
 
 from . import reference
-from ._backend import get_impl, ops_for
+from ._backend import get_impl, ops_for_device
 
 __all__ = ["uses_extension", "register_fakes"]
 
@@ -34,8 +34,9 @@ _choices: dict[tuple[str, str], bool] = {}
 def uses_extension(device_type: str) -> bool:
     """Whether layers on ``device_type`` run the ``syncbn::`` operators (else the reference).
 
-    Decided like :func:`~syncbn_lightning._backend.ops_for` (``SYNCBN_IMPL``, whether the extension
-    builds and has kernels for the device), once per value of ``SYNCBN_IMPL`` and device type.
+    Decided by :func:`~syncbn_lightning._backend.ops_for_device` (``SYNCBN_IMPL``, whether the
+    extension builds and has kernels for the device), once per value of ``SYNCBN_IMPL`` and device
+    type.
     ``torch.compile`` calls it while tracing and bakes the answer into the graph, so a compiled
     model keeps the implementation it was compiled with.
     """
@@ -43,8 +44,7 @@ def uses_extension(device_type: str) -> bool:
     choice = _choices.get(key)
     if choice is None:
         with _choice_lock:
-            probe = torch.empty(0, device="meta" if device_type == "meta" else device_type)
-            choice = ops_for(probe) is not reference
+            choice = ops_for_device(device_type) is not reference
             _choices[key] = choice
     return choice
 

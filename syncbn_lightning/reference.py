@@ -27,6 +27,7 @@ __all__ = [
     "ROW_HEADER",
     "TAG_LIMIT",
     "CALL_ORDER_MARK",
+    "check_group_count",
     "stats_row",
     "merge_normalize",
     "grad_sums",
@@ -270,10 +271,16 @@ def _check_cpu_merge(
             for i, (layer, call) in enumerate(tags.tolist())
         )
         raise RuntimeError(f"{CALL_ORDER_MARK} tags differ ({calls})")
-    if int(total.item()) == 1:
+    check_group_count(int(total.item()), input, world)
+
+
+def check_group_count(total: int, input: torch.Tensor, world_size: int) -> None:
+    """torch's error for a training batch of one value per channel, where the batch is the whole
+    sync group's: ``total`` values per channel over ``world_size`` ranks."""
+    if total == 1:
         raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size "
-            f"{input.size()} (1 value per channel in the whole sync group of {world} rank(s))"
+            f"Expected more than 1 value per channel when training, got input size {input.size()} "
+            f"(1 value per channel in the whole sync group of {world_size} rank(s))"
         )
 
 
