@@ -145,6 +145,8 @@ at::Tensor optional_acc(
     const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input) {
   if (!v.has_value() || !v->defined()) return at::Tensor();
   check_channel_vector(*v, name, input, /*require_acc_dtype=*/false);
+  // Checked first: to() is a dispatcher call even when it has nothing to do.
+  if (v->scalar_type() == acc_dtype_of(input.scalar_type()) && v->is_contiguous()) return *v;
   return v->to(acc_dtype_of(input.scalar_type())).contiguous();
 }
 

@@ -84,6 +84,35 @@ void check_call_order(const acc_t* rows, int64_t W, int64_t width) {
       "of the group in the same order and the same number of times per training forward.");
 }
 
+// The local parameter gradients from the packed sums [sum_dy, sum_dy_xmu] (acc dtype):
+// grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy, in the weight's dtype (the acc dtype
+// without weight). Both are new tensors (grad_sums returns them beside `sums`). A loop instead of
+// mul + to: the same roundings, without three dispatcher calls of host time.
+std::tuple<at::Tensor, at::Tensor> param_grads(
+    const at::Tensor& sums, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const at::Tensor& input) {
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) check_channel_vector(*weight, "weight", input, false);
+  const int64_t C = input.size(1);
+  const auto opts = sums.options().dtype(has_weight ? weight->scalar_type() : sums.scalar_type());
+  at::Tensor grad_weight = at::empty({C}, opts), grad_bias = at::empty({C}, opts);
+  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "param_grads_cpu", [&] {
+    using acc_t = scalar_t;
+    const acc_t* sum_dy = sums.const_data_ptr<acc_t>();
+    const acc_t* sum_dy_xmu = sum_dy + C;
+    const acc_t* inv = invstd.const_data_ptr<acc_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, opts.dtype().toScalarType(), "param_grads_cpu", [&] {
+      scalar_t* gw = grad_weight.mutable_data_ptr<scalar_t>();
+      scalar_t* gb = grad_bias.mutable_data_ptr<scalar_t>();
+      for (int64_t c = 0; c < C; ++c) {
+        gw[c] = static_cast<scalar_t>(sum_dy_xmu[c] * inv[c]);
+        gb[c] = static_cast<scalar_t>(sum_dy[c]);
+      }
+    });
+  });
+  return {grad_weight, grad_bias};
+}
+
 }  // namespace
 
 at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::Tensor& calls) {
@@ -92,8 +121,7 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
   const at::Tensor input = dense_input(input_);
   const int64_t C = input.size(1);
   at::Tensor row = at::empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
-  at::Tensor mean = row.narrow(0, kRowHeader, C), m2 = row.narrow(0, kRowHeader + C, C);
-  local_stats_into_cpu(input, mean, m2);
+  local_stats_into_cpu(input, {row, kRowHeader}, {row, kRowHeader + C});
   int64_t& call = *calls.mutable_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(row.scalar_type(), "stats_row_cpu", [&] {
     scalar_t* head = row.mutable_data_ptr<scalar_t>();
@@ -159,21 +187,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const int64_t C = input.size(1);
   at::Tensor sums = at::empty({2 * C}, mean.options());
-  at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
-  backward_sums_into_cpu(grad_out, input, mean.contiguous(), sum_dy, sum_dy_xmu);
-  return with_packed_param_grads(sums, invstd, weight, input);
+  backward_sums_into_cpu(grad_out, input, mean.contiguous(), {sums}, {sums, C});
+  auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
+  return {sums, grad_weight, grad_bias};
 }
 
 at::Tensor grad_input_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info) {
-  check_input(input, c10::DeviceType::CPU);
+  check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CPU);
   const int64_t C = input.size(1);
   const at::Tensor total = group_sums(sums, info, input);
-  return backward_elemt_cpu(
-      grad_out, input, mean, invstd, weight, total.narrow(0, 0, C), total.narrow(0, C, C),
-      info.narrow(0, 0, 1));
+  double count = 0;
+  AT_DISPATCH_FLOATING_TYPES(info.scalar_type(), "grad_input_cpu", [&] {
+    count = static_cast<double>(info.const_data_ptr<scalar_t>()[0]);
+  });
+  return backward_elemt_checked_cpu(
+      grad_out, input, mean, invstd, weight, {total}, {total, C}, count);
 }
 
 }  // namespace syncbn

@@ -190,14 +190,31 @@ at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
     const at::Tensor& sums, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const at::Tensor& input);
+// C acc-dtype values of a contiguous CPU `buffer`, starting `offset` values in: a channel slice
+// addressed without narrow(), whose dispatcher call costs about a microsecond of host time (the
+// whole layer step on a small tensor is a few tens).
+struct Channels {
+  const at::Tensor& buffer;
+  int64_t offset = 0;
+  template <typename T>
+  T* data() const {
+    return buffer.mutable_data_ptr<T>() + offset;
+  }
+};
 // The CPU kernels writing into given [C] outputs (dense input, acc-dtype outputs).
-void local_stats_into_cpu(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
+void local_stats_into_cpu(const at::Tensor& input, Channels mean, Channels m2);
 void merge_rows_cpu(
     const at::Tensor& rows, int64_t W, int64_t C, double eps, bool unbiased, at::Tensor& mean,
     at::Tensor& invstd, at::Tensor& var);
 void backward_sums_into_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
+    Channels sum_dy_xmu);
+// backward_elemt_cpu after its checks, with the group sums as channel slices and the group count
+// as a number.
+at::Tensor backward_elemt_checked_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu);
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, Channels sum_dy,
+    Channels sum_dy_xmu, double count);
 
 }  // namespace detail
 

@@ -543,22 +543,22 @@ const T* data_or_null(const at::Tensor& t) {
 
 namespace detail {
 
-void local_stats_into_cpu(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2) {
+void local_stats_into_cpu(const at::Tensor& input, Channels mean, Channels m2) {
   const Geometry g = geometry_of(input);
-  if (g.N * g.S == 0) {
-    mean.zero_();
-    m2.zero_();
-    return;
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    acc_t* m = mean.data<acc_t>();
+    acc_t* q = m2.data<acc_t>();
+    if (g.N * g.S == 0) {
+      std::fill_n(m, g.C, acc_t(0));
+      std::fill_n(q, g.C, acc_t(0));
+      return;
+    }
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     if (g.layout == Layout::kChannelsFirst) {
-      welford_stats_channels_first<scalar_t, acc_t>(
-          x, g, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+      welford_stats_channels_first<scalar_t, acc_t>(x, g, m, q);
     } else {
-      welford_stats_channels_last<scalar_t, acc_t>(
-          x, g, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+      welford_stats_channels_last<scalar_t, acc_t>(x, g, m, q);
     }
   });
 }
@@ -577,27 +577,50 @@ void merge_rows_cpu(
 }
 
 void backward_sums_into_cpu(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu) {
-  if (input.numel() == 0) {
-    sum_dy.zero_();
-    sum_dy_xmu.zero_();
-    return;
-  }
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
+    Channels sum_dy_xmu) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    acc_t* dy_sum = sum_dy.data<acc_t>();
+    acc_t* dy_xmu_sum = sum_dy_xmu.data<acc_t>();
+    if (input.numel() == 0) {
+      std::fill_n(dy_sum, g.C, acc_t(0));
+      std::fill_n(dy_xmu_sum, g.C, acc_t(0));
+      return;
+    }
     const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const acc_t* m = mean.const_data_ptr<acc_t>();
     if (g.layout == Layout::kChannelsFirst) {
-      backward_reduce_channels_first<scalar_t, acc_t>(
-          dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+      backward_reduce_channels_first<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum);
     } else {
-      backward_reduce_channels_last<scalar_t, acc_t>(
-          dy, x, m, g, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+      backward_reduce_channels_last<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum);
     }
   });
+}
+
+at::Tensor backward_elemt_checked_cpu(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, Channels sum_dy,
+    Channels sum_dy_xmu, double count) {
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const at::Tensor w = optional_acc(weight, "weight", input);
+  at::Tensor grad_in = at::empty_like(input);
+  if (input.numel() == 0) return grad_in;
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_elemt_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto coeff = backward_coefficients<acc_t>(
+        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
+        sum_dy.data<acc_t>(), sum_dy_xmu.data<acc_t>(), count, g.C);
+    backward_elemt_kernel<scalar_t, acc_t>(
+        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+        grad_in.mutable_data_ptr<scalar_t>(), g, coeff);
+  });
+  return grad_in;
 }
 
 }  // namespace detail
@@ -608,7 +631,7 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
   const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
   at::Tensor mean = at::empty({input.size(1)}, opts);
   at::Tensor m2 = at::empty({input.size(1)}, opts);
-  local_stats_into_cpu(input, mean, m2);
+  local_stats_into_cpu(input, {mean}, {m2});
   return {mean, m2};
 }
 
@@ -664,7 +687,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
   at::Tensor sum_dy = at::empty({input.size(1)}, mean.options());
   at::Tensor sum_dy_xmu = at::empty({input.size(1)}, mean.options());
-  backward_sums_into_cpu(grad_out, input, mean, sum_dy, sum_dy_xmu);
+  backward_sums_into_cpu(grad_out, input, mean, {sum_dy}, {sum_dy_xmu});
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
 
@@ -676,25 +699,9 @@ at::Tensor backward_elemt_cpu(
   check_channel_vector(sum_dy_, "sum_dy", input_, true);
   check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
   check_count(count, input_);
-  const at::Tensor input = dense_input(input_);
-  const at::Tensor grad_out = with_strides_of(grad_out_, input);
-  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
-  const at::Tensor sum_dy = sum_dy_.contiguous(), sum_dy_xmu = sum_dy_xmu_.contiguous();
-  const at::Tensor w = optional_acc(weight, "weight", input);
-  at::Tensor grad_in = at::empty_like(input);
-  if (input.numel() == 0) return grad_in;
-  const Geometry g = geometry_of(input);
-  const double n = count.item<double>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_elemt_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const auto coeff = backward_coefficients<acc_t>(
-        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
-        sum_dy.const_data_ptr<acc_t>(), sum_dy_xmu.const_data_ptr<acc_t>(), n, g.C);
-    backward_elemt_kernel<scalar_t, acc_t>(
-        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-        grad_in.mutable_data_ptr<scalar_t>(), g, coeff);
-  });
-  return grad_in;
+  return backward_elemt_checked_cpu(
+      grad_out_, input_, mean_, invstd_, weight, {sum_dy_.contiguous()}, {sum_dy_xmu_.contiguous()},
+      count.item<double>());
 }
 
 }  // namespace syncbn

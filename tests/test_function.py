@@ -65,6 +65,25 @@ def test_only_requested_gradients_are_computed() -> None:
     assert gw.shape == (3,) and b.grad is None
 
 
+@pytest.mark.parametrize("impl", ["ext", "ref"])
+def test_create_graph_gives_first_grads_and_refuses_a_second(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward is not differentiable: with ``create_graph=True`` the first derivative is the
+    usual one and differentiating it again raises instead of silently giving zero."""
+    monkeypatch.setenv("SYNCBN_IMPL", impl)
+    x = (torch.randn(4, 3, 5, dtype=torch.float64) * 2).requires_grad_(True)
+    w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_(True)
+    b = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    y = sync_batch_norm(x, w, b, 1e-5, None, 1)[0]
+    gx, gw = torch.autograd.grad(y.pow(3).sum(), (x, w), create_graph=True)
+    plain = torch.nn.functional.batch_norm(x, None, None, w, b, training=True, eps=1e-5)
+    ex, ew = torch.autograd.grad(plain.pow(3).sum(), (x, w))
+    assert rel_err(gx, ex) < 1e-10 and rel_err(gw, ew) < 1e-10
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
+
+
 def _differentiable_sync_bn(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float
 ) -> torch.Tensor:
