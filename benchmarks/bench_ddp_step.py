@@ -60,9 +60,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 try:
     from syncbn_lightning import _backend
+    from syncbn_lightning import impl as syncbn_impl
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from syncbn_lightning import _backend
+    from syncbn_lightning import impl as syncbn_impl
 
 VARIANTS = ("local", "syncbn", "torch_plain", "syncbn_ref")
 CALLBACK_VARIANTS = ("syncbn", "syncbn_ref")
@@ -290,7 +292,7 @@ def _run_variant(variant: str, args: argparse.Namespace) -> Run:
         module = ConvNetModule(
             variant, args.world * args.batch * args.steps, args.batch, args.image_size
         )
-        with env_var(_backend.IMPL_ENV, "ref" if variant == "syncbn_ref" else None):
+        with env_var(syncbn_impl.IMPL_ENV, "ref" if variant == "syncbn_ref" else None):
             trainer.fit(module)
         results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(args.world)]
     per_rank = [result["seconds"][args.warmup :] for result in results]
@@ -373,7 +375,7 @@ def _header(args: argparse.Namespace, threads: int) -> list[str]:
         f"Step = on_train_batch_start..end (forward, backward, SGD step), slowest rank per step; "
         f"median and p90 over {timed} timed steps x {args.repeats} repeat(s) after "
         f"{args.warmup} warm-up steps each; variants interleaved. "
-        f"SYNCBN_IMPL for syncbn: {os.environ.get(_backend.IMPL_ENV, 'auto (unset)')}.",
+        f"SYNCBN_IMPL for syncbn: {os.environ.get(syncbn_impl.IMPL_ENV, 'auto (unset)')}.",
         "",
     ]
 
@@ -454,12 +456,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _prepare_extension(variants: Sequence[str]) -> None:
     """Build the C++ extension here, once, so that no worker builds it while being timed."""
-    if "syncbn" not in variants or _backend.get_impl() == "ref":
+    if "syncbn" not in variants or syncbn_impl.get_impl() == "ref":
         return
     try:
         _backend.load_extension()
     except Exception as exc:  # auto falls back to ref in the workers, with its own warning
-        if _backend.get_impl() == "ext":
+        if syncbn_impl.get_impl() == "ext":
             raise
         print(f"note: C++ extension unavailable, syncbn will use the reference path: {exc}")
 

@@ -75,6 +75,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import syncbn_lightning
 from syncbn_lightning import _backend
+from syncbn_lightning import impl as syncbn_impl
 
 IMPLS = ("ext", "ref", "torch_sync", "torch", "sumsq")  # also the table's column order
 CPU_IMPLS = ("ext", "ref", "torch", "sumsq")
@@ -640,7 +641,7 @@ def _count_collectives(step: Callable[[], None], impl: str, device: torch.device
 def _timed(step: Callable[[], None], impl: str, device: torch.device) -> float:
     """Seconds of one ``step`` under ``SYNCBN_IMPL`` for ``impl``: wall time on CPU, GPU time
     between CUDA events on CUDA (see :func:`_timed_cuda`)."""
-    with env_var(_backend.IMPL_ENV, impl if impl in ("ext", "ref") else None):
+    with env_var(syncbn_impl.IMPL_ENV, impl if impl in ("ext", "ref") else None):
         if device.type == "cuda":
             return _timed_cuda(step, device)
         start = time.perf_counter()

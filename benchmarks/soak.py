@@ -71,9 +71,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 try:
     from syncbn_lightning import SyncBNCallback, _backend
+    from syncbn_lightning import impl as syncbn_impl
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from syncbn_lightning import SyncBNCallback, _backend
+    from syncbn_lightning import impl as syncbn_impl
 
 RUN_DIR_ENV = "SOAK_RUN_DIR"
 NUM_CLASSES = 10
@@ -706,7 +708,7 @@ def _report(args: argparse.Namespace, result: RunResult) -> tuple[list[str], boo
         "",
         f"Machine: {cpu_model()}, cpu_count={os.cpu_count()}; torch {torch.__version__}, "
         f"lightning {pl.__version__}, Python {sys.version.split()[0]}; "
-        f"SYNCBN_IMPL={os.environ.get(_backend.IMPL_ENV, 'auto (unset)')}, "
+        f"SYNCBN_IMPL={os.environ.get(syncbn_impl.IMPL_ENV, 'auto (unset)')}, "
         f"torch threads per rank={result.ranks[0]['torch_threads']}.",
         "",
         f"Run: strategy={args.strategy} (gloo), batch {args.batch} x 3x{IMAGE_SIZE}x{IMAGE_SIZE} "
@@ -791,12 +793,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _prepare_extension() -> None:
     """Build the C++ extension here, once, before any rank starts (they load the cached build)."""
-    if _backend.get_impl() == "ref":
+    if syncbn_impl.get_impl() == "ref":
         return
     try:
         _backend.load_extension()
     except Exception as exc:  # auto falls back to ref in the ranks, with its own warning
-        if _backend.get_impl() == "ext":
+        if syncbn_impl.get_impl() == "ext":
             raise
         print(f"note: C++ extension unavailable, the ranks will use the reference path: {exc}")
 

@@ -35,14 +35,15 @@ __all__ = [
     "SyncBNCallback",
     "SyncBNLayerSync",
 ]
-_LIGHTNING_NAMES = ("SyncBNCallback", "SyncBNLayerSync")
+# Imported on first use: they need Lightning (the [lightning] extra).
+_LIGHTNING_NAMES = {"SyncBNCallback": "callback", "SyncBNLayerSync": "layer_sync"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LIGHTNING_NAMES:
-        from . import callback
+        import importlib
 
-        return getattr(callback, name)
+        return getattr(importlib.import_module(f".{_LIGHTNING_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'syncbn_lightning' has no attribute {name!r}")
 
 

@@ -1,11 +1,6 @@
-"""Choice of kernel implementation and lazy JIT build of the C++ extension (layer 2).
+"""The C++ extension: lazy JIT build, build cache and import (layer 2).
 
-``SYNCBN_IMPL`` selects the implementation of the primitives:
-
-* ``auto`` (default): the compiled extension where it has kernels for the tensor's device, else the
-  pure-PyTorch reference, with ONE warning naming the cause and the build directory.
-* ``ext``: the extension or an error (a failed build raises instead of falling back).
-* ``ref``: always the reference (:mod:`syncbn_lightning.reference`).
+Which implementation a layer uses (the extension or the reference) is :mod:`.impl`'s choice.
 
 The extension is built on first use, never at import or test collection. Its build directory is
 ``$SYNCBN_CACHE_DIR/<key>`` (default root ``~/.cache/syncbn_lightning``, created ``0700``), where
@@ -40,43 +35,21 @@ from typing import Any
 
 import torch
 
-from . import reference
-
 __all__ = [
-    "IMPL_ENV",
-    "get_impl",
-    "ops_for",
-    "ops_for_device",
     "load_extension",
     "build_dir",
     "cuda_compile_check",
     "ExtensionBuildError",
 ]
 
-IMPL_ENV = "SYNCBN_IMPL"
 CACHE_ENV = "SYNCBN_CACHE_DIR"
 BUILD_TIMEOUT_ENV = "SYNCBN_BUILD_TIMEOUT"
-_IMPLS = ("auto", "ext", "ref")
 
 log = logging.getLogger(__name__)
 
 
 class ExtensionBuildError(RuntimeError):
     """The C++ extension could not be built or loaded."""
-
-
-def get_impl() -> str:
-    """The implementation requested by ``SYNCBN_IMPL`` (``auto``, ``ext`` or ``ref``).
-
-    Raises:
-        ValueError: when the variable holds anything else.
-    """
-    value = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    if value not in _IMPLS:
-        raise ValueError(
-            f"{IMPL_ENV}={os.environ[IMPL_ENV]!r} is not valid: use one of {', '.join(_IMPLS)}"
-        )
-    return value
 
 
 def _csrc_dir() -> Path:
@@ -345,57 +318,6 @@ def build_locked(
         )
     log.info("extension %s ready in %.1f s (%s)", name, time.perf_counter() - started, directory)
     return module
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def ops_for(tensor: torch.Tensor) -> Any:
-    """The primitives to use for ``tensor``: the extension module or :mod:`reference`.
-
-    Both expose ``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce`` and
-    ``backward_elemt`` with identical signatures.
-
-    Raises:
-        ValueError: on an invalid ``SYNCBN_IMPL``.
-        ExtensionBuildError: with ``SYNCBN_IMPL=ext`` when the extension cannot serve ``tensor``.
-    """
-    return ops_for_device(tensor.device.type)
-
-
-def ops_for_device(device_type: str) -> Any:
-    """:func:`ops_for` for tensors on devices of type ``device_type`` (``"cpu"``, ``"cuda"``...)."""
-    impl = get_impl()
-    if impl == "ref":
-        return reference
-    try:
-        ext = load_extension()
-    except ExtensionBuildError as exc:
-        if impl == "ext":
-            raise
-        _warn_once(
-            "build",
-            f"syncbn_lightning: C++ extension unavailable, using the pure-PyTorch reference "
-            f"(slower, same results). Cause: {str(exc)[:600]} Build dir: {_safe_build_dir()}. "
-            f"Set {IMPL_ENV}=ref to silence this, or {IMPL_ENV}=ext to make it an error.",
-        )
-        return reference
-    if device_type == "cpu" or (device_type == "cuda" and ext.with_cuda):
-        return ext
-    message = (
-        f"syncbn_lightning: the C++ extension has no kernels for {device_type} tensors in "
-        f"this build; using the pure-PyTorch reference for them"
-    )
-    if impl == "ext":
-        raise ExtensionBuildError(message + f" is not allowed with {IMPL_ENV}=ext")
-    _warn_once(f"device:{device_type}", message + ".")
-    return reference
 
 
 def _nvcc() -> str | None:

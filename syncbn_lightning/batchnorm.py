@@ -13,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .function import TAG_LIMIT, SyncBatchNormFunction, group_name_of, register_layer_name
 from .groups import sync_group_size
+from .impl import check_impl
 
 __all__ = ["SyncBatchNorm", "BatchRecord"]
 
@@ -79,6 +80,11 @@ class SyncBatchNorm(_BatchNorm):
             Default: ``False``.
         unbiased_running_var: update ``running_var`` with the unbiased group variance (torch); set
             ``False`` for the TF/Keras convention of the biased variance. Default: ``True``.
+        impl: the kernels of the synchronized path: ``"auto"`` (the C++ extension where it has
+            kernels for the input's device, else the pure-PyTorch reference with one warning),
+            ``"ext"`` (the extension or an error), ``"reference"``; ``None`` reads the
+            ``SYNCBN_IMPL`` environment variable at each call (default ``"auto"``).
+            Default: ``None``.
 
     Shape:
         - Input: ``(N, C, *)``; Output: same shape, dtype and memory format.
@@ -125,6 +131,8 @@ class SyncBatchNorm(_BatchNorm):
     # of the synchronized path (the call-order tag) and the skipped non-finite updates.
     _calls: torch.Tensor | None = None
     _nonfinite: torch.Tensor | None = None
+    #: The implementation asked for (``"auto"``, ``"ext"``, ``"ref"``; ``None``: ``SYNCBN_IMPL``).
+    impl: str | None = None
 
     def __init__(
         self,
@@ -139,12 +147,15 @@ class SyncBatchNorm(_BatchNorm):
         *,
         force_sync: bool = False,
         unbiased_running_var: bool = True,
+        impl: str | None = None,
     ) -> None:
         _validate_hyperparameters(num_features, eps, momentum, process_group)
+        impl = check_impl(impl)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
         self.force_sync = bool(force_sync)
         self.unbiased_running_var = bool(unbiased_running_var)
+        self.impl = impl
         self._sync_serial = next(_SERIALS)
 
     @property
@@ -248,6 +259,7 @@ class SyncBatchNorm(_BatchNorm):
             world_size,
             self.unbiased_running_var,
             self.layer_tag,
+            self.impl,
         )
         self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
         return output
@@ -310,6 +322,8 @@ class SyncBatchNorm(_BatchNorm):
             text += ", force_sync=True"
         if not self.unbiased_running_var:
             text += ", unbiased_running_var=False"
+        if self.impl is not None:
+            text += f", impl={self.impl!r}"
         return text
 
 

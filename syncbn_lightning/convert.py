@@ -10,8 +10,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+from .impl import check_impl
 
-__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "name_sync_layers", "BatchNormXd"]
+__all__ = [
+    "KEEP",
+    "convert_sync_batchnorm",
+    "configure_sync_layers",
+    "revert_sync_batchnorm",
+    "name_sync_layers",
+    "BatchNormXd",
+]
 
 # Attributes every _NormBase has; everything else of the original module is kept for the revert.
 _NORM_STATE = (
@@ -27,6 +35,18 @@ _NORM_STATE = (
     "track_running_stats",
 )
 _ORIGINAL = "_syncbn_original"
+
+
+class _Keep:
+    """The default of the converter's ``momentum``: each layer keeps its own (``None`` is a
+    momentum: the cumulative average)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+#: ``convert_sync_batchnorm(..., momentum=KEEP)`` (the default): every layer keeps its momentum.
+KEEP: Any = _Keep()
 
 
 class BatchNormXd(_BatchNorm):
@@ -45,6 +65,9 @@ def convert_sync_batchnorm(
     module: nn.Module,
     process_group: dist.ProcessGroup | None = None,
     *,
+    momentum: float | None = KEEP,
+    eps: float | None = None,
+    impl: str | None = None,
     force_sync: bool = False,
     unbiased_running_var: bool = True,
 ) -> nn.Module:
@@ -59,6 +82,11 @@ def convert_sync_batchnorm(
     Args:
         module: the model, or a single BatchNorm layer.
         process_group: the sync group of every converted layer (``None``: the whole world).
+        momentum: the converted layers' momentum (a float in [0, 1], or ``None`` for the
+            cumulative average); by default (``KEEP``) each keeps its own.
+        eps: the converted layers' epsilon; ``None`` keeps each layer's own.
+        impl: the converted layers' kernels, see :class:`SyncBatchNorm` (``None``: the
+            ``SYNCBN_IMPL`` environment variable at each call).
         force_sync: passed to every :class:`SyncBatchNorm`.
         unbiased_running_var: passed to every :class:`SyncBatchNorm`.
 
@@ -67,8 +95,10 @@ def convert_sync_batchnorm(
         itself is a BatchNorm layer.
 
     Raises:
-        ValueError: when a lazy BatchNorm has not been initialized yet (run one forward first).
-        TypeError: when ``process_group`` is not a ProcessGroup or None.
+        ValueError: when a lazy BatchNorm has not been initialized yet (run one forward first),
+            or ``momentum``/``eps``/``impl`` is out of range.
+        TypeError: when ``process_group`` is not a ProcessGroup or None, or an argument has the
+            wrong type.
 
     Example:
         >>> import torch.nn as nn
@@ -78,10 +108,53 @@ def convert_sync_batchnorm(
         'SyncBatchNorm'
     """
     _require_module(module)
-    _validate_hyperparameters(1, 1e-5, None, process_group)
-    converted = _convert_tree(module, process_group, force_sync, unbiased_running_var)
+    settings = _settings(process_group, momentum, eps, impl, force_sync)
+    settings["unbiased_running_var"] = bool(unbiased_running_var)
+    converted = _convert_tree(module, settings)
     name_sync_layers(converted)
     return converted
+
+
+def _settings(
+    process_group: dist.ProcessGroup | None,
+    momentum: Any,
+    eps: Any,
+    impl: Any,
+    force_sync: bool,
+) -> dict[str, Any]:
+    """The attributes a converted layer gets, checked (momentum/eps left out when kept)."""
+    _validate_hyperparameters(
+        1, 1e-5 if eps is None else eps, None if momentum is KEEP else momentum, process_group
+    )
+    settings: dict[str, Any] = {
+        "process_group": process_group,
+        "force_sync": bool(force_sync),
+        "impl": check_impl(impl),
+    }
+    if momentum is not KEEP:
+        settings["momentum"] = None if momentum is None else float(momentum)
+    if eps is not None:
+        settings["eps"] = float(eps)
+    return settings
+
+
+def configure_sync_layers(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    *,
+    momentum: Any = KEEP,
+    eps: float | None = None,
+    impl: str | None = None,
+    force_sync: bool = False,
+) -> list[SyncBatchNorm]:
+    """Give every :class:`SyncBatchNorm` of ``module`` (converted or built as one) these settings,
+    the converter's arguments of the same names; returns the layers."""
+    settings = _settings(process_group, momentum, eps, impl, force_sync)
+    layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm)]
+    for layer in layers:
+        for name, value in settings.items():
+            setattr(layer, name, value)
+    return layers
 
 
 def _require_module(module: Any) -> None:
@@ -104,16 +177,11 @@ def name_sync_layers(module: nn.Module) -> None:
             child.set_sync_name(name or type(module).__name__)
 
 
-def _convert_tree(
-    module: nn.Module,
-    process_group: dist.ProcessGroup | None,
-    force_sync: bool,
-    unbiased_running_var: bool,
-) -> nn.Module:
+def _convert_tree(module: nn.Module, settings: dict[str, Any]) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        return _to_sync(module, process_group, force_sync, unbiased_running_var)
+        return _to_sync(module, settings)
     for name, child in module.named_children():
-        converted = _convert_tree(child, process_group, force_sync, unbiased_running_var)
+        converted = _convert_tree(child, settings)
         if converted is not child:
             module.add_module(name, converted)
     return module
@@ -150,12 +218,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
-def _to_sync(
-    bn: _BatchNorm,
-    process_group: dist.ProcessGroup | None,
-    force_sync: bool,
-    unbiased_running_var: bool,
-) -> SyncBatchNorm:
+def _to_sync(bn: _BatchNorm, settings: dict[str, Any]) -> SyncBatchNorm:
     if isinstance(bn, _LazyNormBase) and bn.has_uninitialized_params():
         raise ValueError(
             f"cannot convert the uninitialized lazy layer {bn!r}: run one forward pass first so "
@@ -166,9 +229,8 @@ def _to_sync(
     # Share the very same Parameter and buffer objects (and their order, hence the state_dict).
     for attr in _NORM_STATE:
         object.__setattr__(sync, attr, _copy_container(getattr(bn, attr)))
-    sync.process_group = process_group
-    sync.force_sync = bool(force_sync)
-    sync.unbiased_running_var = bool(unbiased_running_var)
+    for name, value in settings.items():
+        setattr(sync, name, value)
     if hasattr(bn, "qconfig"):
         sync.qconfig = bn.qconfig
     original = {k: v for k, v in vars(bn).items() if k not in _NORM_STATE}

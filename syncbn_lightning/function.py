@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import reference
+from .impl import check_impl
 from .ops import uses_extension
 from .reference import CALL_ORDER_MARK, ROW_HEADER, TAG_LIMIT
 
@@ -145,11 +146,12 @@ def check_call_order() -> None:
 
 class SyncBatchNormFunction(torch.autograd.Function):
     """``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-    calls, momentum, eps, group_name, world_size, unbiased, layer_tag)``.
+    calls, momentum, eps, group_name, world_size, unbiased, layer_tag, impl)``.
 
     ``group_name`` names the process group for torch's functional collectives (``None``: no
     torch.distributed, nothing to communicate); ``running_*``, ``num_batches_tracked`` and
-    ``nonfinite`` (optional) are updated in place; ``calls`` is the layer's int64 call counter.
+    ``nonfinite`` (optional) are updated in place; ``calls`` is the layer's int64 call counter;
+    ``impl``: ``"auto"``, ``"ext"``, ``"ref"`` or ``None`` (``SYNCBN_IMPL``).
 
     Returns ``(output, mean, var, info)``: the normalized input (differentiable), and, not
     differentiable, the group mean, the group variance used for the running-stat update (unbiased
@@ -175,9 +177,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         world_size: int,
         unbiased: bool,
         layer_tag: int,
+        impl: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
-        fused = uses_extension(input.device.type)
+        fused = uses_extension(input.device.type, impl)
         ops: Any = torch.ops.syncbn if fused else reference
         row = ops.stats_row(input, layer_tag, calls)
         rows = row if group_name is None else _all_gather(row, group_name, world_size)
@@ -243,7 +246,7 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     )
 
 
-_NO_GRADS: tuple[None, ...] = (None,) * 14
+_NO_GRADS: tuple[None, ...] = (None,) * 15
 _backward_once = once_differentiable(_backward)
 
 
@@ -257,11 +260,13 @@ def sync_batch_norm(
     unbiased: bool = True,
     layer_tag: int = 0,
     calls: torch.Tensor | None = None,
+    impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Functional form of :class:`SyncBatchNormFunction` without running statistics.
 
     ``layer_tag`` and ``calls`` (an int64 counter on the input's device, incremented per call)
     identify the call for the call-order check; equal on all ranks for the same layer and call.
+    ``impl``: ``"auto"``, ``"ext"``, ``"reference"`` or ``None`` (the ``SYNCBN_IMPL`` default).
 
     Returns:
         ``(output, mean, var, count, samples)``: ``count`` and ``samples`` are 0-d tensors.
@@ -283,6 +288,7 @@ def sync_batch_norm(
         world_size,
         unbiased,
         layer_tag,
+        check_impl(impl),
     )
     return output, mean, var, info[0], info[1]
 

@@ -8,9 +8,23 @@ under the usual rank layout, so statistics travel over the fastest link.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch.distributed as dist
 
-__all__ = ["new_sync_group", "sync_group_size"]
+__all__ = [
+    "GroupSize",
+    "new_sync_group",
+    "resolve_group_size",
+    "sync_group_size",
+    "validate_group_size",
+]
+
+GroupSize = int | Literal["node", "auto"] | None
+_GROUP_SIZE_HELP = (
+    "None (the whole world), an int that divides the world size, 'node' (the processes of one "
+    "machine) or 'auto' (the smallest group reaching target_norm_batch samples)"
+)
 
 
 def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
@@ -81,3 +95,65 @@ def sync_group_size(process_group: dist.ProcessGroup | None) -> int:
             f"process_group; give every rank the group it belongs to (see new_sync_group)"
         )
     return size
+
+
+def resolve_group_size(
+    group_size: GroupSize,
+    world_size: int,
+    processes_per_node: int,
+    per_rank_batch: int | None = None,
+    target_norm_batch: int = 32,
+) -> int:
+    """The number of ranks per sync group that ``group_size`` means in this run.
+
+    Args:
+        group_size: ``None`` -> ``world_size``; an int -> itself (must divide ``world_size``);
+            ``"node"`` -> ``processes_per_node``; ``"auto"`` -> the smallest divisor ``d`` of
+            ``world_size`` with ``d * per_rank_batch >= target_norm_batch``, or ``world_size``
+            when no divisor reaches it.
+        world_size: number of processes.
+        processes_per_node: processes on one machine (Lightning: ``trainer.num_devices``).
+        per_rank_batch: samples per BN forward on one rank; required for ``"auto"``.
+        target_norm_batch: the normalization batch ``"auto"`` aims for.
+
+    Raises:
+        ValueError: when the size does not divide ``world_size`` or ``"auto"`` lacks the batch.
+    """
+    if group_size is None:
+        return world_size
+    if group_size == "node":
+        size = processes_per_node
+    elif group_size == "auto":
+        if per_rank_batch is None or per_rank_batch < 1:
+            raise ValueError(
+                "group_size='auto' needs the per-device batch size, but the train DataLoader does "
+                "not expose one (batch_size=None with a custom batch_sampler?): pass an explicit "
+                "SyncBNCallback(group_size=...)"
+            )
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        return next((d for d in divisors if d * per_rank_batch >= target_norm_batch), world_size)
+    else:
+        size = group_size
+    if size < 1 or world_size % size != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"group_size={group_size!r} means {size} ranks per sync group, which does not divide "
+            f"the world size {world_size} (num_nodes x devices): use one of {divisors}, None, "
+            f"'node' or 'auto'"
+        )
+    return size
+
+
+def validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
+    """Raise a TypeError/ValueError naming the accepted values unless ``group_size`` is a value
+    :func:`resolve_group_size` takes (``"auto"`` only where ``allow_auto``)."""
+    allowed = ("node", "auto") if allow_auto else ("node",)
+    if group_size is None or group_size in allowed:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(
+            f"group_size must be {_GROUP_SIZE_HELP if allow_auto else 'None, an int or node'}, "
+            f"got {type(group_size).__name__} {group_size!r}"
+        )
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1 (1 = per-rank BatchNorm), got {group_size}")

@@ -22,7 +22,7 @@ import threading
 import torch
 
 from . import reference
-from ._backend import get_impl, ops_for_device
+from .impl import get_impl, ops_for_device
 
 __all__ = ["uses_extension", "register_fakes"]
 
@@ -31,20 +31,21 @@ _choices: dict[tuple[str, str], bool] = {}
 
 
 @torch.compiler.assume_constant_result
-def uses_extension(device_type: str) -> bool:
-    """Whether layers on ``device_type`` run the ``syncbn::`` operators (else the reference).
+def uses_extension(device_type: str, impl: str | None = None) -> bool:
+    """Whether layers on ``device_type`` with implementation ``impl`` (``None``: ``SYNCBN_IMPL``)
+    run the ``syncbn::`` operators (else the reference).
 
-    Decided by :func:`~syncbn_lightning._backend.ops_for_device` (``SYNCBN_IMPL``, whether the
-    extension builds and has kernels for the device), once per value of ``SYNCBN_IMPL`` and device
-    type.
+    Decided by :func:`~syncbn_lightning.impl.ops_for_device` (the implementation asked for,
+    whether the extension builds and has kernels for the device), once per implementation and
+    device type.
     ``torch.compile`` calls it while tracing and bakes the answer into the graph, so a compiled
     model keeps the implementation it was compiled with.
     """
-    key = (get_impl(), device_type)
+    key = (get_impl(impl), device_type)
     choice = _choices.get(key)
     if choice is None:
         with _choice_lock:
-            choice = ops_for_device(device_type) is not reference
+            choice = ops_for_device(device_type, key[0]) is not reference
             _choices[key] = choice
     return choice
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._backend import ops_for
+from .impl import ops_for
 from .metrics import gather_rows, running_stat_layers
 
 __all__ = ["update_bn_stats"]
@@ -38,7 +38,8 @@ class _Accumulator:
         n = x.numel() // x.shape[1]
         if n == 0:
             return
-        mean, m2 = ops_for(x).local_stats(x)
+        # A SyncBatchNorm's own implementation choice (impl=), else SYNCBN_IMPL.
+        mean, m2 = ops_for(x, getattr(_module, "impl", None)).local_stats(x)
         self.merge(float(n), mean.double(), m2.double())
 
     def merge(self, n: float | torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from syncbn_lightning import _backend
+from syncbn_lightning import impl as syncbn_impl
 from syncbn_lightning import reference as R
 
 
@@ -32,17 +33,17 @@ def _python(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.
 def test_invalid_impl_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "fast")
     with pytest.raises(ValueError, match=r"SYNCBN_IMPL='fast' is not valid: use one of auto, ext"):
-        _backend.ops_for(torch.zeros(1))
+        syncbn_impl.ops_for(torch.zeros(1))
 
 
 def test_ref_selects_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "REF")
-    assert _backend.ops_for(torch.zeros(1)) is R
+    assert syncbn_impl.ops_for(torch.zeros(1)) is R
 
 
 def test_ext_on_cpu_selects_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
-    ops = _backend.ops_for(torch.zeros(1))
+    ops = syncbn_impl.ops_for(torch.zeros(1))
     assert ops is _backend.load_extension()
     assert ops.with_cuda is False or torch.cuda.is_available()
 
@@ -102,7 +103,7 @@ def test_stale_lock_from_a_killed_build_is_removed() -> None:
     lock.write_text("")  # what a build killed mid-way leaves behind
     result = _python(
         """
-        from syncbn_lightning import _backend
+        from syncbn_lightning import _backend, impl as syncbn_impl
         _backend.load_extension()
         print("LOADED")
         """,
@@ -134,7 +135,7 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
         """
         import warnings, torch
         from torch.utils import cpp_extension
-        from syncbn_lightning import _backend
+        from syncbn_lightning import _backend, impl as syncbn_impl
         real_load, calls = cpp_extension.load, []
         def load(**kwargs):
             calls.append(kwargs["with_cuda"])

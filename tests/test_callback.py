@@ -32,8 +32,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, SyncBNLayerSync, update_bn_stats
+from syncbn_lightning.app.report import find_metrics_files, read_metrics
 from syncbn_lightning.callback import resolve_group_size
-from syncbn_lightning.report import find_metrics_files, read_metrics
 
 pytestmark = pytest.mark.distributed
 STAT_KEYS = ("running_mean", "running_var")

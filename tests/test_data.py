@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from pycocotools.coco import COCO
 
-from syncbn_lightning.tasks.coco import (
+from syncbn_lightning.app.tasks.coco import (
     PIXEL_MEAN,
     PIXEL_STD,
     CocoDataModule,
@@ -24,7 +24,7 @@ from syncbn_lightning.tasks.coco import (
     detection_collate,
     missing_files,
 )
-from syncbn_lightning.tasks.shapes import (
+from syncbn_lightning.app.tasks.shapes import (
     _check_params,
     _publish,
     _write_dataset,

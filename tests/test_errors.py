@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 from torch import nn
 
-import train as app
+import syncbn_lightning.app.train as app
 from syncbn_lightning import (
     CallOrderError,
     SyncBatchNorm,
@@ -51,8 +51,8 @@ from syncbn_lightning import (
 )
 from syncbn_lightning import ops as syncbn_ops
 from syncbn_lightning._backend import ExtensionBuildError
+from syncbn_lightning.app.tasks.coco import CocoDetection
 from syncbn_lightning.callback import resolve_group_size
-from syncbn_lightning.tasks.coco import CocoDetection
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -167,8 +167,30 @@ def _validate(tmp_path: Path, *overrides: str) -> None:
 
 def test_impl_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "fast")
-    with expect(ValueError, "SYNCBN_IMPL='fast' is not valid: use one of auto, ext, ref"):
+    with expect(
+        ValueError, "SYNCBN_IMPL='fast' is not valid: use one of auto, ext, ref (reference)"
+    ):
         SyncBatchNorm(4, force_sync=True)(torch.randn(2, 4))
+
+
+def test_impl_argument_unknown() -> None:
+    with expect(
+        ValueError,
+        "impl='cuda' is not valid: use 'auto' (the C++ kernels, else the pure-PyTorch reference "
+        "with one warning), 'ext' (the kernels or an error), 'reference', or None (the "
+        "SYNCBN_IMPL environment variable, default 'auto')",
+    ):
+        SyncBatchNorm(4, impl="cuda")
+
+
+def test_impl_argument_not_a_string() -> None:
+    with expect(
+        TypeError,
+        "impl must be 'auto' (the C++ kernels, else the pure-PyTorch reference with one "
+        "warning), 'ext' (the kernels or an error), 'reference', or None (the SYNCBN_IMPL "
+        "environment variable, default 'auto'), got int 1",
+    ):
+        convert_sync_batchnorm(nn.BatchNorm2d(4), impl=1)
 
 
 def test_impl_ext_without_kernels_for_the_device(monkeypatch: pytest.MonkeyPatch, ext) -> None:

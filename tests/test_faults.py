@@ -25,7 +25,7 @@ import torch
 from _service import RENDEZVOUS_VARS, listening_sockets
 from hydra import compose, initialize_config_dir
 
-import train as app
+import syncbn_lightning.app.train as app
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -229,7 +229,7 @@ KILLED_WRITER = """
     import torch
     from hydra import compose, initialize_config_dir
     sys.path.insert(0, {root!r})
-    import train
+    from syncbn_lightning.app import train
 
     out = Path(sys.argv[1])
     with initialize_config_dir({conf!r}, version_base="1.3"):

@@ -1,4 +1,4 @@
-"""The rank launcher (``syncbn_lightning.launch``) with real child processes.
+"""The rank launcher (``syncbn_lightning.app.launch``) with real child processes.
 
 Children are tiny Python scripts written to ``tmp_path``; they report what they saw (their
 environment, their pid, the result of a gloo all-reduce) through files. Nothing is mocked: exit
@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from _service import listening_sockets
 
-from syncbn_lightning.launch import (
+from syncbn_lightning.app.launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
-    child_command,
     free_port,
     launched_externally,
     restored_environ,
@@ -45,7 +44,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _script(tmp_path: Path, name: str, body: str) -> list[str]:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
-    return child_command(path)
+    return [sys.executable, str(path)]
 
 
 # A child that writes its pid to <dir>/pid<LOCAL_RANK>, then sleeps; local rank FAIL_RANK (if
@@ -151,7 +150,7 @@ def test_parent_failing_because_a_child_died_reports_the_child(tmp_path, monkeyp
 STUCK_PARENT = """
     import sys, time
     sys.path.insert(0, {root!r})
-    from syncbn_lightning.launch import RankLauncher
+    from syncbn_lightning.app.launch import RankLauncher
     command, out = {command!r}, {out!r}
     with RankLauncher(command, out + "/cfg", devices=3, log_dir=out, abort_after_s={abort!r}):
         time.sleep(600)

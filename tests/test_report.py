@@ -11,8 +11,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
-from syncbn_lightning import report
-from syncbn_lightning.report import (
+from syncbn_lightning.app import report
+from syncbn_lightning.app.report import (
     PANELS,
     Panel,
     find_metrics_files,
@@ -219,7 +219,7 @@ def test_cli_prints_written_paths(job: Path, tmp_path: Path, capsys) -> None:
 def test_cli_entry_point_missing_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = subprocess.run(
-        [sys.executable, "-m", "syncbn_lightning.report", str(missing)],
+        [sys.executable, "-m", "syncbn_lightning.app.report", str(missing)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -234,7 +234,7 @@ def test_cli_entry_point_missing_dir(tmp_path: Path) -> None:
 
 def test_import_is_cheap() -> None:
     code = (
-        "import sys, syncbn_lightning.report\n"
+        "import sys, syncbn_lightning.app.report\n"
         "heavy = {'matplotlib', 'lightning', 'pytorch_lightning', 'hydra'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )

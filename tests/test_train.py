@@ -22,9 +22,10 @@ from _service import RENDEZVOUS_VARS
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-import train as app
-from syncbn_lightning.launch import free_port
-from syncbn_lightning.tasks.shapes import generate_shapes
+import syncbn_lightning.app.config as app_config
+import syncbn_lightning.app.train as app
+from syncbn_lightning.app.launch import free_port
+from syncbn_lightning.app.tasks.shapes import generate_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -350,4 +351,4 @@ def test_global_batch_resolver_rejects_non_integers(tmp_path: Path, data_dir: Pa
     cfg = _cfg(tmp_path, data_dir, "trainer.devices=auto")
     with pytest.raises(app.ConfigError, match=r"^trainer.devices='auto'"):
         app.validate(cfg)
-    assert json.dumps(app._global_batch(2, 4, 1, 1)) == "8"
+    assert json.dumps(app_config.global_batch(2, 4, 1, 1)) == "8"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from syncbn_lightning.report import find_metrics_files, read_metrics
+from syncbn_lightning.app.report import find_metrics_files, read_metrics
 
 from .runner import RECORD_FILE, Variant
 

@@ -31,8 +31,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from syncbn_lightning.tasks.centernet import CenterNet
-from syncbn_lightning.tasks.coco import CocoDataModule
+from syncbn_lightning.app.tasks.centernet import CenterNet
+from syncbn_lightning.app.tasks.coco import CocoDataModule
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS = REPO / "experiments" / "small_batch" / "runs"

@@ -357,6 +357,7 @@ def restored_environ() -> Iterator[None]:
         _set_environ(before)
 
 
-def child_command(script: str | Path) -> list[str]:
-    """The command a child rank runs: this interpreter on ``script``."""
-    return [sys.executable, str(Path(script).resolve())]
+def child_command() -> list[str]:
+    """The command a child rank runs: this interpreter on the service's entry module, which trains
+    with the config file named by ``RANK_CONFIG_ENV`` (the same from a clone or an install)."""
+    return [sys.executable, "-m", "syncbn_lightning.app.train"]

@@ -36,7 +36,7 @@ class ShapeClassifier(ScaledLRModule):
     Args:
         num_classes: classes (the datamodule's categories).
         width: channels of the first stage.
-        optim: see :class:`~syncbn_lightning.tasks.base.ScaledLRModule`.
+        optim: see :class:`~syncbn_lightning.app.tasks.base.ScaledLRModule`.
 
     Note:
         Logs ``train/loss``, ``val/loss`` and ``val/acc`` (averaged over all ranks' samples).

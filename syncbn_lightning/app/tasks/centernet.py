@@ -5,7 +5,7 @@ centre offset. Backbone, neck and all three heads use ``Conv-BN-ReLU`` blocks, s
 per device every one of its BN layers sees a tiny batch: the case SyncBN is for.
 
 Batches are ``(images [B, 3, S, S], targets)`` as produced by
-:class:`syncbn_lightning.tasks.coco.CocoDataModule`; box coordinates are input pixels, and
+:class:`syncbn_lightning.app.tasks.coco.CocoDataModule`; box coordinates are input pixels, and
 validation maps predictions back to original image pixels (``/ scale``) for COCO mAP.
 """
 
@@ -192,7 +192,7 @@ class CenterNet(ScaledLRModule):
         size_weight: weight of the L1 size loss (CenterNet: 0.1).
         offset_weight: weight of the L1 offset loss (CenterNet: 1).
         top_k: detections kept per image at validation (COCO counts 100).
-        optim: see :class:`~syncbn_lightning.tasks.base.ScaledLRModule`.
+        optim: see :class:`~syncbn_lightning.app.tasks.base.ScaledLRModule`.
 
     Note:
         Logs ``train/loss`` (and its three parts), ``val/loss`` and COCO ``val/mAP``,

@@ -83,7 +83,7 @@ class CocoDetection(Dataset):
 
     Example:
         >>> import tempfile
-        >>> from syncbn_lightning.tasks.shapes import generate_shapes
+        >>> from syncbn_lightning.app.tasks.shapes import generate_shapes
         >>> root = generate_shapes(tempfile.mkdtemp() + "/d", num_train=1, num_val=1,
         ...                        progress=False)
         >>> ds = CocoDetection(root / "val", root / "annotations/instances_val.json", 32)
@@ -250,7 +250,7 @@ class CocoDataModule(pl.LightningDataModule):
     annotations in ``root / annotations`` with ``{split}`` replaced by ``s``. With ``synthetic``
     set, :meth:`prepare_data` (run by Lightning once per node, on local rank 0) writes the
     synthetic shapes dataset there first with
-    :func:`~syncbn_lightning.tasks.shapes.generate_shapes` (a no-op when it already exists).
+    :func:`~syncbn_lightning.app.tasks.shapes.generate_shapes` (a no-op when it already exists).
     Batches are ``(images [B, 3, S, S], targets: list[dict])`` as described in the module
     docstring.
 

@@ -8,7 +8,7 @@ panel, step on the x axis. Runs need the ``csv`` logger (``logger=csv``, or the 
 
 Usage::
 
-    python -m syncbn_lightning.report RUN_DIR [--out DIR]
+    syncbn-report RUN_DIR [--out DIR]        # or: python -m syncbn_lightning.app.report ...
 
 or from Python ``render(run_dir, out_dir=None)``. ``RUN_DIR`` is a job's output directory or a
 Hydra multirun sweep directory (``multirun/<date>/<time>/`` holding ``0/``, ``1/``, ...). With
@@ -506,7 +506,7 @@ def render(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m syncbn_lightning.report RUN_DIR [--out DIR]``.
+    """Command line: ``syncbn-report RUN_DIR [--out DIR]`` (or ``python -m`` this module).
 
     Args:
         argv: Arguments without the program name. Defaults to ``sys.argv[1:]``.
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         ``RUN_DIR`` has no metrics (or a ``metrics.csv`` is malformed).
     """
     parser = argparse.ArgumentParser(
-        prog="python -m syncbn_lightning.report",
+        prog="syncbn-report",
         description="Draw PNG figures of a run's (or a Hydra sweep's) CSVLogger metrics.",
     )
     parser.add_argument(

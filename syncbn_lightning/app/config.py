@@ -1,0 +1,193 @@
+"""The service's config: composition helpers and the checks a job passes before anything starts.
+
+:func:`validate` reads a composed config (``conf/``) and raises :class:`ConfigError`, one line
+naming the key and the fix, for anything a job could not run with; :func:`build` instantiates one
+config group.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from syncbn_lightning.callback import resolve_group_size
+
+from .launch import launched_externally, missing_rendezvous
+
+__all__ = ["CONF_DIR", "ConfigError", "build", "build_bn", "validate", "world"]
+
+
+def _conf_dir() -> Path:
+    """The configs: a source checkout's ``conf/`` or the copy installed in the package."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package.parent / "conf", package / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the service's configs (train.yaml) are neither in {package.parent / 'conf'} nor in "
+        f"{package / 'conf'}; reinstall syncbn_lightning[app]"
+    )
+
+
+#: The directory ``train.yaml`` and the config groups are composed from.
+CONF_DIR = _conf_dir()
+
+# Keys of a config group that describe the run rather than being constructor arguments.
+_SERVICE_KEYS = {
+    "bn": ("sync", "implementation"),  # implementation: passed as SyncBNCallback(impl=...)
+    "data": ("num_classes", "global_batch_size"),
+    "model": ("monitor",),
+}
+
+
+def global_batch(*factors: Any) -> int:
+    """``${syncbn.global_batch:a,b,...}``: the product of per-device batch, devices, nodes and
+    accumulation, shown in the config as ``data.global_batch_size``."""
+    try:
+        return math.prod(int(f) for f in factors)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"data.global_batch_size needs integer batch_size, devices, num_nodes and "
+            f"accumulate_grad_batches, got {factors}"
+        ) from None
+
+
+OmegaConf.register_new_resolver("syncbn.global_batch", global_batch, replace=True)
+
+
+class ConfigError(ValueError):
+    """A config the job cannot run with; the message is one line naming the key and the fix."""
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def world(cfg: DictConfig) -> tuple[int, int]:
+    devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    for key, value in (("trainer.devices", devices), ("trainer.num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}={value!r}: must be a positive integer (processes per node)")
+    return devices, nodes
+
+
+def build(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
+    """``instantiate`` one group, without the keys that describe the run (``_SERVICE_KEYS``).
+
+    Raises:
+        ValueError / TypeError: the constructor's own error, unwrapped from Hydra's.
+    """
+    spec = OmegaConf.to_container(cfg[group], resolve=True)
+    assert isinstance(spec, dict)
+    for key in _SERVICE_KEYS.get(group, ()):
+        spec.pop(key, None)
+    try:
+        # Plain containers, not DictConfig, reach the constructors: hyper-parameters saved in
+        # checkpoints must load with torch.load(weights_only=True), which refuses DictConfig.
+        return instantiate(spec, _convert_="all", **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, (ValueError, TypeError)):
+            raise e.__cause__ from None
+        raise
+
+
+def build_bn(cfg: DictConfig) -> Any:
+    """The ``bn`` group's :class:`~syncbn_lightning.SyncBNCallback`, with ``bn.implementation`` as
+    its ``impl``."""
+    return build(cfg, "bn", impl=cfg.bn.implementation)
+
+
+def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
+    strategy = cfg.trainer.strategy
+    accelerator = str(cfg.trainer.accelerator)
+    if devices * nodes > 1 and strategy != "ddp":
+        # ddp_spawn would pickle the loggers and datamodule into fresh processes; the service
+        # starts (or is started as) one process per device instead.
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} with {devices * nodes} processes: the service runs "
+            f"DDP with one started process per device, use trainer.strategy=ddp"
+        )
+    if accelerator in ("gpu", "cuda") and torch.cuda.device_count() < devices:
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} with trainer.devices={devices}, but this machine "
+            f"has {torch.cuda.device_count()} CUDA GPU(s): use trainer=cpu or fewer devices"
+        )
+    if nodes > 1 and not launched_externally():
+        missing = missing_rendezvous(nodes)
+        if missing:
+            raise ConfigError(
+                f"trainer.num_nodes={nodes} needs torchrun/SLURM, or {', '.join(missing)} set on "
+                f"every node (NODE_RANK=0 on the node at MASTER_ADDR); see the README"
+            )
+
+
+def _check_bn(cfg: DictConfig, devices: int, nodes: int) -> None:
+    if cfg.bn.implementation not in ("auto", "ext", "ref"):
+        raise ConfigError(f"bn.implementation={cfg.bn.implementation!r}: use auto, ext or ref")
+    if not cfg.bn.sync:
+        return
+    group_size = cfg.bn.group_size
+    try:
+        build_bn(cfg)  # the callback validates every argument it takes
+        if group_size != "auto":
+            resolve_group_size(group_size, devices * nodes, devices)
+    except (ValueError, TypeError) as e:
+        name = next((k for k in cfg.bn if str(e).startswith(str(k))), "group_size")
+        raise ConfigError(f"bn.{name}={cfg.bn[name]!r}: {e}") from None
+
+
+def _check_data(cfg: DictConfig) -> None:
+    from .tasks.coco import missing_files
+
+    data = cfg.data
+    if OmegaConf.is_missing(data, "root"):
+        raise ConfigError("data.root is required: pass data.root=/path/to/a/coco-format/folder")
+    if data.synthetic is None:
+        splits = (data.train_split, data.val_split)
+        missing = missing_files(
+            data.root, splits=splits, images=data.images, annotations=data.annotations
+        )
+        if missing:
+            raise ConfigError(
+                f"data.root={data.root}: {len(missing)} required path(s) missing, e.g. "
+                f"{missing[0]}; point data.root at a COCO-format folder, or use data=shapes"
+            )
+    build(cfg, "data")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the whole config before any process is started or any file is written.
+
+    Raises:
+        ConfigError: one line naming the offending key and how to fix it.
+    """
+    try:
+        devices, nodes = world(cfg)
+        _check_trainer(cfg, devices, nodes)
+        _check_bn(cfg, devices, nodes)
+        _check_data(cfg)
+        build(cfg, "model")
+        abort = cfg.launch.abort_after_s
+        if abort is not None and (
+            isinstance(abort, bool) or not isinstance(abort, (int, float)) or abort <= 0
+        ):
+            raise ConfigError(
+                f"launch.abort_after_s={abort!r}: use a positive number of seconds, or null"
+            )
+        if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
+        offline = cfg.logger.get("wandb", {}).get("offline", "auto")
+        if offline not in ("auto", True, False):
+            raise ConfigError(f"logger.wandb.offline={offline!r}: use auto, true or false")
+    except ConfigError:
+        raise
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None

@@ -1,0 +1,243 @@
+"""One job of the training service: validate, generate/check the data, start the job's other DDP
+processes, fit, evaluate, write results and dashboards.
+
+:func:`train` is a plain function of a composed config (tests call it directly); :func:`main` is
+the ``@hydra.main`` entry of ``syncbn-train`` and ``python train.py``; :func:`entry` also serves the
+ranks the launcher starts (``python -m syncbn_lightning.app.train`` with the job's resolved config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import LearningRateMonitor
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint import AtomicCheckpointIO
+from .config import CONF_DIR, ConfigError, build, build_bn, validate, world
+from .launch import (
+    RANK_CONFIG_ENV,
+    RankLauncher,
+    child_command,
+    launched_externally,
+    restored_environ,
+)
+from .loggers import build_loggers, csv_file, finish_wandb, setup_wandb
+
+__all__ = ["RESULTS_FILE", "ConfigError", "entry", "main", "train", "validate"]
+
+log = logging.getLogger("train")
+
+# Validation detections are gathered and de-duplicated by image id (see CenterNet), so the
+# DistributedSampler's repeated samples are harmless here.
+warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders")
+
+
+def _build_trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) -> pl.Trainer:
+    strategy: Any = cfg.trainer.strategy
+    checkpoint_io = AtomicCheckpointIO()
+    extra: dict[str, Any] = {}
+    if strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        timeout = timedelta(seconds=cfg.launch.timeout_s)
+        strategy = DDPStrategy(timeout=timeout, checkpoint_io=checkpoint_io)
+    else:
+        extra["plugins"] = [checkpoint_io]
+    return instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, strategy=strategy, **extra
+    )
+
+
+def _destroy_process_group(barrier: bool) -> None:
+    """Leave torch.distributed clean for the next job of a multirun (or test) in this process.
+
+    After success a barrier first: a peer still finishing its last collective must not see us
+    vanish. After a failure no barrier: the peers may be blocked in another collective, and a
+    barrier would wait for the whole process-group timeout.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _launch(cfg: DictConfig, out: Path) -> Iterator[None]:
+    """Start this node's other ranks when nobody else did (see :mod:`.launch`)."""
+    devices, nodes = world(cfg)
+    # Also for one process: DDP still creates a process group, and the launcher is what keeps its
+    # rendezvous store on loopback.
+    if cfg.trainer.strategy != "ddp" or launched_externally():
+        yield
+        return
+    config_file = out / ".syncbn" / "config.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, config_file, resolve=True)
+    with RankLauncher(
+        child_command(),
+        config_file,
+        devices=devices,
+        num_nodes=nodes,
+        log_dir=out / ".syncbn",
+        grace_s=cfg.launch.grace_s,
+        abort_after_s=cfg.launch.abort_after_s,
+    ):
+        yield
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Train and evaluate one job of the service.
+
+    Args:
+        cfg: a config composed from ``conf/`` (``hydra.compose`` or ``@hydra.main``); with
+            ``paths.output_dir`` set when composed outside a Hydra run.
+
+    Returns:
+        The final metrics (``val/*`` of the closing evaluation, ``bn/*`` of the last measurement,
+        ``train/*``), identical on every rank.
+
+    Raises:
+        ConfigError: before anything starts, for a config that cannot run.
+        RuntimeError: when another rank of the job failed (its log's tail is in the message).
+    """
+    validate(cfg)
+    out = Path(cfg.paths.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with restored_environ():
+        datamodule = build(cfg, "data")
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            datamodule.prepare_data()  # generate data before the other ranks start
+        with _launch(cfg, out):
+            try:
+                metrics = _fit_and_evaluate(cfg, datamodule, out)
+            except BaseException:
+                _destroy_process_group(barrier=False)
+                raise
+            _destroy_process_group(barrier=True)
+            return metrics
+
+
+def _fit_and_evaluate(
+    cfg: DictConfig, datamodule: pl.LightningDataModule, out: Path
+) -> dict[str, float]:
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    model = build(cfg, "model")
+    loggers = build_loggers(cfg)
+    callbacks = [instantiate(c, _convert_="all") for c in cfg.callbacks.values() if c is not None]
+    if not loggers:  # Lightning refuses a LearningRateMonitor without a logger (logger=none)
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    if cfg.bn.sync:
+        callbacks.append(build_bn(cfg))
+    trainer = _build_trainer(cfg, callbacks, loggers)
+    if trainer.is_global_zero:
+        setup_wandb(trainer, cfg)
+        log.info("outputs: %s (config, logs, metrics, checkpoints, W&B files)", out)
+    # weights_only=True explicitly: Lightning passes None on to torch.load, whose default
+    # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns into a full unpickling (code execution).
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    metrics = _scalars(trainer.callback_metrics)
+    fit_metrics = dict(metrics)
+    if cfg.evaluate:
+        for result in trainer.validate(model, datamodule=datamodule, verbose=False):
+            metrics.update(_scalars(result))
+    for cb in callbacks:
+        metrics.update(_scalars(getattr(cb, "last_metrics", None) or {}))
+    if trainer.is_global_zero:
+        csv = csv_file(trainer)  # flushes the CSV logger once, after the closing evaluation
+        runs = finish_wandb(trainer, metrics, csv)
+        _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
+        _report(trainer, metrics, out, runs, csv)
+    return metrics
+
+
+RESULTS_FILE = "results.json"
+
+
+def _write_results(
+    path: Path, trainer: pl.Trainer, fit_metrics: dict[str, float], metrics: dict[str, float]
+) -> None:
+    """``<output_dir>/results.json``: the job's numbers for scripts that compare jobs.
+
+    ``fit``: the metrics as fit left them; ``val/*`` there come from the last validation during
+    fit, which ran with the running statistics training kept (the EMA; PreciseBN at ``fit_end``
+    runs after it). ``final``: what :func:`train` returns (``val/*`` of the closing evaluation,
+    after PreciseBN when it is on). ``global_step``: optimizer steps trained.
+    """
+    results = {"global_step": trainer.global_step, "fit": fit_metrics, "final": metrics}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _scalars(values: Any) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in dict(values).items() if isinstance(v, (int, float, torch.Tensor))
+    }
+
+
+def _report(
+    trainer: pl.Trainer, metrics: dict[str, float], out: Path, runs: list[str], csv: Path | None
+) -> None:
+    keys = [k for k in ("val/mAP", "val/mAP50", "val/acc") if k in metrics]
+    keys += [k for k in ("bn/norm_batch_size", "bn/global_batch_size") if k in metrics]
+    log.info("final: %s", "  ".join(f"{k}={metrics[k]:.4g}" for k in keys) or "(no metrics)")
+    ckpt = trainer.checkpoint_callback
+    if ckpt is not None and getattr(ckpt, "dirpath", None):
+        log.info("checkpoints: %s (best: %s)", ckpt.dirpath, ckpt.best_model_path or "-")
+    for run in runs:
+        log.info("W&B run files: %s  (offline runs: `wandb sync %s` uploads them)", run, run)
+    if csv is not None:
+        log.info("PNG report: syncbn-report %s", out)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point: one job per call (a multirun calls it once per job)."""
+    try:
+        metrics = train(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return metrics.get(cfg.model.monitor)  # the objective for Hydra sweepers
+
+
+def _run_rank(config_file: str) -> None:
+    """A rank started by :class:`~syncbn_lightning.app.launch.RankLauncher`: train with the job's
+    resolved config, no Hydra (the parent's Hydra already composed it)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"[rank {os.environ.get('LOCAL_RANK')}][%(asctime)s][%(name)s] %(message)s",
+    )
+    train(OmegaConf.load(config_file))
+
+
+def entry() -> None:
+    """``syncbn-train`` / ``python train.py``: a job (Hydra), or one of its ranks when started by
+    the launcher."""
+    if os.environ.get(RANK_CONFIG_ENV):
+        _run_rank(os.environ[RANK_CONFIG_ENV])
+    else:
+        main()
+
+
+if __name__ == "__main__":
+    entry()

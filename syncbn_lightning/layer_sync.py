@@ -1,0 +1,87 @@
+"""The :class:`SyncBNLayerSync` plugin: Lightning's ``LayerSync`` interface over our converter."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch.distributed as dist
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from torch import nn
+from typing_extensions import override
+
+from .convert import revert_sync_batchnorm
+from .ddp_setup import convert_layers, keep_group_buffers, validate_overrides
+from .groups import new_sync_group, resolve_group_size, validate_group_size
+from .impl import check_impl
+
+__all__ = ["SyncBNLayerSync"]
+
+
+class SyncBNLayerSync(LayerSync):
+    """A Lightning ``LayerSync`` plugin that converts BatchNorm layers to :class:`SyncBatchNorm`.
+
+    For users who prefer ``Trainer(strategy="ddp", plugins=[SyncBNLayerSync()])`` to the callback.
+    Lightning applies it in ``strategy.setup`` (after ``configure_model`` and checkpoint restore,
+    before DDP wraps the model) and reverts it when fit ends. It only converts; batch-size and
+    drift monitoring, reconciliation and PreciseBN are :class:`SyncBNCallback`'s.
+
+    Args:
+        group_size: ``None`` (whole world), an int dividing the world size, or ``"node"`` (the
+            processes of one machine: ``trainer.num_devices``, else ``$LOCAL_WORLD_SIZE``).
+        momentum: if not None, replaces every layer's momentum. Default: None.
+        eps: if not None, replaces every layer's eps. Default: None.
+        impl: the layers' kernels (see :class:`SyncBNCallback`). Default: None.
+
+    Note:
+        With ``group_size`` smaller than the world the plugin switches DDP's per-forward buffer
+        broadcast off, as the callback does, but does not reconcile the groups' running
+        statistics: checkpoints hold global rank 0's group's statistics.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[SyncBNLayerSync()])
+    """
+
+    def __init__(
+        self,
+        group_size: int | Literal["node"] | None = None,
+        *,
+        momentum: float | None = None,
+        eps: float | None = None,
+        impl: str | None = None,
+    ) -> None:
+        validate_group_size(group_size, allow_auto=False)
+        validate_overrides(momentum, eps)
+        self.group_size = group_size
+        self.momentum = momentum
+        self.eps = eps
+        self.impl = check_impl(impl)
+
+    @override
+    def apply(self, model: nn.Module) -> nn.Module:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return model
+        trainer = getattr(model, "_trainer", None)
+        world = dist.get_world_size()
+        per_node = trainer.num_devices if trainer is not None else _env_local_world_size()
+        size = resolve_group_size(self.group_size, world, per_node)
+        group = new_sync_group(size) if size < world else None
+        convert_layers(model, group, self.momentum, self.eps, self.impl)
+        if size < world and trainer is not None:
+            keep_group_buffers(trainer.strategy)
+        return model
+
+    @override
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert_sync_batchnorm(model)
+
+
+def _env_local_world_size() -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        raise ValueError(
+            "group_size='node' needs the number of processes per machine: run under a Lightning "
+            "Trainer or set LOCAL_WORLD_SIZE"
+        )
+    return int(value)
