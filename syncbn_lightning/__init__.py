@@ -12,13 +12,13 @@ Public API:
 from typing import Any
 
 from .batchnorm import SyncBatchNorm
+from .call_order import CallOrderError, check_call_order
 from .convert import (
     BatchNormXd,
     convert_sync_batchnorm,
     name_sync_layers,
     revert_sync_batchnorm,
 )
-from .function import CallOrderError, check_call_order
 from .groups import new_sync_group
 from .precise_bn import update_bn_stats
 

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .function import TAG_LIMIT, SyncBatchNormFunction, group_name_of, register_layer_name
-from .groups import sync_group_size
+from .call_order import register_layer_name
+from .function import TAG_LIMIT, SyncBatchNormFunction
+from .groups import group_name_of, sync_group_size
 from .impl import check_impl
 
 __all__ = ["SyncBatchNorm", "BatchRecord"]

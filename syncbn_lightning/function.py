@@ -26,19 +26,8 @@ Backward:
 on the host, except on CUDA in eager mode when the local batch has fewer than 2 values per channel
 (to raise torch's error when the whole group has just one); the CPU kernels check it for free.
 
-Call order: collectives pair up by order, so a rank that skips a layer, takes another branch or runs
-a layer a different number of times would silently merge statistics of different layers. The tags in
-the gathered rows catch it at no extra collective: when the rows disagree, every rank of the group
-raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same rows, so they all
-raise at the same call, and none is left waiting). On CPU tensors the merge kernel checks at once
-(the rows are in host memory); compiled code raises the kernel's RuntimeError with the same facts,
-since a compiled graph cannot re-raise a Python exception type. On CUDA tensors a check would cost a
-host sync per layer, so the merge writes an order flag on the device and the rows are queued and
-checked together by :func:`check_call_order` (the callback calls it once per training step; the
-queue is also checked whenever it holds ``_MAX_PENDING`` calls). A mismatch that changes the
-payload size (e.g. the skipped layer has another channel count) cannot be told apart by the
-payload: the backend then fails the collective, or it waits until the process-group timeout and
-raises; either way the run ends with an error, never a silent hang.
+Call order: the gathered rows carry each call's layer and call tags, checked by the merge (see
+:mod:`.call_order`).
 """
 
 from __future__ import annotations
@@ -50,98 +39,21 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import reference
+from .call_order import queue_order_check, raise_if_out_of_order, row_tags
+from .groups import group_name_of
 from .impl import check_impl
 from .ops import uses_extension
-from .reference import CALL_ORDER_MARK, ROW_HEADER, TAG_LIMIT
+from .reference import CALL_ORDER_MARK, TAG_LIMIT
 
 __all__ = [
     "SyncBatchNormFunction",
     "sync_batch_norm",
-    "CallOrderError",
-    "check_call_order",
-    "register_layer_name",
     "group_name_of",
     "TAG_LIMIT",
 ]
 
-# Queued CUDA call-order checks before one is forced (bounds memory; one host sync per this many).
-_MAX_PENDING = 1024
 # Up to this many ranks, CPU (gloo) groups sum by all_gather + local sum instead of all_reduce.
 _GATHER_SUM_MAX_RANKS = 8
-
-
-class CallOrderError(RuntimeError):
-    """Ranks of one sync group called their SyncBatchNorm layers in different orders."""
-
-
-_layer_names: dict[int, str] = {}
-# (info, gathered rows, channels, group name) of CUDA calls not checked yet.
-_pending: list[tuple[torch.Tensor, torch.Tensor, int, str | None]] = []
-
-
-def register_layer_name(tag: int, name: str) -> None:
-    """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages)."""
-    _layer_names[tag] = name
-
-
-def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:
-    """The name torch's functional collectives know ``process_group`` by (``None``: the world);
-    ``None`` when torch.distributed is not initialized (there is nothing to communicate with)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    group = process_group if process_group is not None else dist.group.WORLD
-    return group.group_name
-
-
-def _layer_text(tag: float) -> str:
-    return repr(_layer_names.get(int(tag), f"<SyncBatchNorm tag {int(tag)}>"))
-
-
-def _group_ranks(group_name: str | None, world_size: int) -> list[int]:
-    if group_name is None or not dist.is_initialized():
-        return list(range(world_size))
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
-
-
-def _raise_if_out_of_order(tags: torch.Tensor, group_name: str | None) -> None:
-    """``tags``: ``[W, 2]`` gathered (layer_tag, call_tag) rows, on the host."""
-    if bool((tags == tags[0]).all()):
-        return
-    ranks = _group_ranks(group_name, tags.shape[0])
-    calls = [
-        f"rank {ranks[i]} ran {_layer_text(layer)} (call #{int(call) + 1})"
-        for i, (layer, call) in enumerate(tags.tolist())
-    ]
-    raise CallOrderError(
-        f"SyncBatchNorm layers were called in a different order on the ranks of one sync group "
-        f"(global ranks {ranks}): {'; '.join(calls)}. Every rank must run every SyncBatchNorm "
-        f"layer of the group in the same order and the same number of times per training "
-        f"forward (a rank skipped a layer, took another branch, or ran a different number of BN "
-        f"calls); otherwise statistics of different layers would be merged. Make the forward "
-        f"identical on all ranks, or put layers that only some ranks run in eval mode."
-    )
-
-
-def _row_tags(rows: torch.Tensor, channels: int) -> torch.Tensor:
-    return rows.view(-1, ROW_HEADER + 2 * channels)[:, 2:ROW_HEADER]
-
-
-def check_call_order() -> None:
-    """Check the call-order tags queued by CUDA layers since the last check (one host sync).
-
-    Raises:
-        CallOrderError: on every rank of a group whose ranks called layers in different orders.
-    """
-    if not _pending:
-        return
-    queued = list(_pending)
-    _pending.clear()
-    flags = torch.stack([info[2] for info, _, _, _ in queued]).cpu()
-    for ok, (_, rows, channels, group_name) in zip(flags.tolist(), queued, strict=True):
-        if not ok:
-            _raise_if_out_of_order(_row_tags(rows, channels).cpu(), group_name)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -201,10 +113,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
                 raise
-            _raise_if_out_of_order(_row_tags(rows, input.shape[1]), group_name)
+            raise_if_out_of_order(row_tags(rows, input.shape[1]), group_name)
             raise
         if input.device.type != "cpu":
-            _queue_order_check(info, rows, input.shape[1], group_name)
+            queue_order_check(info, rows, input.shape[1], group_name)
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
                 reference.check_group_count(int(info[0].item()), input, world_size)
         ctx.save_for_backward(input, weight, mean, invstd, info)
@@ -291,16 +203,6 @@ def sync_batch_norm(
         check_impl(impl),
     )
     return output, mean, var, info[0], info[1]
-
-
-def _queue_order_check(
-    info: torch.Tensor, rows: torch.Tensor, channels: int, group_name: str | None
-) -> None:
-    """Queue a device-side order flag (``info[2]``) for :func:`check_call_order`, with the rows
-    whose tags name the layers if it is 0 (read only then: no work per call beyond the append)."""
-    _pending.append((info, rows, channels, group_name))
-    if len(_pending) >= _MAX_PENDING and not torch.compiler.is_compiling():
-        check_call_order()
 
 
 def _sum_over_group(sums: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:

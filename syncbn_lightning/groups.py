@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupSize",
+    "group_name_of",
     "new_sync_group",
     "resolve_group_size",
     "sync_group_size",
@@ -157,3 +158,12 @@ def validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
         )
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1 (1 = per-rank BatchNorm), got {group_size}")
+
+
+def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:
+    """The name torch's functional collectives know ``process_group`` by (``None``: the world);
+    ``None`` when torch.distributed is not initialized (there is nothing to communicate with)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group.group_name

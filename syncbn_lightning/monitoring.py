@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from .batchnorm import BatchRecord, SyncBatchNorm
-from .function import check_call_order
+from .call_order import check_call_order
 from .metrics import (
     ema_drift,
     gather_rows,

@@ -763,6 +763,15 @@ def test_config_devices_zero(tmp_path: Path) -> None:
         _validate(tmp_path, "trainer.devices=0")
 
 
+def test_config_model_monitor_not_logged(tmp_path: Path) -> None:
+    with expect(
+        app.ConfigError,
+        "model.monitor='val/map': CenterNet logs val/mAP, val/mAP50 (higher is better); use one "
+        "of them",
+    ):
+        _validate(tmp_path, "model.monitor=val/map")
+
+
 def test_config_devices_auto(tmp_path: Path) -> None:
     with expect(
         app.ConfigError, "trainer.devices='auto': must be a positive integer (processes per node)"

@@ -20,6 +20,7 @@ import pytest
 import torch
 from _service import RENDEZVOUS_VARS
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import syncbn_lightning.app.config as app_config
@@ -105,6 +106,30 @@ def _options() -> list[tuple[str, str]]:
     return sorted(
         (p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra"
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["bn=sync"], "SyncBNCallback"),
+        (["bn=local"], "SyncBNCallback"),
+        (["bn.sync=false"], "NoneType"),
+        (["model=centernet"], "CenterNet"),
+        (["model=classifier"], "ShapeClassifier"),
+    ],
+)
+def test_target_nodes_instantiate_as_they_stand(
+    overrides: list[str], expected: str, tmp_path: Path, data_dir: Path
+) -> None:
+    """``hydra.utils.instantiate`` of the bn and model nodes, with nothing removed first."""
+    cfg = _cfg(tmp_path, data_dir, *overrides)
+    group = overrides[0].split("=")[0].split(".")[0]
+    built = instantiate(cfg[group], _convert_="all")
+    assert type(built).__name__ == expected
+    if group == "bn" and built is not None:
+        assert built.impl == "auto" and built.group_size == cfg.bn.group_size
+    if group == "model":
+        assert built.monitor == cfg.model.monitor
 
 
 def test_every_group_option_is_found() -> None:

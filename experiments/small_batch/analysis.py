@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from syncbn_lightning.app.report import find_metrics_files, read_metrics
 
-from .runner import RECORD_FILE, Variant
+from .variants import RECORD_FILE, Variant
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

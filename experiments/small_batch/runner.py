@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,55 +33,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from syncbn_lightning.app.tasks.centernet import CenterNet
 from syncbn_lightning.app.tasks.coco import CocoDataModule
 
+from .analysis import write_report
+from .variants import RECORD_FILE, VARIANTS, Variant
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS = REPO / "experiments" / "small_batch" / "runs"
 DEFAULT_DOCS = REPO / "docs" / "small_batch"
-RECORD_FILE = "experiment.json"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One configuration of the comparison.
-
-    Attributes:
-        name: short id (directory name, table key).
-        label: what the table and the plots call it.
-        overrides: ``train.py`` overrides that select it (on top of the preset's).
-        norm_batch: images each BatchNorm layer normalizes over in training.
-    """
-
-    name: str
-    label: str
-    overrides: tuple[str, ...]
-    norm_batch: int
-
-
-VARIANTS: tuple[Variant, ...] = (
-    Variant(
-        "local_bn",
-        "local BN, 4 proc x 2 img",
-        ("recipe=detection_local_bn", "trainer.devices=4"),
-        2,
-    ),
-    Variant(
-        "group2",
-        "SyncBN group_size=2, 4 proc x 2 img",
-        ("recipe=detection_group2", "trainer.devices=4", "bn.group_size=2"),
-        4,
-    ),
-    Variant(
-        "syncbn",
-        "SyncBN world, 4 proc x 2 img",
-        ("recipe=detection_small_batch", "trainer.devices=4"),
-        8,
-    ),
-    Variant(
-        "large_batch",
-        "plain BN, 1 proc x 8 img (reference)",
-        ("recipe=detection_large_batch", "trainer.devices=1", "data.batch_size=8"),
-        8,
-    ),
-)
 """The variants, in table order. All have the global batch 8 (hence the same learning rate)."""
 
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -319,8 +275,6 @@ def _reproduce_command(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or reuse) every job, then write ``<docs>/results.{md,json}`` and the PNGs."""
-    from .analysis import write_report
-
     args = _parse(argv)
     runs_dir, docs_dir = args.runs_dir.resolve(), args.docs_dir.resolve()
     command = _reproduce_command(args)

@@ -17,11 +17,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from syncbn_lightning.callback import resolve_group_size
+from syncbn_lightning.callback import SyncBNCallback
+from syncbn_lightning.groups import resolve_group_size
 
 from .launch import launched_externally, missing_rendezvous
 
-__all__ = ["CONF_DIR", "ConfigError", "build", "build_bn", "validate", "world"]
+__all__ = ["CONF_DIR", "ConfigError", "bn_callback", "build", "validate", "world"]
 
 
 def _conf_dir() -> Path:
@@ -40,11 +41,7 @@ def _conf_dir() -> Path:
 CONF_DIR = _conf_dir()
 
 # Keys of a config group that describe the run rather than being constructor arguments.
-_SERVICE_KEYS = {
-    "bn": ("sync", "implementation"),  # implementation: passed as SyncBNCallback(impl=...)
-    "data": ("num_classes", "global_batch_size"),
-    "model": ("monitor",),
-}
+_SERVICE_KEYS = {"data": ("num_classes", "global_batch_size")}
 
 
 def global_batch(*factors: Any) -> int:
@@ -97,10 +94,13 @@ def build(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
         raise
 
 
-def build_bn(cfg: DictConfig) -> Any:
-    """The ``bn`` group's :class:`~syncbn_lightning.SyncBNCallback`, with ``bn.implementation`` as
-    its ``impl``."""
-    return build(cfg, "bn", impl=cfg.bn.implementation)
+def bn_callback(
+    sync: bool = True, implementation: str = "auto", **callback_args: Any
+) -> SyncBNCallback | None:
+    """The ``bn`` config group's ``_target_``: a :class:`~syncbn_lightning.SyncBNCallback` with
+    ``callback_args`` and ``implementation`` as its ``impl``, or ``None`` when ``sync`` is false
+    (the model's BatchNorm is left alone: no callback at all)."""
+    return SyncBNCallback(impl=implementation, **callback_args) if sync else None
 
 
 def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
@@ -134,7 +134,7 @@ def _check_bn(cfg: DictConfig, devices: int, nodes: int) -> None:
         return
     group_size = cfg.bn.group_size
     try:
-        build_bn(cfg)  # the callback validates every argument it takes
+        build(cfg, "bn")  # the callback validates every argument it takes
         if group_size != "auto":
             resolve_group_size(group_size, devices * nodes, devices)
     except (ValueError, TypeError) as e:

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import CONF_DIR, ConfigError, build, build_bn, validate, world
+from .config import CONF_DIR, ConfigError, build, validate, world
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -142,8 +142,9 @@ def _fit_and_evaluate(
     callbacks = [instantiate(c, _convert_="all") for c in cfg.callbacks.values() if c is not None]
     if not loggers:  # Lightning refuses a LearningRateMonitor without a logger (logger=none)
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    if cfg.bn.sync:
-        callbacks.append(build_bn(cfg))
+    bn_callback = build(cfg, "bn")  # None with bn.sync=false
+    if bn_callback is not None:
+        callbacks.append(bn_callback)
     trainer = _build_trainer(cfg, callbacks, loggers)
     if trainer.is_global_zero:
         setup_wandb(trainer, cfg)

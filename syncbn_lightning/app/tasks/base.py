@@ -52,9 +52,25 @@ class ScaledLRModule(pl.LightningModule):
     0 at the last step. BatchNorm weights and biases get no weight decay.
     """
 
-    def __init__(self, optim: dict[str, Any] | None = None) -> None:
+    #: The metrics the task logs that a checkpoint may keep the best of (higher is better); the
+    #: first is the default ``monitor``.
+    SCORES: tuple[str, ...] = ()
+
+    def __init__(self, optim: dict[str, Any] | None = None, monitor: str | None = None) -> None:
         super().__init__()
         self.optim = _check_optim(dict(optim or {}))
+        #: The metric this run is judged by (checkpoints keep its best, sweeps maximize it).
+        self.monitor = self._check_monitor(monitor)
+
+    def _check_monitor(self, monitor: str | None) -> str | None:
+        if monitor is None:
+            return self.SCORES[0] if self.SCORES else None
+        if monitor not in self.SCORES:
+            raise ValueError(
+                f"model.monitor={monitor!r}: {type(self).__name__} logs "
+                f"{', '.join(self.SCORES) or 'no score'} (higher is better); use one of them"
+            )
+        return monitor
 
     def _per_device_batch(self) -> int:
         # The optimizer is configured before the train DataLoader exists: read the datamodule.

@@ -206,6 +206,8 @@ class CenterNet(ScaledLRModule):
         over the world, exactly; tested).
     """
 
+    SCORES = ("val/mAP", "val/mAP50")
+
     def __init__(
         self,
         num_classes: int = 3,
@@ -214,8 +216,9 @@ class CenterNet(ScaledLRModule):
         offset_weight: float = 1.0,
         top_k: int = 100,
         optim: dict[str, Any] | None = None,
+        monitor: str = "val/mAP",
     ) -> None:
-        super().__init__(optim)
+        super().__init__(optim, monitor)
         if num_classes < 1 or width < 1 or top_k < 1:
             raise ValueError(
                 f"model.num_classes, model.width and model.top_k must be >= 1, got "

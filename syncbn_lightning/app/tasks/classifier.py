@@ -42,10 +42,16 @@ class ShapeClassifier(ScaledLRModule):
         Logs ``train/loss``, ``val/loss`` and ``val/acc`` (averaged over all ranks' samples).
     """
 
+    SCORES = ("val/acc",)
+
     def __init__(
-        self, num_classes: int = 3, width: int = 16, optim: dict[str, Any] | None = None
+        self,
+        num_classes: int = 3,
+        width: int = 16,
+        optim: dict[str, Any] | None = None,
+        monitor: str = "val/acc",
     ) -> None:
-        super().__init__(optim)
+        super().__init__(optim, monitor)
         if num_classes < 2 or width < 1:
             raise ValueError(
                 f"model.num_classes must be >= 2 and model.width >= 1, got {num_classes}, {width}"
