@@ -19,11 +19,11 @@ from pycocotools.coco import COCO
 from syncbn_lightning.app.tasks.coco import (
     PIXEL_MEAN,
     PIXEL_STD,
-    CocoDataModule,
     CocoDetection,
     detection_collate,
     missing_files,
 )
+from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 from syncbn_lightning.app.tasks.shapes import (
     _check_params,
     _publish,

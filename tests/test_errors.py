@@ -772,6 +772,15 @@ def test_config_model_monitor_not_logged(tmp_path: Path) -> None:
         _validate(tmp_path, "model.monitor=val/map")
 
 
+def test_config_global_batch_size_set(tmp_path: Path) -> None:
+    with expect(
+        app.ConfigError,
+        "data.global_batch_size=32: it is derived, data.batch_size x trainer.devices x "
+        "trainer.num_nodes x trainer.accumulate_grad_batches = 4; change those instead",
+    ):
+        _validate(tmp_path, "data.global_batch_size=32")
+
+
 def test_config_devices_auto(tmp_path: Path) -> None:
     with expect(
         app.ConfigError, "trainer.devices='auto': must be a positive integer (processes per node)"

@@ -19,7 +19,7 @@ from PIL import Image
 from torch.utils.data import DistributedSampler
 
 from experiments.small_batch import analysis, runner
-from syncbn_lightning.app.tasks.coco import CocoDataModule
+from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 from syncbn_lightning.app.tasks.shapes import generate_shapes
 
 REPO = Path(__file__).resolve().parents[1]

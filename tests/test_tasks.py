@@ -25,8 +25,9 @@ from lightning.pytorch.callbacks import Callback
 from syncbn_lightning.app.tasks.base import ScaledLRModule, global_batch_size
 from syncbn_lightning.app.tasks.centernet import STRIDE, CenterNet, decode, focal_loss, make_targets
 from syncbn_lightning.app.tasks.classifier import ShapeClassifier, largest_object_labels
-from syncbn_lightning.app.tasks.coco import CocoDataModule, CocoDetection, detection_collate
+from syncbn_lightning.app.tasks.coco import CocoDetection, detection_collate
 from syncbn_lightning.app.tasks.coco_eval import coco_map, load_coco
+from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 from syncbn_lightning.app.tasks.shapes import generate_shapes
 
 SHAPES = {"num_train": 8, "num_val": 8, "progress": False}

@@ -116,12 +116,14 @@ def _options() -> list[tuple[str, str]]:
         (["bn.sync=false"], "NoneType"),
         (["model=centernet"], "CenterNet"),
         (["model=classifier"], "ShapeClassifier"),
+        (["data=shapes"], "CocoDataModule"),
+        (["data=shapes_hard"], "CocoDataModule"),
     ],
 )
 def test_target_nodes_instantiate_as_they_stand(
     overrides: list[str], expected: str, tmp_path: Path, data_dir: Path
 ) -> None:
-    """``hydra.utils.instantiate`` of the bn and model nodes, with nothing removed first."""
+    """``hydra.utils.instantiate`` of the bn, model and data nodes, nothing removed first."""
     cfg = _cfg(tmp_path, data_dir, *overrides)
     group = overrides[0].split("=")[0].split(".")[0]
     built = instantiate(cfg[group], _convert_="all")
@@ -130,6 +132,8 @@ def test_target_nodes_instantiate_as_they_stand(
         assert built.impl == "auto" and built.group_size == cfg.bn.group_size
     if group == "model":
         assert built.monitor == cfg.model.monitor
+    if group == "data":
+        assert built.hparams.global_batch_size == cfg.data.global_batch_size == 4
 
 
 def test_every_group_option_is_found() -> None:

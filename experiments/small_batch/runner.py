@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn_lightning.app.tasks.centernet import CenterNet
-from syncbn_lightning.app.tasks.coco import CocoDataModule
+from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 
 from .analysis import write_report
 from .variants import RECORD_FILE, VARIANTS, Variant

@@ -40,10 +40,6 @@ def _conf_dir() -> Path:
 #: The directory ``train.yaml`` and the config groups are composed from.
 CONF_DIR = _conf_dir()
 
-# Keys of a config group that describe the run rather than being constructor arguments.
-_SERVICE_KEYS = {"data": ("num_classes", "global_batch_size")}
-
-
 def global_batch(*factors: Any) -> int:
     """``${syncbn.global_batch:a,b,...}``: the product of per-device batch, devices, nodes and
     accumulation, shown in the config as ``data.global_batch_size``."""
@@ -74,20 +70,16 @@ def world(cfg: DictConfig) -> tuple[int, int]:
     return devices, nodes
 
 
-def build(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
-    """``instantiate`` one group, without the keys that describe the run (``_SERVICE_KEYS``).
+def build(cfg: DictConfig, group: str) -> Any:
+    """``instantiate`` one config group, the node as it stands.
 
     Raises:
         ValueError / TypeError: the constructor's own error, unwrapped from Hydra's.
     """
-    spec = OmegaConf.to_container(cfg[group], resolve=True)
-    assert isinstance(spec, dict)
-    for key in _SERVICE_KEYS.get(group, ()):
-        spec.pop(key, None)
     try:
         # Plain containers, not DictConfig, reach the constructors: hyper-parameters saved in
         # checkpoints must load with torch.load(weights_only=True), which refuses DictConfig.
-        return instantiate(spec, _convert_="all", **kwargs)
+        return instantiate(cfg[group], _convert_="all")
     except InstantiationException as e:
         if isinstance(e.__cause__, (ValueError, TypeError)):
             raise e.__cause__ from None
@@ -158,6 +150,18 @@ def _check_data(cfg: DictConfig) -> None:
                 f"data.root={data.root}: {len(missing)} required path(s) missing, e.g. "
                 f"{missing[0]}; point data.root at a COCO-format folder, or use data=shapes"
             )
+    expected = global_batch(
+        data.batch_size,
+        cfg.trainer.devices,
+        cfg.trainer.num_nodes,
+        cfg.trainer.accumulate_grad_batches,
+    )
+    if data.global_batch_size is not None and data.global_batch_size != expected:
+        raise ConfigError(
+            f"data.global_batch_size={data.global_batch_size}: it is derived, data.batch_size x "
+            f"trainer.devices x trainer.num_nodes x trainer.accumulate_grad_batches = {expected}; "
+            f"change those instead"
+        )
     build(cfg, "data")
 
 

@@ -5,7 +5,7 @@ centre offset. Backbone, neck and all three heads use ``Conv-BN-ReLU`` blocks, s
 per device every one of its BN layers sees a tiny batch: the case SyncBN is for.
 
 Batches are ``(images [B, 3, S, S], targets)`` as produced by
-:class:`syncbn_lightning.app.tasks.coco.CocoDataModule`; box coordinates are input pixels, and
+:class:`syncbn_lightning.app.tasks.datamodule.CocoDataModule`; box coordinates are input pixels, and
 validation maps predictions back to original image pixels (``/ scale``) for COCO mAP.
 """
 
