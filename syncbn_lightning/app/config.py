@@ -40,6 +40,7 @@ def _conf_dir() -> Path:
 #: The directory ``train.yaml`` and the config groups are composed from.
 CONF_DIR = _conf_dir()
 
+
 def global_batch(*factors: Any) -> int:
     """``${syncbn.global_batch:a,b,...}``: the product of per-device batch, devices, nodes and
     accumulation, shown in the config as ``data.global_batch_size``."""

@@ -1,0 +1,184 @@
+"""Reading a run's metrics: every Lightning ``CSVLogger`` ``metrics.csv`` below a job (or sweep)
+directory, as per-metric ``(step, value)`` points; what :mod:`.report` draws."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TypeAlias
+
+__all__ = ["METRICS_FILE", "Series", "find_metrics_files", "read_metrics", "read_run"]
+
+log = logging.getLogger(__name__)
+
+Series: TypeAlias = dict[str, list[tuple[int, float]]]
+"""Metric name (or line label) -> ``(step, value)`` points sorted by step."""
+
+METRICS_FILE = "metrics.csv"
+_INDEX_COLUMNS = frozenset({"step", "epoch"})
+_CSV_HINT = (
+    "runs need Lightning's CSVLogger to write metrics.csv: train with the `csv` logger, "
+    "e.g. `logger=csv` or the default `logger=wandb_csv`"
+)
+
+
+def read_metrics(csv_path: str | Path) -> Series:
+    """Read a Lightning ``CSVLogger`` ``metrics.csv`` into per-metric ``(step, value)`` points.
+
+    Empty cells (a metric not logged at that row) are skipped, as are the ``step`` and ``epoch``
+    columns themselves. Cells that are not numbers are skipped with one warning per column.
+
+    Args:
+        csv_path: Path of a ``metrics.csv``.
+
+    Returns:
+        Metric name -> points sorted by step (stable: points logged at the same step keep their
+        file order). Metrics with no value at all are left out; an empty file gives ``{}``.
+
+    Raises:
+        FileNotFoundError: ``csv_path`` does not exist.
+        ValueError: The file has a header but no ``step`` column, so it is not a ``CSVLogger``
+            metrics file.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "metrics.csv"
+        >>> _ = p.write_text("epoch,step,train/loss,val/mAP\\n0,1,0.9,\\n0,0,1.0,0.5\\n")
+        >>> read_metrics(p)
+        {'train/loss': [(0, 1.0), (1, 0.9)], 'val/mAP': [(0, 0.5)]}
+    """
+    path = Path(csv_path)
+    series: Series = {}
+    bad_columns: set[str] = set()
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            log.warning("%s is empty; no metrics read from it", path)
+            return {}
+        if "step" not in reader.fieldnames:
+            raise ValueError(
+                f"{path} has no 'step' column (columns: {reader.fieldnames}); csv_path must be a "
+                "metrics.csv written by Lightning's CSVLogger"
+            )
+        columns = [c for c in reader.fieldnames if c not in _INDEX_COLUMNS]
+        for row in reader:
+            step = _parse_step(row.get("step"))
+            if step is None:
+                log.debug("%s line %d: no usable step, row skipped", path, reader.line_num)
+                continue
+            for column in columns:
+                cell = row.get(column)
+                if cell is None or not cell.strip():
+                    continue
+                try:
+                    value = float(cell)
+                except ValueError:
+                    if column not in bad_columns:
+                        bad_columns.add(column)
+                        log.warning(
+                            "%s: column %r holds non-numeric values (e.g. %r); they are skipped",
+                            path,
+                            column,
+                            cell,
+                        )
+                    continue
+                series.setdefault(column, []).append((step, value))
+    for points in series.values():
+        points.sort(key=lambda p: p[0])
+    return series
+
+
+def _parse_step(cell: str | None) -> int | None:
+    """``int`` of a ``step`` cell (Lightning writes ``"12"``, tolerate ``"12.0"``), else None."""
+    if cell is None or not cell.strip():
+        return None
+    try:
+        value = float(cell)
+    except ValueError:
+        return None
+    return int(value) if math.isfinite(value) else None
+
+
+def _natural_key(path: Path) -> tuple[tuple[int, int, str], ...]:
+    """Sort key putting job ``2/`` before job ``10/``."""
+    key = []
+    for part in path.parts:
+        for chunk in re.split(r"(\d+)", part):
+            key.append((0, int(chunk), "") if chunk.isdigit() else (1, 0, chunk))
+    return tuple(key)
+
+
+def find_metrics_files(run_dir: str | Path) -> list[Path]:
+    """Every ``metrics.csv`` below ``run_dir`` (at any depth), in natural order.
+
+    Natural order compares digit runs as numbers, so the jobs of a sweep come as ``0, 1, 2, 10``.
+
+    Args:
+        run_dir: A job's output directory or a multirun sweep directory.
+
+    Returns:
+        The files' paths (``run_dir`` joined with their relative paths); empty when there are none
+        or ``run_dir`` is not a directory.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    files = [p for p in root.rglob(METRICS_FILE) if p.is_file()]
+    return sorted(files, key=lambda p: _natural_key(p.relative_to(root)))
+
+
+def _job_labels(root: Path, files: Sequence[Path]) -> list[str]:
+    """Label of each file's job: ``""`` for a single file, else the first directory below root.
+
+    When first directories repeat (one job with several ``version_<n>`` directories) the whole
+    relative directory is used so that labels stay unique.
+    """
+    if len(files) == 1:
+        return [""]
+    rel_dirs = [f.parent.relative_to(root) for f in files]
+    firsts = [d.parts[0] if d.parts else "." for d in rel_dirs]
+    if len(set(firsts)) == len(firsts):
+        return firsts
+    return [d.as_posix() for d in rel_dirs]
+
+
+def read_run(run_dir: str | Path) -> dict[str, Series]:
+    """Read every ``metrics.csv`` below ``run_dir``, keyed by job label.
+
+    Args:
+        run_dir: A job's output directory or a multirun sweep directory.
+
+    Returns:
+        Job label -> that job's metrics (see :func:`read_metrics`). The label is ``""`` when there
+        is a single ``metrics.csv``, else the job's directory relative to ``run_dir`` (its first
+        component, e.g. ``"0"``; the whole relative directory when first components repeat).
+
+    Raises:
+        FileNotFoundError: ``run_dir`` does not exist, is not a directory, or holds no
+            ``metrics.csv``.
+        ValueError: A ``metrics.csv`` is malformed (see :func:`read_metrics`).
+    """
+    root = Path(run_dir)
+    if not root.exists():
+        raise FileNotFoundError(f"RUN_DIR {str(root)!r} does not exist; {_CSV_HINT}")
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"RUN_DIR {str(root)!r} is not a directory; pass the job's (or the sweep's) output "
+            "directory that holds metrics.csv files below it"
+        )
+    files = find_metrics_files(root)
+    if not files:
+        raise FileNotFoundError(
+            f"RUN_DIR {str(root)!r} holds no {METRICS_FILE} (searched {root / '**' / METRICS_FILE}"
+            f"); {_CSV_HINT}"
+        )
+    labels = _job_labels(root, files)
+    runs: dict[str, Series] = {}
+    for label, path in zip(labels, files, strict=True):
+        log.debug("reading %s as job %r", path, label)
+        runs[label] = read_metrics(path)
+    return runs
