@@ -166,6 +166,19 @@ def load_ranks(out: str, world: int) -> list[dict[str, Any]]:
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A one-process CPU Trainer without logger, checkpoints, progress bar or summary."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(**{**options, **kwargs})
+
+
 def trainer(world: int, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
     """A CPU ``ddp_spawn`` Trainer with our own DistributedSampler (no shuffling)."""
     options: dict[str, Any] = {

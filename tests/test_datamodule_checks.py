@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
+from _lightning import quiet_trainer
 
 from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 
@@ -22,15 +22,7 @@ def _module(root: Path, **kwargs: Any) -> CocoDataModule:
 
 
 def _attach(dm: CocoDataModule, accumulate: int) -> None:
-    dm.trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    dm.trainer = quiet_trainer(accumulate_grad_batches=accumulate)
 
 
 def test_matching_expectations_pass(tmp_path: Path) -> None:

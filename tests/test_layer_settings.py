@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from _lightning import BNNet
+from _lightning import BNNet, quiet_trainer
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -154,16 +153,7 @@ def test_callback_gives_its_impl_to_the_layers(impl: str, monkeypatch: pytest.Mo
     monkeypatch.setenv("SYNCBN_IMPL", "ref" if impl == "ext" else "ext")
     model = BNNet()
     cb = SyncBNCallback(impl=impl, momentum=0.25, single_process="monitor")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        callbacks=[cb],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=2, callbacks=[cb])
     trainer.fit(model)
     layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
     assert layers and all(bn.impl == cb.impl and bn.momentum == 0.25 for bn in layers)

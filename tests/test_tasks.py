@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from _lightning import quiet_trainer
 from lightning.pytorch.callbacks import Callback
 
 from syncbn_lightning.app.tasks.base import ScaledLRModule, global_batch_size
@@ -36,15 +37,7 @@ EPS = 1e-4  # clamp of a target heatmap before it becomes logits (CenterNet's ow
 
 
 def _trainer(**kw: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    return quiet_trainer(**kw)
 
 
 def _gaussian_logits(heatmap: torch.Tensor) -> torch.Tensor:
