@@ -197,6 +197,22 @@ void check_running(
   }
 }
 
+MergeOutputs prepare_merge(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, double eps, c10::DeviceType device) {
+  check_input(input, device);
+  const int64_t W = check_rows(rows, input);
+  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
+  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  const int64_t C = input.size(1);
+  const auto opts = rows.options();
+  return {
+      W, at::empty({C}, opts), at::empty({C}, opts), at::empty({C}, opts),
+      at::empty({kInfoFields}, opts)};
+}
+
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {
   const int64_t C = input.size(1);
   const auto acc = acc_dtype_of(input.scalar_type());

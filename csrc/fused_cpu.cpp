@@ -141,14 +141,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
     bool unbiased) {
-  check_input(input, c10::DeviceType::CPU);
-  const int64_t W = check_rows(rows, input);
-  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
-  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  MergeOutputs merged = prepare_merge(
+      input, rows, running_mean, running_var, num_batches_tracked, nonfinite, eps,
+      c10::DeviceType::CPU);
+  const int64_t W = merged.W;
+  at::Tensor &mean = merged.mean, &invstd = merged.invstd, &var = merged.var, &info = merged.info;
   const int64_t C = input.size(1), width = row_width(C);
-  const auto opts = rows.options();
-  at::Tensor mean = at::empty({C}, opts), invstd = at::empty({C}, opts), var = at::empty({C}, opts);
-  at::Tensor info = at::empty({kInfoFields}, opts);
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_normalize_cpu", [&] {
     const scalar_t* r = rows.const_data_ptr<scalar_t>();
     check_call_order(r, W, width);

@@ -143,15 +143,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
     bool unbiased) {
-  check_input(input, c10::DeviceType::CUDA);
-  const int64_t W = check_rows(rows, input);
-  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
-  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  MergeOutputs merged = prepare_merge(
+      input, rows, running_mean, running_var, num_batches_tracked, nonfinite, eps,
+      c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(input.device());
+  const int64_t W = merged.W;
+  at::Tensor &mean = merged.mean, &invstd = merged.invstd, &var = merged.var, &info = merged.info;
   const int64_t C = input.size(1);
-  const auto opts = rows.options();
-  at::Tensor mean = at::empty({C}, opts), invstd = at::empty({C}, opts), var = at::empty({C}, opts);
-  at::Tensor info = at::empty({kInfoFields}, opts);
   const RunningState state{
       mutable_or_null<int64_t>(num_batches_tracked), mutable_or_null<int64_t>(nonfinite),
       momentum.value_or(0.0), !momentum.has_value()};

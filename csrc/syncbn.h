@@ -181,6 +181,17 @@ void check_running(
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, const at::Tensor& input);
+// merge_normalize's checks (input, rows, running statistics, eps) and its outputs, allocated in
+// the rows' dtype on their device: the same for the CPU and CUDA twins.
+struct MergeOutputs {
+  int64_t W;  // gathered rows
+  at::Tensor mean, invstd, var, info;
+};
+MergeOutputs prepare_merge(
+    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& running_mean,
+    const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, double eps, c10::DeviceType device);
 // sums: [R * 2C] in the acc dtype; info: kInfoFields values of the acc dtype. Returns R.
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
 // The group's [sum_dy, sum_dy_xmu] from R checked rows of sums (summed in row order when R > 1).

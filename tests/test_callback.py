@@ -23,6 +23,7 @@ from _lightning import (
     Probe,
     load_ranks,
     make_data,
+    quiet_trainer,
     single_process_reference,
     trainer,
 )
@@ -368,17 +369,8 @@ def test_plugin_refuses_auto():
 
 
 def _one_process(tmp_path, callbacks, **kwargs) -> pl.Trainer:
-    options = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 0,
-        "default_root_dir": str(tmp_path),
-    }
-    return pl.Trainer(callbacks=callbacks, **{**options, **kwargs})
+    options = {"limit_val_batches": 0, "default_root_dir": str(tmp_path)}
+    return quiet_trainer(callbacks=callbacks, **{**options, **kwargs})
 
 
 def test_single_device_leaves_model_alone(tmp_path, caplog):

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from _dispatch import OpCounter
 from _dist import run_distributed
 from _lightning import CompiledBNNet, Probe, load_ranks, single_process_reference, trainer
 from _numerics import rel_err
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm, new_sync_group
 
@@ -206,16 +206,6 @@ def test_compiled_call_order_mismatch_raises_on_every_rank() -> None:
         assert "syncbn call order" in message and "layer tag" in message, message
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _op_count_worker(rank: int, world: int) -> dict[str, Counter[str]]:
     counts = {}
     for impl in ("ext", "ref"):
@@ -224,7 +214,7 @@ def _op_count_worker(rank: int, world: int) -> dict[str, Counter[str]]:
         x = torch.randn(2, 8, 4, 4, requires_grad=True)
         grad = torch.ones_like(x)
         layer(x).backward(grad)  # builds the extension, creates .grad
-        with _OpCounter() as counter:
+        with OpCounter() as counter:
             layer(x).backward(grad)
         counts[impl] = counter.ops
     return counts

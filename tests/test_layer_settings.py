@@ -8,14 +8,13 @@ the argument, not the environment, must be what decides.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from _dispatch import OpCounter
 from _lightning import BNNet, quiet_trainer
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import (
     SyncBatchNorm,
@@ -29,20 +28,10 @@ from syncbn_lightning.function import sync_batch_norm
 from syncbn_lightning.precise_bn import update_bn_stats
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func).split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _namespaces(step: Any) -> Counter[str]:
-    with _Ops() as counter:
+def _namespaces(step: Any) -> set[str]:
+    with OpCounter() as counter:
         step()
-    return counter.ops
+    return counter.namespaces()
 
 
 def _layer_step(layer: SyncBatchNorm) -> None:
