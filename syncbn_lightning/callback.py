@@ -24,7 +24,12 @@ from typing_extensions import override
 
 from .batchnorm import SyncBatchNorm
 from .convert import revert_sync_batchnorm
-from .ddp_setup import convert_layers, keep_group_buffers, validate_overrides
+from .ddp_setup import (
+    convert_layers,
+    keep_group_buffers,
+    refuse_buffer_broadcast,
+    validate_overrides,
+)
 from .groups import GroupSize, new_sync_group, resolve_group_size, validate_group_size
 from .impl import check_impl
 from .layer_sync import SyncBNLayerSync
@@ -113,7 +118,9 @@ class SyncBNCallback(BatchNormMonitor):
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for and below which the callback warns once. Default: 32.
         log_every_n_steps: optimizer steps between measurements (the first step is always
-            measured). None: the Trainer's ``log_every_n_steps``. Default: None.
+            measured). None: the Trainer's ``log_every_n_steps``, so that every row Lightning
+            writes holds values measured at its step; a larger value leaves the last measured
+            values in the rows between. Default: None.
         drift: also compute the running-statistics metrics (EMA drift, divergence across ranks,
             train/test gap) at each measurement. Default: True.
         reconcile: with groups smaller than the world, average the running statistics over all
@@ -152,26 +159,31 @@ class SyncBNCallback(BatchNormMonitor):
         >>> trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[cb], logger=False)
 
     Note:
-        Logged through every logger of the Trainer (CSV, TensorBoard, W&B) at each measurement,
-        from global rank 0: ``bn/global_batch_size`` (samples of the last optimizer step summed
-        over all ranks and accumulated micro-batches, uneven batches included),
-        ``bn/norm_batch_size`` (samples per BN forward in a sync group, the minimum over groups
-        and micro-batches), ``bn/samples_seen`` (all samples trained on so far) and, with
-        ``drift``, ``bn/<metric>_max``/``_avg`` over layers for the metrics of
+        Logged at each measurement with ``LightningModule.log_dict`` (so Lightning writes them
+        to every logger, from global rank 0, in the same rows and at the same ``step`` as the
+        module's own ``self.log`` metrics, and they are in ``trainer.callback_metrics`` for
+        ``ModelCheckpoint``/``EarlyStopping``): ``bn/global_batch_size`` (samples of the last
+        optimizer step summed over all ranks and accumulated micro-batches, uneven batches
+        included), ``bn/norm_batch_size`` (samples per BN forward in a sync group, the minimum
+        over groups and micro-batches), ``bn/samples_seen`` (all samples trained on so far) and,
+        with ``drift``, ``bn/<metric>_max``/``_avg`` over layers for the metrics of
         :mod:`syncbn_lightning.metrics`; with a ``WandbLogger`` also per-layer histograms and,
         at the end of training, a per-layer table. Sample counts ride in SyncBN's own
         collective; only measurement steps add one all_gather.
 
+        Checkpoints keep the callback's state under the key ``"SyncBNCallback"`` whatever its
+        settings, so a run resumed with another ``group_size`` continues ``bn/samples_seen``
+        (with a warning that the groups changed); a checkpoint without that state warns once.
+
         Running statistics with ``group_size`` smaller than the world (and with ``"auto"``, whose
         size is only known at train start): DDP's per-forward buffer broadcast is switched off
         (``forward_sync_buffers=False``; DDP's one-time sync at construction stays), so each group
-        keeps its own
-        EMA while training. At the reconciliation points listed under ``reconcile`` every rank
-        replaces them with the average over all ranks (equal-sized groups, so this is
-        count-weighted), which is the EMA of the global batch mean and the mean of the groups'
-        within-group variances. After fit every rank, and every checkpoint, holds the same
-        reconciled statistics. Checkpoints keep plain-BatchNorm state_dict keys and load into
-        the unconverted model.
+        keeps its own EMA while training. At the reconciliation points listed under
+        ``reconcile`` every rank replaces them with the average over all ranks (equal-sized
+        groups, so this is count-weighted), which is the EMA of the global batch mean and the
+        mean of the groups' within-group variances. After fit every rank, and every checkpoint,
+        holds the same reconciled statistics. Checkpoints keep plain-BatchNorm state_dict keys
+        and load into the unconverted model.
     """
 
     def __init__(
@@ -234,11 +246,6 @@ class SyncBNCallback(BatchNormMonitor):
         self._world = 1
         self._reset_monitor_state()
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(group_size=self.group_size)
-
     # ------------------------------------------------------------------ conversion
 
     @override
@@ -282,12 +289,19 @@ class SyncBNCallback(BatchNormMonitor):
         group = new_sync_group(size) if size is not None and size < world else None
         self._layers = convert_layers(pl_module, group, self.momentum, self.eps, self.impl)
         if size is None or size < world:
-            keep_group_buffers(trainer.strategy)
+            refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later
         self._active = bool(self._layers)
         rank_zero_info(
             f"SyncBNCallback: {len(self._layers)} BatchNorm layers synchronized over "
             f"{'groups of ' + str(size) if size else 'auto-sized groups'} of {world} ranks"
         )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # DDP has wrapped the model by now (and synced the buffers once): from here on, each
+        # group keeps its own running statistics.
+        if self._active and (self.resolved_group_size or 0) < self._world:
+            keep_group_buffers(trainer.strategy)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -390,29 +404,3 @@ class SyncBNCallback(BatchNormMonitor):
         batches = (trainer.strategy.batch_to_device(b) for b in loader)
         used = update_bn_stats(pl_module, batches, num, forward=lambda b: forward(pl_module, b))
         rank_zero_info(f"SyncBNCallback: PreciseBN recomputed running stats over {used} batches")
-
-    # ------------------------------------------------------------------ resumable state
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "samples_seen": self._samples_seen,
-            "since_log_local": self._since_log_local,
-            "warned": self._warned,
-            "snapshot": dict(self._snapshot),
-            "last_metrics": dict(self.last_metrics),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("version") != 1:
-            raise ValueError(
-                f"SyncBNCallback state version {state_dict.get('version')!r} is not supported "
-                f"(expected 1): the checkpoint was written by a different syncbn_lightning"
-            )
-        self._samples_seen = int(state_dict["samples_seen"])
-        self._since_log_local = int(state_dict["since_log_local"])
-        self._warned = bool(state_dict["warned"])
-        self._snapshot = dict(state_dict["snapshot"])
-        self.last_metrics = dict(state_dict["last_metrics"])

@@ -8,11 +8,12 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .batchnorm import SyncBatchNorm, _validate_hyperparameters
 from .convert import KEEP, configure_sync_layers, convert_sync_batchnorm
 
-__all__ = ["convert_layers", "keep_group_buffers", "validate_overrides"]
+__all__ = ["convert_layers", "keep_group_buffers", "refuse_buffer_broadcast", "validate_overrides"]
 
 
 def validate_overrides(momentum: Any, eps: Any) -> None:
@@ -41,16 +42,14 @@ def convert_layers(
     )
 
 
-def keep_group_buffers(strategy: Any) -> None:
-    """Stop DDP from broadcasting rank 0's buffers before every forward.
+def refuse_buffer_broadcast(strategy: Any) -> None:
+    """Raise if the user asked DDP to broadcast rank 0's buffers before every forward.
 
-    With sync groups smaller than the world, that broadcast would overwrite every other group's
-    running statistics with group 0's. DDP still syncs buffers once at construction, when all
-    ranks hold the same (initial or restored) values.
+    With sync groups smaller than the world that broadcast would overwrite every other group's
+    running statistics with group 0's. Lightning keeps the user's DDP arguments only in the
+    strategy's ``_ddp_kwargs`` (no public accessor), so they are read there, and only read.
     """
-    if not isinstance(strategy, DDPStrategy):
-        return
-    kwargs = strategy._ddp_kwargs
+    kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
     for key in ("forward_sync_buffers", "broadcast_buffers"):
         if kwargs.get(key):
             raise ValueError(
@@ -58,5 +57,24 @@ def keep_group_buffers(strategy: Any) -> None:
                 f"every forward, overwriting the other sync groups' statistics: drop {key} or "
                 f"use SyncBNCallback(group_size=None) (one group for the whole world)"
             )
+
+
+def keep_group_buffers(strategy: Any) -> None:
+    """Stop DDP from broadcasting rank 0's buffers before every forward (see
+    :func:`refuse_buffer_broadcast`); DDP still syncs buffers once at construction, when all
+    ranks hold the same (initial or restored) values.
+
+    Once the strategy has wrapped the model (the callback calls this from ``on_fit_start``), this
+    sets the wrapper's public ``forward_sync_buffers`` attribute. Before that (the LayerSync
+    plugin runs inside ``strategy.setup``, which offers no later hook) the only way is the
+    argument the strategy will construct DDP with.
+    """
+    if not isinstance(strategy, DDPStrategy):
+        return
+    refuse_buffer_broadcast(strategy)
+    if isinstance(strategy.model, DistributedDataParallel):
+        strategy.model.forward_sync_buffers = False
+        return
+    kwargs = strategy._ddp_kwargs
     kwargs.pop("broadcast_buffers", None)
     kwargs["forward_sync_buffers"] = False

@@ -3,20 +3,20 @@ per-normalization batch sizes, samples seen, skipped non-finite updates and the 
 metrics of :mod:`syncbn_lightning.metrics` (drift, divergence across ranks, train/test gap).
 
 :class:`BatchNormMonitor` is the callback's base class: the Lightning hooks of the measurement and
-its state. It reads the callback's settings (``drift``, ``log_every_n_steps``,
-``target_norm_batch``, ``on_nonfinite``) and run state (``_layers``, ``_active``, ``_world``,
-``resolved_group_size``).
+its state, which checkpoints keep (``state_dict``/``load_state_dict``). It reads the callback's
+settings (``drift``, ``log_every_n_steps``, ``target_norm_batch``, ``on_nonfinite``) and run
+state (``_layers``, ``_active``, ``_world``, ``resolved_group_size``).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from .batchnorm import BatchRecord, SyncBatchNorm
@@ -71,7 +71,9 @@ class BatchNormMonitor(Callback):
                 bn.force_sync = force
 
     def _measured(self, trainer: pl.Trainer, step: int) -> bool:
-        """Whether the optimizer step ``step`` is a measurement step."""
+        """Whether the optimizer step ``step`` is a measurement step: the first, and every
+        ``log_every_n_steps``-th (the Trainer's by default, so that each row Lightning writes
+        holds values measured at its own step)."""
         interval = self.log_every_n_steps or trainer.log_every_n_steps
         return step == 1 or step % interval == 0
 
@@ -150,10 +152,13 @@ class BatchNormMonitor(Callback):
             self._snapshot = self._take_snapshot(pl_module)
         self.last_metrics = metrics
         self._warn_small_batch(metrics["bn/norm_batch_size"])
+        # Through Lightning, like the module's own self.log: the loggers write the values in the
+        # same rows (step, epoch) as train/*, from rank 0, and they reach callback_metrics on
+        # every rank (ModelCheckpoint/EarlyStopping can monitor them). Every rank holds the same
+        # gathered values, so no sync_dist.
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
-            self._log_wandb_histograms(trainer, step)
+            self._log_wandb_histograms(trainer)
 
     def _check_nonfinite(self, counts: torch.Tensor, step: int) -> float:
         """Act on updates skipped for NaN/inf statistics since the last measurement.
@@ -180,9 +185,7 @@ class BatchNormMonitor(Callback):
             )
             if self.on_nonfinite == "raise":
                 raise RuntimeError(message)
-            rank_zero = not dist.is_initialized() or dist.get_rank() == 0
-            if rank_zero:
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            rank_zero_warn(message, category=RuntimeWarning)
         return float(worst.sum())
 
     def _layer_metrics(
@@ -237,20 +240,20 @@ class BatchNormMonitor(Callback):
                 f"x {per_rank:g} samples, group_size=None) stays below the target"
             )
         )
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        warnings.warn(
+        rank_zero_warn(
             f"SyncBNCallback: BatchNorm normalizes over only {norm_batch:g} samples per forward "
             f"(bn/norm_batch_size, group of {group} rank(s)), below target_norm_batch="
             f"{self.target_norm_batch}; batch statistics this small are noisy. To fix it, {fix}, "
             f"or lower target_norm_batch to silence this warning",
-            UserWarning,
-            stacklevel=2,
+            category=UserWarning,
         )
 
-    def _log_wandb_histograms(self, trainer: pl.Trainer, step: int) -> None:
+    def _log_wandb_histograms(self, trainer: pl.Trainer) -> None:
         if not self._last_layer_metrics:
             return
+        # The step Lightning writes this batch's rows at (its own LearningRateMonitor reads the
+        # same counter): the histograms line up with bn/* and train/* in W&B.
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger, wandb in _wandb_loggers(trainer):
             data: dict[str, Any] = {"trainer/global_step": step}
             for metric in sorted({k for v in self._last_layer_metrics.values() for k in v}):
@@ -289,6 +292,62 @@ class BatchNormMonitor(Callback):
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
         if isinstance(saved, dict):
             saved.update(samples_seen=self._samples_seen, since_log_local=0)
+
+    # ------------------------------------------------------------------ resumable state
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        states = checkpoint.setdefault("callbacks", {})
+        if self.state_key in states:
+            return
+        # Earlier versions keyed the state by the settings ("SyncBNCallback{'group_size': 2}"),
+        # so a resume with another group size lost it: take the one such entry.
+        legacy = [k for k in states if isinstance(k, str) and k.startswith(self.state_key + "{")]
+        if len(legacy) == 1:
+            states[self.state_key] = states[legacy[0]]
+            return
+        rank_zero_warn(
+            f"SyncBNCallback: the checkpoint holds no {self.state_key} state (it was written "
+            f"without this callback{' or with several' if legacy else ''}): bn/samples_seen "
+            f"restarts from 0 and the first drift measurement has no reference"
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "group_size": self.resolved_group_size,
+            "world_size": self._world,
+            "samples_seen": self._samples_seen,
+            "since_log_local": self._since_log_local,
+            "warned": self._warned,
+            "snapshot": dict(self._snapshot),
+            "last_metrics": dict(self.last_metrics),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("version") != 1:
+            raise ValueError(
+                f"SyncBNCallback state version {state_dict.get('version')!r} is not supported "
+                f"(expected 1): the checkpoint was written by a different syncbn_lightning"
+            )
+        saved = (state_dict.get("group_size"), state_dict.get("world_size"))
+        now = (self.resolved_group_size, self._world)
+        if saved[0] is not None and now[0] is not None and saved != now:
+            rank_zero_warn(
+                f"SyncBNCallback: resuming a run that normalized over groups of {saved[0]} of "
+                f"{saved[1]} ranks with groups of {now[0]} of {now[1]}: bn/samples_seen "
+                f"continues, and the next drift measurement compares running statistics from "
+                f"the two settings"
+            )
+        self._samples_seen = int(state_dict["samples_seen"])
+        self._since_log_local = int(state_dict["since_log_local"])
+        self._warned = bool(state_dict["warned"])
+        self._snapshot = dict(state_dict["snapshot"])
+        self.last_metrics = dict(state_dict["last_metrics"])
 
 
 def _comm_device(pl_module: pl.LightningModule) -> torch.device:

@@ -86,7 +86,9 @@ class BNNet(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(self(x), y)
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)  # a metric of the module's own, for the bn/* row tests
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -153,6 +155,7 @@ class Probe(Callback):
                 cb.__class__.__name__: dict(getattr(cb, "last_metrics", {}))
                 for cb in trainer.callbacks
             },
+            "trainer_callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         }
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -220,3 +223,23 @@ class NaNBatchNet(BNNet):
             x[0, 0, 0, 0] = float("nan")
         self(x)
         return sum(p.sum() for p in self.parameters()) * 0.0
+
+
+STAT_KEYS = ("running_mean", "running_var")
+
+
+def bn_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The running statistics of a state_dict."""
+    return {k: v for k, v in state.items() if k.endswith(STAT_KEYS)}
+
+
+def fit_ranks(
+    tmp_path: Any, name: str, world: int, callbacks: list, model: BNNet | None = None, **kw: Any
+) -> list[dict[str, Any]]:
+    """Fit ``model`` on ``world`` ddp_spawn ranks (:func:`trainer` options ``kw``, plus
+    ``ckpt_path``) and return what each rank's :class:`Probe` saved."""
+    out = tmp_path / name
+    out.mkdir()
+    ckpt_path = kw.pop("ckpt_path", None)
+    trainer(world, [*callbacks, Probe(str(out))], **kw).fit(model or BNNet(), ckpt_path=ckpt_path)
+    return load_ranks(str(out), world)

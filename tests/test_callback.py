@@ -7,8 +7,6 @@ Multi-process runs use ``strategy="ddp_spawn"`` (Lightning's own spawn launcher)
 from __future__ import annotations
 
 import copy
-import csv
-import glob
 import os
 import subprocess
 import sys
@@ -19,8 +17,8 @@ import pytest
 import torch
 from _lightning import (
     BNNet,
-    NaNBatchNet,
-    Probe,
+    bn_state,
+    fit_ranks,
     load_ranks,
     make_data,
     quiet_trainer,
@@ -28,28 +26,12 @@ from _lightning import (
     trainer,
 )
 from _numerics import rel_err
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from syncbn_lightning import SyncBatchNorm, SyncBNCallback, SyncBNLayerSync, update_bn_stats
-from syncbn_lightning.app.report import find_metrics_files, read_metrics
+from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
 from syncbn_lightning.callback import resolve_group_size
 
 pytestmark = pytest.mark.distributed
-STAT_KEYS = ("running_mean", "running_var")
-
-
-def _bn_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in state.items() if k.endswith(STAT_KEYS)}
-
-
-def _fit(tmp_path, name: str, world: int, callbacks: list, model: BNNet | None = None, **kw):
-    out = tmp_path / name
-    out.mkdir()
-    ckpt_path = kw.pop("ckpt_path", None)
-    trainer(world, [*callbacks, Probe(str(out))], **kw).fit(model or BNNet(), ckpt_path=ckpt_path)
-    return load_ranks(str(out), world)
 
 
 # ----------------------------------------------------------------------------- parity
@@ -57,7 +39,7 @@ def _fit(tmp_path, name: str, world: int, callbacks: list, model: BNNet | None =
 
 def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
     steps = 4
-    synced = _fit(
+    synced = fit_ranks(
         tmp_path,
         "sync",
         2,
@@ -65,7 +47,7 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
         model=BNNet(batch_size=2, build_in_configure_model=True),
         max_steps=steps,
     )
-    local = _fit(tmp_path, "local", 2, [], max_steps=steps)
+    local = fit_ranks(tmp_path, "local", 2, [], max_steps=steps)
     want = {f"net.{k}": v for k, v in single_process_reference(steps, 2, 2).state_dict().items()}
     for rank, got in enumerate(synced):
         assert got["sync_layers"] == 2, "layers built in configure_model were not converted"
@@ -76,16 +58,16 @@ def test_two_ranks_match_one_process_with_twice_the_batch(tmp_path):
             else:
                 assert rel_err(got["state"][key], value) <= 1e-5, (rank, key)
     # Without the callback each rank normalizes its own 2 samples: measurably different.
-    diffs = [rel_err(local[0]["state"][k], want[k]) for k in _bn_state(want)]
+    diffs = [rel_err(local[0]["state"][k], want[k]) for k in bn_state(want)]
     assert max(diffs) > 1e-2, diffs
 
 
 def test_layer_sync_plugin_matches_callback(tmp_path):
     steps = 3
-    plugin = _fit(tmp_path, "plugin", 2, [], plugins=[SyncBNLayerSync()], max_steps=steps)
+    plugin = fit_ranks(tmp_path, "plugin", 2, [], plugins=[SyncBNLayerSync()], max_steps=steps)
     want = {f"net.{k}": v for k, v in single_process_reference(steps, 2, 2).state_dict().items()}
     assert plugin[0]["sync_layers"] == 2
-    for key, value in _bn_state(want).items():
+    for key, value in bn_state(want).items():
         assert rel_err(plugin[1]["state"][key], value) <= 1e-5, key
 
 
@@ -94,19 +76,19 @@ def test_layer_sync_plugin_matches_callback(tmp_path):
 
 def test_group_size_two_on_four_ranks(tmp_path):
     model = BNNet(batch_size=2, n=64)  # 8 steps per epoch: no epoch end within max_steps
-    kept = _fit(
+    kept = fit_ranks(
         tmp_path, "kept", 4, [SyncBNCallback(group_size=2, reconcile=False)], model, max_steps=3
     )
     assert all(r["group_sizes"] == [2, 2] for r in kept)
     assert all(r["ddp_forward_sync_buffers"] is False for r in kept)
-    stats = [_bn_state(r["state"]) for r in kept]
+    stats = [bn_state(r["state"]) for r in kept]
     for key in stats[0]:
         assert torch.equal(stats[0][key], stats[1][key]), key  # shared inside the pair {0, 1}
         assert torch.equal(stats[2][key], stats[3][key]), key  # and inside {2, 3}
         assert rel_err(stats[0][key], stats[2][key]) > 1e-3, key  # different across pairs
     assert kept[0]["callback_metrics"]["SyncBNCallback"]["bn/divergence_max"] > 0
     # Documented semantics: after fit every rank holds the average of the groups' statistics.
-    merged = _fit(
+    merged = fit_ranks(
         tmp_path, "merged", 4, [SyncBNCallback(group_size=2)], BNNet(2, n=64), max_steps=3
     )
     for key in stats[0]:
@@ -118,7 +100,7 @@ def test_group_size_two_on_four_ranks(tmp_path):
 def test_auto_group_size_and_small_batch_warning_once(tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("PYTHONWARNINGS", "always")  # spawned ranks: show every warning issued
     # 2 ranks x 2 samples: target 2 -> groups of 1 rank; no warning (norm batch 2 >= 2).
-    small = _fit(
+    small = fit_ranks(
         tmp_path,
         "auto1",
         2,
@@ -128,7 +110,7 @@ def test_auto_group_size_and_small_batch_warning_once(tmp_path, capfd, monkeypat
     assert small[0]["group_sizes"] == [1, 1]
     assert small[0]["callback_metrics"]["SyncBNCallback"]["bn/norm_batch_size"] == 2
     # target 8 -> no divisor of 2 reaches 8: the whole world (4 samples), warned exactly once.
-    big = _fit(
+    big = fit_ranks(
         tmp_path,
         "auto2",
         2,
@@ -139,117 +121,6 @@ def test_auto_group_size_and_small_batch_warning_once(tmp_path, capfd, monkeypat
     err = capfd.readouterr().err
     assert err.count("below target_norm_batch=8") == 1, err
     assert "below target_norm_batch=2" not in err
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-def _csv_rows(save_dir) -> list[dict[str, str]]:
-    (path,) = glob.glob(os.path.join(save_dir, "**", "metrics.csv"), recursive=True)
-    with open(path) as f:
-        return [row for row in csv.DictReader(f) if row.get("bn/global_batch_size")]
-
-
-def test_batch_sizes_and_drift_in_csv_logger(tmp_path):
-    # Rank 0 takes batches of 3, rank 1 of 2, over 4 samples each: steps of 3+2 then 1+2.
-    # "local" (groups of one rank): the norm batch is the smallest rank's, and the train/test
-    # gap is still measured (one-rank groups take the synchronized path to record their stats).
-    runs = {
-        "plain": ({}, {}, [5.0, 3.0, 5.0, 3.0], [5.0, 3.0, 5.0, 3.0]),
-        "accum": ({}, {"accumulate_grad_batches": 2}, [8.0, 8.0], [3.0, 3.0]),
-        "local": ({"group_size": 1}, {}, [5.0, 3.0, 5.0, 3.0], [2.0, 1.0, 2.0, 1.0]),
-    }
-    for name, (cb_args, extra, want_global, want_norm) in runs.items():
-        logger = CSVLogger(str(tmp_path / f"logs_{name}"))
-        _fit(
-            tmp_path,
-            name,
-            2,
-            [SyncBNCallback(log_every_n_steps=1, **cb_args)],
-            BNNet(batch_size=[3, 2], n=8),
-            max_epochs=2,
-            max_steps=-1,
-            logger=logger,
-            **extra,
-        )
-        rows = _csv_rows(str(tmp_path / f"logs_{name}"))
-        assert [float(r["bn/global_batch_size"]) for r in rows] == want_global, name
-        assert [float(r["bn/norm_batch_size"]) for r in rows] == want_norm, name
-        assert float(rows[-1]["bn/samples_seen"]) == 16.0
-        last = rows[-1]
-        for metric in ("drift_mean", "drift_var", "gap_mean", "gap_std", "divergence"):
-            assert f"bn/{metric}_max" in last and f"bn/{metric}_avg" in last, metric
-        if name != "local":
-            assert float(last["bn/divergence_max"]) == 0.0  # one group: identical running stats
-        assert float(last["bn/drift_mean_max"]) > 0.0
-        assert float(last["bn/gap_std_avg"]) > 0.0
-
-
-def test_wandb_offline_run_holds_metrics(tmp_path, monkeypatch):
-    from lightning.pytorch.loggers import WandbLogger
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="syncbn-test")
-    _fit(tmp_path, "wandb", 2, [SyncBNCallback(log_every_n_steps=1)], max_steps=2, logger=logger)
-    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    with open(run_file, "rb") as f:
-        blob = f.read()
-    for key in (b"bn/global_batch_size", b"bn/norm_batch_size", b"bn/drift_mean_max"):
-        assert key in blob, key
-    assert b"bn/layers/gap_mean" in blob  # per-layer histogram
-    assert b"bn/layers" in blob
-
-
-# ----------------------------------------------------------------------------- resume, revert
-
-
-def test_resume_mid_fit_continues_and_checkpoint_loads_into_plain_model(tmp_path):
-    # 8 samples over 2 ranks taking batches of 3 and 2: steps of 3+2 and 1+2 samples, 2 per epoch.
-    # Stop after epoch 1, resume for epoch 2. Measured at steps 1 and 4 only, so the checkpoint
-    # falls between measurements with unequal per-rank counts (1 and 2) not yet logged.
-    ckpt_dir = tmp_path / "ckpt"
-    first = ModelCheckpoint(dirpath=str(ckpt_dir), save_top_k=-1)
-    epochs = {"max_steps": -1, "max_epochs": 1}
-    _fit(
-        tmp_path,
-        "first",
-        2,
-        [SyncBNCallback(log_every_n_steps=4), first],
-        BNNet(batch_size=[3, 2], n=8),
-        enable_checkpointing=True,
-        **epochs,
-    )
-    (ckpt,) = glob.glob(str(ckpt_dir / "*.ckpt"))
-    epochs["max_epochs"] = 2
-    resumed = _fit(
-        tmp_path,
-        "resumed",
-        2,
-        [SyncBNCallback(log_every_n_steps=4, revert_on_fit_end=True)],
-        BNNet(batch_size=[3, 2], n=8),
-        ckpt_path=ckpt,
-        **epochs,
-    )
-    straight = _fit(
-        tmp_path,
-        "straight",
-        2,
-        [SyncBNCallback(log_every_n_steps=4)],
-        BNNet(batch_size=[3, 2], n=8),
-        **epochs,
-    )
-    for key, value in straight[0]["state"].items():
-        assert rel_err(resumed[0]["state"][key].double(), value.double()) <= 1e-6, key
-    metrics = resumed[0]["callback_metrics"]["SyncBNCallback"]
-    assert metrics["bn/samples_seen"] == 16.0  # 2 epochs x 8 samples, across the resume
-    assert metrics == pytest.approx(straight[0]["callback_metrics"]["SyncBNCallback"])
-    checkpoint = torch.load(ckpt, weights_only=False)
-    plain = BNNet()
-    plain.load_state_dict(checkpoint["state_dict"], strict=True)
-    assert type(plain.net[1]) is nn.BatchNorm2d
-    assert checkpoint["callbacks"]
-    assert resumed[0]["fit_end_bn_classes"] == ["BatchNorm2d", "BatchNorm2d"]
 
 
 # ----------------------------------------------------------------------------- PreciseBN
@@ -264,7 +135,7 @@ def test_resume_mid_fit_continues_and_checkpoint_loads_into_plain_model(tmp_path
     ],
 )
 def test_precise_bn_gives_population_stats(tmp_path, at, schedule):
-    got = _fit(
+    got = fit_ranks(
         tmp_path,
         "precise",
         2,
@@ -316,32 +187,6 @@ def test_group_size_that_does_not_divide_world_is_refused(tmp_path):
         trainer(2, [SyncBNCallback(group_size=3)]).fit(BNNet())
 
 
-def test_nan_batch_is_skipped_counted_and_logged(tmp_path):
-    logger = CSVLogger(str(tmp_path / "logs"))
-    ranks = _fit(
-        tmp_path,
-        "nan",
-        2,
-        [SyncBNCallback(log_every_n_steps=1)],
-        NaNBatchNet(nan_batch=1, n=16),
-        max_steps=3,
-        logger=logger,
-    )
-    rows = _csv_rows(str(tmp_path / "logs"))
-    # Step 1 is measured before the NaN batch; both BN layers then skip it (the NaN spreads).
-    assert [float(r["bn/nonfinite_skipped"]) for r in rows] == [0.0, 2.0, 2.0]
-    for rank in ranks:
-        stats = _bn_state(rank["state"])
-        assert stats and all(torch.isfinite(v).all() for v in stats.values())
-
-
-def test_nan_batch_raises_on_every_rank_with_on_nonfinite_raise(tmp_path):
-    with pytest.raises(Exception, match=r"2 running-stat update\(s\) skipped .*net\.1 \(1x\)"):
-        trainer(2, [SyncBNCallback(log_every_n_steps=1, on_nonfinite="raise")], max_steps=3).fit(
-            NaNBatchNet(nan_batch=1, n=16)
-        )
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -380,27 +225,6 @@ def test_single_device_leaves_model_alone(tmp_path, caplog):
         _one_process(tmp_path, [cb], max_steps=1).fit(model)
     assert type(model.net[1]) is nn.BatchNorm2d
     assert "nothing to synchronize" in caplog.text
-
-
-def test_single_device_monitor_logs_the_batch_and_keeps_plain_bn_numerics(tmp_path):
-    """single_process="monitor": a one-process reference run gets the bn/* metrics of DDP runs,
-    and its layers compute what plain BatchNorm computes."""
-    plain, monitored = BNNet(batch_size=4), BNNet(batch_size=4)
-    cb = SyncBNCallback(single_process="monitor", log_every_n_steps=1, precise_bn_batches=2)
-    for model, callbacks, logger in (
-        (plain, [], False),
-        (monitored, [cb], CSVLogger(str(tmp_path), name="csv")),
-    ):
-        _one_process(tmp_path, callbacks, max_steps=3, logger=logger).fit(model)
-    assert isinstance(monitored.net[1], SyncBatchNorm) and monitored.net[1].force_sync
-    assert cb.resolved_group_size == 1
-    series = read_metrics(find_metrics_files(tmp_path)[0])
-    assert [v for _, v in series["bn/norm_batch_size"]] == [4.0, 4.0, 4.0]
-    assert [v for _, v in series["bn/global_batch_size"]] == [4.0, 4.0, 4.0]
-    assert "bn/gap_std_max" in series and "bn/drift_mean_max" in series
-    # Same weights after 3 steps as plain BN (up to float rounding of the two kernels).
-    for a, b in zip(plain.parameters(), monitored.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -443,6 +267,6 @@ def test_ddp_popen_launcher_in_a_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = load_ranks(str(tmp_path), 2)
     assert [r["sync_layers"] for r in ranks] == [2, 2]
-    for key, value in _bn_state(ranks[0]["state"]).items():
+    for key, value in bn_state(ranks[0]["state"]).items():
         assert torch.equal(ranks[1]["state"][key], value), key
     assert ranks[0]["callback_metrics"]["SyncBNCallback"]["bn/global_batch_size"] == 4.0
