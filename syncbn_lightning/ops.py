@@ -18,6 +18,7 @@ without running a kernel; torch imports this module for them (``set_python_modul
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -67,18 +68,10 @@ def _stats_row_fake(input: torch.Tensor, layer_tag: int, calls: torch.Tensor) ->
 
 
 def _merge_normalize_fake(
-    input: torch.Tensor,
-    rows: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    nonfinite: torch.Tensor | None,
-    momentum: float | None,
-    eps: float,
-    unbiased: bool,
+    input: torch.Tensor, rows: torch.Tensor, *_settings: Any
 ) -> tuple[torch.Tensor, ...]:
+    """The outputs' shapes depend on ``input`` and ``rows`` only (the other arguments, those of
+    :func:`.reference.merge_normalize`, are updated in place or are scalars)."""
     channels = input.shape[1]
     stats = [rows.new_empty(channels) for _ in range(3)]
     return (_dense_like(input), *stats, rows.new_empty(4))
