@@ -1,6 +1,6 @@
 """Demo: train a small BN convnet with SyncBatchNorm on 2 CPU processes (DDP over gloo).
 
-    python -m syncbn_lightning.demo [--steps 20] [--world-size 2]
+    python examples/demo.py [--steps 20] [--world-size 2]
 
 Each rank holds a different, uneven number of images per step (2 and 3 by default). The demo prints
 per step the loss and the per-layer statistics group count, then checks what synchronization means:
@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import SyncBatchNorm, convert_sync_batchnorm
+from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
 
 
 def make_model(seed: int = 0) -> nn.Module:

@@ -37,7 +37,6 @@ LIBRARY_MODULES = (
     "syncbn_lightning.ops",
     "syncbn_lightning.precise_bn",
     "syncbn_lightning.reference",
-    "syncbn_lightning.demo",
 )
 
 

@@ -1,0 +1,26 @@
+"""The README's examples, run as a user runs them: ``python examples/demo.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.distributed
+def test_demo_runs_and_finds_the_ranks_synchronized(tmp_path: Path) -> None:
+    """From another folder, as the README's command does from a clone (2 gloo processes)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "OK: the ranks normalized as one batch" in proc.stdout, proc.stdout
+    assert "synchronized 2 BatchNorm layers" in proc.stdout, proc.stdout
