@@ -9,12 +9,12 @@ Lightning's own ``LightningEnvironment`` reads (``MASTER_ADDR``, ``MASTER_PORT``
 ``NODE_RANK``, ``LOCAL_RANK``), so Lightning treats them as created externally, exactly as under
 ``torchrun``. Jobs started by torchrun, SLURM or LSF are left to Lightning's cluster environments.
 
-Failure handling: a watchdog thread polls the children; when one dies, the others are killed, which
-makes the parent's next gloo/NCCL collective fail at once instead of waiting for the process-group
-timeout. The parent itself gets ``abort_after_s`` to notice and fail on its own (it may be busy
-outside any collective: validating, writing a checkpoint); then the watchdog ends it. Children are
-asked to die with the parent (``PR_SET_PDEATHSIG`` on Linux), and leaving the ``with`` block always
-reaps them.
+Failure handling: when a child dies, a watchdog thread kills the others at once, so that the
+parent's next collective fails instead of waiting for the process-group timeout, and ends the
+parent after ``abort_after_s`` if it is busy elsewhere. Children die with the parent
+(``PR_SET_PDEATHSIG`` on Linux). They are plain ``subprocess`` children: torch.distributed.elastic's
+``start_processes`` and its watch and kill do not fit a job whose rank 0 trains in this process
+(see ``RankLauncher._start``, ``RankLauncher._watch`` and the README).
 
 Rendezvous: on a single node the launcher hosts the job's ``TCPStore`` itself, on a socket bound to
 ``127.0.0.1`` (torch's own store, started by rank 0, listens on every interface), and every rank,
@@ -193,8 +193,8 @@ class RankLauncher:
         self.grace_s = grace_s
         self.abort_after_s = abort_after_s
         self._store: Any = None
-        self._children: list[tuple[int, subprocess.Popen[bytes], Path]] = []
-        self._failed: tuple[int, int, Path] | None = None
+        self._children: list[tuple[int, subprocess.Popen[bytes], Path]] = []  # (rank, proc, log)
+        self._failed: tuple[int, int, Path] | None = None  # (rank, exit code, log): the first
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._env_before: dict[str, str] = {}
@@ -219,8 +219,6 @@ class RankLauncher:
         except BaseException:
             # __exit__ is not called when __enter__ raises: undo what was done so far here.
             self._kill_all()
-            for _, proc, _ in self._children:
-                proc.wait()
             self._store = None
             _set_environ(self._env_before)
             raise
@@ -236,6 +234,12 @@ class RankLauncher:
         return self
 
     def _start(self, rank: int, local: int) -> None:
+        """Start one child, stdout and stderr in its log, dying with this process.
+
+        Not elastic's ``start_processes``: it cannot ask a child to die with its parent (no
+        ``preexec_fn``), writes stdout and stderr to two files, and installs signal handlers in
+        the calling process that turn Ctrl-C into its ``SignalException`` (this process trains).
+        """
         env = {**os.environ, "LOCAL_RANK": str(local), RANK_CONFIG_ENV: str(self.config_file)}
         path = self.log_dir / f"rank{rank}.log"
         with open(path, "wb") as out:
@@ -249,29 +253,45 @@ class RankLauncher:
             )
         self._children.append((rank, proc, path))
 
+    def _first_failure(self) -> tuple[int, int, Path] | None:
+        """``(rank, exit code, log)`` of the lowest rank that has ended badly, if any."""
+        for rank, proc, path in self._children:
+            code = proc.poll()
+            if code not in (None, 0):
+                return rank, code, path
+        return None
+
+    def _kill_all(self, wait_s: float = 5.0) -> None:
+        """SIGKILL the children still running, then reap them (for at most ``wait_s``)."""
+        for _, proc, _ in self._children:
+            if proc.poll() is None:
+                proc.kill()
+        deadline = time.monotonic() + wait_s
+        for _, proc, _ in self._children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+
     def _watch(self) -> None:
+        # Our own poll, not elastic's PContext.wait: on a failure that sends SIGTERM (which
+        # Lightning's ranks catch) and waits 30 s; a dead peer must break the collectives now.
         while not self._stop.wait(0.2):
-            for rank, proc, path in self._children:
-                code = proc.poll()
-                if code in (None, 0):
-                    continue
-                with self._lock:
-                    if self._stop.is_set() or self._failed is not None:
-                        return  # the launcher itself is stopping the children
-                    self._failed = (rank, code, path)
-                    log.error("rank %d %s; stopping the job", rank, _describe(code))
-                    self._kill_all()
-                self._abort_if_stuck(rank, code, path)
-                return
+            failed = self._first_failure()
+            if failed is None:
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return  # the block is ending: __exit__ tells failures from its own kills
+                self._failed = failed
+            log.error("rank %d %s; stopping the job", failed[0], _describe(failed[1]))
+            self._kill_all()
+            self._abort_if_stuck(*failed)
+            return
 
     def _abort_if_stuck(self, rank: int, code: int, path: Path) -> None:
         """Give this process ``abort_after_s`` to leave the block after ``rank`` died, then end
         it: it is blocked somewhere no failure reaches (not in a collective)."""
         if self.abort_after_s is None or self._stop.wait(self.abort_after_s):
             return
-        for _, proc, _ in self._children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=1.0)  # already killed: reap them, leave no zombies
         message = (
             f"rank {rank} {_describe(code)}; this process (local rank 0) did not stop within "
             f"{self.abort_after_s:g} s (launch.abort_after_s), ending it; see {path}"
@@ -282,19 +302,21 @@ class RankLauncher:
             sys.stderr.flush()
         os._exit(1)
 
-    def _kill_all(self) -> None:
-        for _, proc, _ in self._children:
-            if proc.poll() is None:
-                proc.kill()
-
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         with self._lock:
             self._stop.set()
         try:
-            if exc is not None:
-                self._find_dead_child()
+            if exc is None:
+                self._reap()
+            else:
+                # Was it because a child had died? A dead peer breaks this process's collective
+                # at once, often before the watchdog's next look, and the child may need a
+                # moment more to become reapable.
+                deadline = time.monotonic() + 0.5
+                while self._failed is None and time.monotonic() < deadline:
+                    self._failed = self._first_failure()
+                    time.sleep(0.02)
                 self._kill_all()  # their exit codes are ours, not failures of theirs
-            self._reap(failed_parent=exc is not None)
             if self._failed is not None:
                 rank, code, path = self._failed
                 # When a child died first, the parent's own error is only the broken collective.
@@ -305,38 +327,19 @@ class RankLauncher:
             self._store = None  # stops the rendezvous server (the process group is gone)
             _set_environ(self._env_before)
 
-    def _find_dead_child(self, wait_s: float = 0.5) -> None:
-        """The parent failed: was it because a child had died? A dead peer breaks the parent's
-        collective at once, often before the watchdog's next look; the child may need a moment
-        more to become reapable. Record the first child that ended badly as the failure."""
-        deadline = time.monotonic() + wait_s
-        while self._failed is None:
-            for rank, proc, path in self._children:
-                code = proc.poll()
-                if code not in (None, 0):
-                    self._failed = (rank, code, path)
-                    return
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(0.02)
-
-    def _reap(self, failed_parent: bool) -> None:
-        deadline = time.monotonic() + (5.0 if failed_parent else self.grace_s)
+    def _reap(self) -> None:
+        """This process finished: wait up to ``grace_s`` for the children to finish too."""
+        deadline = time.monotonic() + self.grace_s
         for rank, proc, path in self._children:
             try:
-                code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 self._kill_all()
-                for _, other, _ in self._children:
-                    other.wait()
-                if failed_parent:
-                    return
                 raise RuntimeError(
                     f"rank {rank} did not exit within {self.grace_s:g} s after rank 0 "
                     f"finished (killed); see {path}"
                 ) from None
-            if code != 0 and self._failed is None and not failed_parent:
-                self._failed = (rank, code, path)
+        self._failed = self._failed or self._first_failure()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
