@@ -304,6 +304,9 @@ def build_locked(
                 stacklevel=3,
             )
             stale.unlink()
+        fresh = not (directory / f"{name}.so").exists()
+        if fresh:
+            _announce_build(name, directory, with_cuda)
         started = time.perf_counter()
         module = cpp_extension.load(
             name=name,
@@ -316,8 +319,34 @@ def build_locked(
             with_cuda=with_cuda,
             verbose=False,
         )
-    log.info("extension %s ready in %.1f s (%s)", name, time.perf_counter() - started, directory)
+    seconds = time.perf_counter() - started
+    if fresh:
+        (directory.parent / _BUILD_TIME_FILE.format(with_cuda)).write_text(f"{seconds:.0f}\n")
+    log.info("extension %s ready in %.1f s (%s)", name, seconds, directory)
     return module
+
+
+_BUILD_TIME_FILE = "last_build_s.cuda={}"
+
+
+def _announce_build(name: str, directory: Path, with_cuda: bool) -> None:
+    """One line before a build, which takes a minute or more with nothing else on screen: the
+    duration of the last such build in this cache, else a guess from the CPU count (measured:
+    51-103 s for the CPU kernels on 2 cores)."""
+    try:
+        seconds = int((directory.parent / _BUILD_TIME_FILE.format(with_cuda)).read_text())
+        how_long = f"about {seconds} s, as the last build in this cache"
+    except (OSError, ValueError):
+        cores = os.cpu_count() or 1
+        how_long = f"about {max(20, 160 // cores)} s on {cores} cores"
+        how_long += ", plus a few minutes for the CUDA kernels" if with_cuda else ""
+    log.warning(
+        "syncbn_lightning: compiling the C++%s extension %s once (%s); later runs load it from %s",
+        "/CUDA" if with_cuda else "",
+        name,
+        how_long,
+        directory,
+    )
 
 
 def _nvcc() -> str | None:

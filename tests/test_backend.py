@@ -90,11 +90,27 @@ def test_failed_build_falls_back_once_with_the_cause(tmp_path: Path) -> None:
     assert "FORWARD-OK" in auto.stdout
     assert auto.stderr.count("C++ extension unavailable") == 1, auto.stderr
     assert "Build dir: " + str(tmp_path) in auto.stderr
+    # Said before the build starts (a fresh cache: a guess from the CPU count).
+    announced = auto.stderr.index("syncbn_lightning: compiling the C++ extension")
+    assert announced < auto.stderr.index("C++ extension unavailable")
+    assert f"on {os.cpu_count()} cores" in auto.stderr, auto.stderr
 
     strict = _python(code, {**env, "SYNCBN_IMPL": "ext"})
     assert strict.returncode != 0
     assert "ExtensionBuildError: building the C++ extension failed" in strict.stderr
     assert "lock" in strict.stderr  # the message explains stale build locks
+
+
+def test_build_announcement_quotes_the_last_build_in_this_cache(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "last_build_s.cuda=False").write_text("63\n")
+    with caplog.at_level("WARNING", logger=_backend.__name__):
+        _backend._announce_build("ext", tmp_path / "key", with_cuda=False)
+    assert caplog.messages == [
+        f"syncbn_lightning: compiling the C++ extension ext once (about 63 s, as the last build "
+        f"in this cache); later runs load it from {tmp_path / 'key'}"
+    ]
 
 
 def test_stale_lock_from_a_killed_build_is_removed() -> None:
