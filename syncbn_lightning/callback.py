@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -291,6 +291,15 @@ class SyncBNCallback(BatchNormMonitor):
         if size is None or size < world:
             refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later
         self._active = bool(self._layers)
+        if not self._layers:
+            rank_zero_warn(
+                f"SyncBNCallback: {type(pl_module).__name__} has no BatchNorm layer "
+                f"(nn.BatchNorm1d/2d/3d, nn.SyncBatchNorm) to synchronize, so the callback does "
+                f"nothing. Layers built after setup (outside __init__ and configure_model) are "
+                f"not seen; otherwise remove the callback",
+                category=UserWarning,
+            )
+            return
         rank_zero_info(
             f"SyncBNCallback: {len(self._layers)} BatchNorm layers synchronized over "
             f"{'groups of ' + str(size) if size else 'auto-sized groups'} of {world} ranks"

@@ -150,8 +150,13 @@ class BatchNormMonitor(Callback):
             )
             metrics.update(summarize(self._last_layer_metrics))
             self._snapshot = self._take_snapshot(pl_module)
+        if metrics["bn/norm_batch_size"] == float("inf"):
+            self._warn_no_batch_statistics()
+            for key in ("bn/global_batch_size", "bn/norm_batch_size", "bn/samples_seen"):
+                del metrics[key]  # no layer normalized a batch: there is no size to report
+        else:
+            self._warn_small_batch(metrics["bn/norm_batch_size"])
         self.last_metrics = metrics
-        self._warn_small_batch(metrics["bn/norm_batch_size"])
         # Through Lightning, like the module's own self.log: the loggers write the values in the
         # same rows (step, epoch) as train/*, from rank 0, and they reach callback_metrics on
         # every rank (ModelCheckpoint/EarlyStopping can monitor them). Every rank holds the same
@@ -215,8 +220,22 @@ class BatchNormMonitor(Callback):
             out[name] = values
         return out
 
+    def _warn_no_batch_statistics(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        rank_zero_warn(
+            f"SyncBNCallback: none of the {len(self._layers)} converted BatchNorm layers "
+            f"normalized with batch statistics in this measurement interval on any rank: they "
+            f"are in eval mode (frozen BatchNorm, e.g. kept in eval by the model's train()), "
+            f"which uses the running statistics and synchronizes nothing. bn/global_batch_size, "
+            f"bn/norm_batch_size and bn/samples_seen are not logged while that lasts; if the "
+            f"layers are meant to stay frozen, the callback is not needed",
+            category=UserWarning,
+        )
+
     def _warn_small_batch(self, norm_batch: float) -> None:
-        if self._warned or norm_batch >= self.target_norm_batch or norm_batch == float("inf"):
+        if self._warned or norm_batch >= self.target_norm_batch:
             return
         self._warned = True
         group = self.resolved_group_size or self._world

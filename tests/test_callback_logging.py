@@ -10,6 +10,7 @@ import csv
 import glob
 import os
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _lightning import (
@@ -251,3 +252,47 @@ def test_state_saved_under_the_settings_key_is_read():
     checkpoint = {"callbacks": {"SyncBNCallback{'group_size': 2}": state}}
     SyncBNCallback().on_load_checkpoint(None, None, checkpoint)  # type: ignore[arg-type]
     assert checkpoint["callbacks"]["SyncBNCallback"] is state
+
+
+class _NoBatchNorm(BNNet):
+    """BNNet with its BatchNorm layers replaced by identities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[1] = nn.Identity()
+        self.net[4] = nn.Identity()
+
+
+class _FrozenBatchNorm(BNNet):
+    """BNNet whose BatchNorm layers stay in eval mode while training (frozen BN)."""
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def test_model_without_batchnorm_is_told_so(tmp_path):
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False, enable_progress_bar=False
+    )
+    cb = SyncBNCallback()
+    with pytest.warns(UserWarning, match=r"_NoBatchNorm has no BatchNorm layer .* does nothing"):
+        cb.setup(trainer, _NoBatchNorm(), "fit")
+    assert not cb._active
+
+
+def test_frozen_batchnorm_logs_no_batch_size_and_says_why(tmp_path):
+    cb = SyncBNCallback(single_process="monitor")
+    trainer = quiet_trainer(
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+        limit_val_batches=0,
+        max_steps=2,
+        log_every_n_steps=1,
+    )
+    with pytest.warns(UserWarning, match=r"none of the 2 converted BatchNorm layers normalized"):
+        trainer.fit(_FrozenBatchNorm())
+    assert "bn/norm_batch_size" not in trainer.callback_metrics
+    assert "bn/global_batch_size" not in cb.last_metrics
+    assert "bn/nonfinite_skipped" in trainer.callback_metrics
