@@ -194,6 +194,28 @@ def test_sweep_labels_lines_per_job(sweep: Path, tmp_path: Path) -> None:
         _assert_png(p)
 
 
+def test_sweep_jobs_are_labelled_by_the_overrides_that_differ(tmp_path: Path) -> None:
+    for i, size in enumerate((1, 2)):
+        _log_job(tmp_path / str(i), offset=float(i))
+        (tmp_path / str(i) / ".hydra").mkdir()
+        (tmp_path / str(i) / ".hydra" / "overrides.yaml").write_text(
+            f"- trainer.devices=2\n- bn.group_size={size}\n"
+        )
+    runs = read_run(tmp_path)
+    assert list(runs) == ["bn.group_size=1", "bn.group_size=2"]
+    lines = panel_lines(PANEL["map"], runs)
+    assert list(lines) == ["bn.group_size=1: val/mAP", "bn.group_size=2: val/mAP"]
+
+
+def test_sizes_start_at_zero_and_equal_lines_stay_distinct(tmp_path: Path) -> None:
+    runs = {"": {"bn/global_batch_size": [(1, 4.0), (2, 4.0)], "bn/norm_batch_size": [(1, 4.0)]}}
+    fig = report._figure(PANEL["batch_size"], report._lines(PANEL["batch_size"], runs))
+    (ax,) = fig.axes
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > 4.0
+    assert [line.get_linestyle() for line in ax.lines] == ["-", "--"]
+    assert "running stds" in report._figure(PANEL["drift"], []).axes[0].get_ylabel()
+
+
 def test_job_labels_stay_unique_for_versions(tmp_path: Path) -> None:
     _log_job(tmp_path / "0", version=0)
     _log_job(tmp_path / "0", version=1)

@@ -142,8 +142,25 @@ def _job_labels(root: Path, files: Sequence[Path]) -> list[str]:
     rel_dirs = [f.parent.relative_to(root) for f in files]
     firsts = [d.parts[0] if d.parts else "." for d in rel_dirs]
     if len(set(firsts)) == len(firsts):
-        return firsts
+        return _sweep_labels(root, firsts) or firsts
     return [d.as_posix() for d in rel_dirs]
+
+
+def _sweep_labels(root: Path, job_dirs: Sequence[str]) -> list[str] | None:
+    """The overrides that set the jobs of a Hydra sweep apart (``"bn.group_size=2"``), from each
+    job's ``.hydra/overrides.yaml``; None unless every job has one and the labels are unique."""
+    import yaml
+
+    jobs = []
+    for job in job_dirs:
+        try:
+            overrides = yaml.safe_load((root / job / ".hydra" / "overrides.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        jobs.append([str(o) for o in overrides or []])
+    common = set.intersection(*(set(j) for j in jobs))
+    labels = [",".join(o for o in j if o not in common) for j in jobs]
+    return labels if all(labels) and len(set(labels)) == len(labels) else None
 
 
 def read_run(run_dir: str | Path) -> dict[str, Series]:
@@ -154,7 +171,8 @@ def read_run(run_dir: str | Path) -> dict[str, Series]:
 
     Returns:
         Job label -> that job's metrics (see :func:`read_metrics`). The label is ``""`` when there
-        is a single ``metrics.csv``, else the job's directory relative to ``run_dir`` (its first
+        is a single ``metrics.csv``; for a Hydra sweep the overrides that differ between its jobs
+        (``"bn.group_size=2"``); else the job's directory relative to ``run_dir`` (its first
         component, e.g. ``"0"``; the whole relative directory when first components repeat).
 
     Raises:

@@ -12,8 +12,10 @@ Usage::
 
 or from Python ``render(run_dir, out_dir=None)``. ``RUN_DIR`` is a job's output directory or a
 Hydra multirun sweep directory (``multirun/<date>/<time>/`` holding ``0/``, ``1/``, ...). With
-several ``metrics.csv`` files every line's label starts with the job directory (``0: val/mAP``),
-so the jobs of a sweep overlay in one figure: one colour per job, one line style per metric.
+several ``metrics.csv`` files every line's label starts with the job's label: the overrides that
+set the jobs of a Hydra sweep apart (``bn.group_size=2: val/mAP``, read from each job's
+``.hydra/overrides.yaml``), else its directory (``0: val/mAP``). The jobs of a sweep overlay in
+one figure: one colour per job, one line style per metric.
 Figures go to ``DIR`` (default ``RUN_DIR/report/``); a panel with no data writes no file.
 
 PNGs:
@@ -84,8 +86,10 @@ class Panel:
         title: Figure title.
         metrics: Metric names or :mod:`fnmatch` patterns (``"train/*"``), drawn in this order;
             the metrics a pattern matches are drawn in sorted order.
-        ylabel: Label of the y axis.
+        ylabel: Label of the y axis (with the unit).
         log_y: Logarithmic y axis (``symlog`` when some values are not positive).
+        from_zero: Linear y axis starting at 0 (sizes: a constant 4 is drawn on 0..4, not on an
+            autoscaled 3.8..4.2).
 
     Raises:
         TypeError: ``metrics`` is a single string instead of a tuple of strings.
@@ -102,6 +106,7 @@ class Panel:
     metrics: tuple[str, ...]
     ylabel: str = ""
     log_y: bool = False
+    from_zero: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.metrics, str) or not all(isinstance(m, str) for m in self.metrics):
@@ -123,19 +128,20 @@ PANELS: tuple[Panel, ...] = (
         "BatchNorm batch size",
         ("bn/global_batch_size", "bn/norm_batch_size"),
         ylabel="samples",
+        from_zero=True,
     ),
     Panel(
         "drift",
         "Running-statistics drift and rank divergence (max over layers)",
         ("bn/drift_mean_max", "bn/drift_var_max", "bn/divergence_max"),
-        ylabel="relative change",
+        ylabel="running stds (mean, divergence); relative (var)",
         log_y=True,
     ),
     Panel(
         "gap",
         "Train/test gap: batch vs running statistics (max over layers)",
         ("bn/gap_mean_max", "bn/gap_std_max"),
-        ylabel="relative gap",
+        ylabel="running stds (mean); relative (std)",
         log_y=True,
     ),
     Panel("map", "Validation", ("val/mAP", "val/mAP50", "val/acc"), ylabel="score"),
@@ -253,24 +259,26 @@ def _figure(panel: Panel, lines: Sequence[_Line]) -> Figure:
             continue
         steps, values = zip(*points, strict=True)
         finite_values.extend(values)
-        if len(jobs) > 1:  # a sweep: one colour per job, one line style per metric
-            color = cycle[jobs.index(line.job) % len(cycle)]
-            style = _LINE_STYLES[metrics.index(line.metric) % len(_LINE_STYLES)]
-        else:
-            color, style = cycle[i % len(cycle)], "-"
+        # One line style per metric, so that equal series (global and norm batch size when the
+        # whole world is one group) stay visible on top of each other; in a sweep one colour
+        # per job, else one per metric.
+        style = _LINE_STYLES[metrics.index(line.metric) % len(_LINE_STYLES)]
+        color = cycle[(jobs.index(line.job) if len(jobs) > 1 else i) % len(cycle)]
         ax.plot(
             steps,
             values,
             label=line.label,
             color=color,
             linestyle=style,
-            linewidth=1.3,
+            linewidth=2.4 if style == "-" else 1.3,
             marker="o" if len(points) <= _MARKER_MAX_POINTS else None,
             markersize=3,
         )
     if panel.log_y and finite_values:
         scale, kwargs = _y_scale(finite_values)
         ax.set_yscale(scale, **kwargs)
+    if panel.from_zero and finite_values and min(finite_values) >= 0:
+        ax.set_ylim(bottom=0, top=max(finite_values) * 1.1 or 1.0)
     ax.set_title(panel.title)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
