@@ -2,27 +2,48 @@
 
 :func:`validate` reads a composed config (``conf/``) and raises :class:`ConfigError`, one line
 naming the key and the fix, for anything a job could not run with; :func:`build` instantiates one
-config group.
+config group; :class:`ValidateSweep` validates every job of a multirun before the first one starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from typing_extensions import override
 
 from syncbn_lightning.callback import SyncBNCallback
 from syncbn_lightning.groups import resolve_group_size
 
 from .launch import launched_externally, missing_rendezvous
+from .loggers import check_wandb
 
-__all__ = ["CONF_DIR", "ConfigError", "bn_callback", "build", "validate", "world"]
+__all__ = [
+    "CONF_DIR",
+    "ConfigError",
+    "ValidateSweep",
+    "bn_callback",
+    "build",
+    "exit_on_config_error",
+    "sweep_overrides",
+    "validate",
+    "world",
+]
+
+log = logging.getLogger(__name__)
 
 
 def _conf_dir() -> Path:
@@ -166,6 +187,18 @@ def _check_data(cfg: DictConfig) -> None:
     build(cfg, "data")
 
 
+def _check_wandb(cfg: DictConfig) -> None:
+    wandb = cfg.logger.get("wandb")
+    if wandb is None:
+        return
+    offline, log_model = wandb.get("offline", "auto"), wandb.get("log_model", False)
+    try:
+        check_wandb(offline, log_model)
+    except ValueError as e:
+        # The message starts with "<argument>=<value>:"; name the key as the config spells it.
+        raise ConfigError(f"logger.wandb.{e}") from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Check the whole config before any process is started or any file is written.
 
@@ -187,12 +220,74 @@ def validate(cfg: DictConfig) -> None:
             )
         if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
-        offline = cfg.logger.get("wandb", {}).get("offline", "auto")
-        if offline not in ("auto", True, False):
-            raise ConfigError(f"logger.wandb.offline={offline!r}: use auto, true or false")
+        _check_wandb(cfg)
     except ConfigError:
         raise
     except MissingMandatoryValue as e:
         raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+@contextlib.contextmanager
+def exit_on_config_error() -> Iterator[None]:
+    """The command line's answer to a :class:`ConfigError`: ``error: <message>`` on stderr, one
+    line and no traceback, and exit code 2."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- multirun
+
+_BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def sweep_overrides(config: DictConfig) -> list[list[str]] | None:
+    """The overrides of every job a multirun of ``config`` will launch, as Hydra's basic sweeper
+    expands them (``hydra.sweeper.params``, then the command line's, as a cartesian product);
+    ``None`` for another sweeper (Optuna, Ax, ...), which picks its jobs as it goes."""
+    if config.hydra.sweeper.get("_target_") != _BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = config.hydra.sweeper.get("params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()]
+    arguments += list(config.hydra.overrides.task)
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    batches = BasicSweeper.split_arguments(parser.parse_overrides(arguments), None)
+    return [job for batch in batches for job in batch]
+
+
+class ValidateSweep(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``train.yaml``): before a multirun's first job,
+    compose every job's config as the launcher will and :func:`validate` it, so that a bad
+    combination fails the whole sweep at once (``error: <message>``, exit code 2) instead of
+    after the jobs before it trained. Nothing is written: the sweep directory does not exist yet.
+    """
+
+    @override
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        jobs = sweep_overrides(config)
+        if jobs is None:
+            log.warning(
+                "sweeper %s: each job's config is checked when it starts",
+                config.hydra.sweeper._target_,
+            )
+            return
+        loader = GlobalHydra.instance().config_loader()
+        hydra_config = HydraConfig.instance()
+        saved = hydra_config.cfg
+        try:
+            with exit_on_config_error():
+                for overrides in jobs:
+                    job = loader.load_sweep_config(config, overrides)
+                    # ${hydra:...} in the job's config (paths.data_dir) reads the job's Hydra node,
+                    # as it will when the launcher runs it.
+                    hydra_config.set_config(job)
+                    validate(job)
+        finally:
+            hydra_config.cfg = saved

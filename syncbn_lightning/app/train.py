@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -28,7 +27,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import CONF_DIR, ConfigError, build, validate, world
+from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -213,11 +212,8 @@ def _report(
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point: one job per call (a multirun calls it once per job)."""
-    try:
+    with exit_on_config_error():
         metrics = train(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     return metrics.get(cfg.model.monitor)  # the objective for Hydra sweepers
 
 
