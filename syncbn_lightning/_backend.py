@@ -338,7 +338,7 @@ def _announce_build(name: str, directory: Path, with_cuda: bool) -> None:
         how_long = f"about {seconds} s, as the last build in this cache"
     except (OSError, ValueError):
         cores = os.cpu_count() or 1
-        how_long = f"about {max(20, 160 // cores)} s on {cores} cores"
+        how_long = f"about {max(20, 100 // cores)} s on {cores} cores"
         how_long += ", plus a few minutes for the CUDA kernels" if with_cuda else ""
     log.warning(
         "syncbn_lightning: compiling the C++%s extension %s once (%s); later runs load it from %s",
