@@ -317,6 +317,17 @@ class SyncBatchNorm(_BatchNorm):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
 
+    @classmethod
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: dist.ProcessGroup | None = None, **kwargs: Any
+    ) -> torch.nn.Module:
+        """torch's classmethod form, ``SyncBatchNorm.convert_sync_batchnorm(module, group)``:
+        :func:`syncbn_lightning.convert_sync_batchnorm` (same arguments), so the layers are ours
+        (``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` makes torch's, which refuse CPU)."""
+        from .convert import convert_sync_batchnorm
+
+        return convert_sync_batchnorm(module, process_group, **kwargs)
+
     def extra_repr(self) -> str:
         text = super().extra_repr()
         if self.force_sync:
@@ -366,8 +377,18 @@ def _validate_hyperparameters(
                 f"momentum must be in [0, 1] or None (cumulative average), got {momentum}; torch "
                 f"convention: the weight of the new batch (TF/Keras momentum m is 1 - m here)"
             )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+    if process_group is not None and not _is_group(process_group):
         raise TypeError(
             f"process_group must be a torch.distributed.ProcessGroup or None (world), got "
             f"{type(process_group).__name__}; create one with syncbn_lightning.new_sync_group()"
         )
+
+
+def _is_group(process_group: Any) -> bool:
+    """A ProcessGroup, or what ``dist.new_group(ranks)`` returns on a rank outside ``ranks``
+    (``GroupMember.NON_GROUP_MEMBER``), which ``torch.nn.SyncBatchNorm`` accepts too: every rank
+    can then convert the same model; only training such a layer there fails (see
+    :func:`~syncbn_lightning.groups.sync_group_size`)."""
+    if isinstance(process_group, dist.ProcessGroup):
+        return True
+    return dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER

@@ -93,7 +93,8 @@ def sync_group_size(process_group: dist.ProcessGroup | None) -> int:
     if size < 1:
         raise ValueError(
             f"this rank (global rank {dist.get_rank()}) is not a member of the layer's "
-            f"process_group; give every rank the group it belongs to (see new_sync_group)"
+            f"process_group, so it cannot train the layer with it (evaluation works); give "
+            f"every rank the group it belongs to (see new_sync_group)"
         )
     return size
 

@@ -60,17 +60,25 @@ class SyncBNLayerSync(LayerSync):
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return model
-        trainer = getattr(model, "_trainer", None)
-        world = dist.get_world_size()
-        per_node = trainer.num_devices if trainer is not None else _env_local_world_size()
-        size = resolve_group_size(self.group_size, world, per_node)
+        """Convert ``model``'s BatchNorm layers in place, in a Trainer or not, distributed or not
+        (without torch.distributed the layers normalize their local batch, as BatchNorm)."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        trainer = getattr(model, "_trainer", None)  # set when Lightning's strategy applies it
+        size = world
+        if self.group_size is not None and world > 1:
+            per_node = self._processes_per_node(trainer) if self.group_size == "node" else 0
+            size = resolve_group_size(self.group_size, world, per_node)
         group = new_sync_group(size) if size < world else None
         convert_layers(model, group, self.momentum, self.eps, self.impl)
         if size < world and trainer is not None:
             keep_group_buffers(trainer.strategy)
         return model
+
+    @staticmethod
+    def _processes_per_node(trainer: object | None) -> int:
+        if trainer is not None:
+            return int(trainer.num_devices)  # type: ignore[attr-defined]
+        return _env_local_world_size()
 
     @override
     def revert(self, model: nn.Module) -> nn.Module:
@@ -81,7 +89,8 @@ def _env_local_world_size() -> int:
     value = os.environ.get("LOCAL_WORLD_SIZE")
     if value is None:
         raise ValueError(
-            "group_size='node' needs the number of processes per machine: run under a Lightning "
-            "Trainer or set LOCAL_WORLD_SIZE"
+            "SyncBNLayerSync(group_size='node') needs the number of processes per machine: "
+            "apply it in a Lightning Trainer, launch with torchrun (which sets LOCAL_WORLD_SIZE) "
+            "or set LOCAL_WORLD_SIZE; or give group_size as an int"
         )
     return int(value)
