@@ -175,6 +175,21 @@ def test_config_wandb_offline_invalid(tmp_path: Path) -> None:
         _validate(tmp_path, "logger.wandb.offline=maybe")
 
 
+def test_config_wandb_log_model_offline_auto(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "logger.wandb.log_model=true")
+
+
+def test_config_wandb_log_model_offline_true(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "logger.wandb.log_model=all", "logger.wandb.offline=true")
+
+
+def test_config_wandb_log_model_unknown(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "logger.wandb.log_model=sometimes")
+
+
 def test_config_logger_unknown_option(tmp_path: Path) -> None:
     with expect_row():
         _validate(tmp_path, "logger=banana")

@@ -20,7 +20,6 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from syncbn_lightning.app.config import ConfigError, validate
 from syncbn_lightning.app.loggers import WANDB_RUN_FILE, JobWandbLogger, setup_wandb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,34 +134,3 @@ def test_disabled_runs_store_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyP
     logger.after_save_checkpoint(ModelCheckpoint(dirpath=tmp_path))
     assert logger.experiment.disabled and not (tmp_path / WANDB_RUN_FILE).exists()
     logger.experiment.finish()
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            ["logger.wandb.log_model=true"],
-            "logger.wandb.log_model=True: checkpoints cannot be uploaded from an offline run "
-            "(offline=auto: no W&B login, or WANDB_MODE=offline); log in (wandb login) and set "
-            "offline=auto or false, or leave log_model=false",
-        ),
-        (
-            ["logger.wandb.log_model=all", "logger.wandb.offline=true"],
-            "logger.wandb.log_model='all': checkpoints cannot be uploaded from an offline run "
-            "(offline=true); …",
-        ),
-        (
-            ["logger.wandb.log_model=sometimes"],
-            "logger.wandb.log_model='sometimes': use false, true (at the end) or all",
-        ),
-        (["logger.wandb.offline=maybe"], "logger.wandb.offline='maybe': use auto, true or false"),
-    ],
-    ids=["log_model_offline_auto", "log_model_offline_true", "log_model_unknown", "offline"],
-)
-def test_bad_wandb_settings_are_config_errors(
-    tmp_path: Path, overrides: list[str], message: str
-) -> None:
-    with pytest.raises(ConfigError) as info:
-        validate(_compose(tmp_path, *overrides))
-    text = str(info.value)
-    assert text == message or (message.endswith("…") and text.startswith(message[:-1])), text
