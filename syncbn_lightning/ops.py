@@ -93,15 +93,9 @@ def _grad_sums_fake(
     )
 
 
-def _grad_input_fake(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    sums: torch.Tensor,
-    info: torch.Tensor,
-) -> torch.Tensor:
+def _grad_input_fake(grad_out: torch.Tensor, input: torch.Tensor, *_rest: Any) -> torch.Tensor:
+    """The input gradient has the input's shape and layout (the other arguments: those of
+    :func:`.reference.grad_input`)."""
     return _dense_like(input)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import textwrap
 from pathlib import Path
 
 #: Variables a launcher or an earlier in-process run (Lightning's ddp_spawn) leaves behind; they
@@ -43,3 +45,10 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
             raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found.add((socket.inet_ntop(family, raw), int(port, 16)))
     return found
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> list[str]:
+    """``body`` (dedented) as ``tmp_path/name``; returns the command that runs it."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]

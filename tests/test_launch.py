@@ -17,24 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
+from _service import RENDEZVOUS_VARS, write_script
 
 from syncbn_lightning.app.launch import RANK_CONFIG_ENV, RankLauncher
-
-RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")
-ENV_KEYS = (*RENDEZVOUS, RANK_CONFIG_ENV)
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No rendezvous variables inherited from the shell running the tests."""
-    for key in ENV_KEYS:
+    for key in (*RENDEZVOUS_VARS, RANK_CONFIG_ENV):
         monkeypatch.delenv(key, raising=False)
-
-
-def _script(tmp_path: Path, name: str, body: str) -> list[str]:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return [sys.executable, str(path)]
 
 
 # A child that writes its pid to <dir>/pid<LOCAL_RANK>, then sleeps; local rank FAIL_RANK (if
@@ -56,7 +48,7 @@ PID_CHILD = """
 
 
 def _pid_child(tmp_path: Path) -> list[str]:
-    return [*_script(tmp_path, "pid_child.py", PID_CHILD), str(tmp_path)]
+    return [*write_script(tmp_path, "pid_child.py", PID_CHILD), str(tmp_path)]
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:

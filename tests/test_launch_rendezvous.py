@@ -11,14 +11,12 @@ import json
 import os
 import socket
 import sys
-import textwrap
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from _service import listening_sockets
+from _service import RENDEZVOUS_VARS, listening_sockets, write_script
 
 from syncbn_lightning.app.launch import (
     RANK_CONFIG_ENV,
@@ -35,14 +33,8 @@ ENV_KEYS = (*RENDEZVOUS, RANK_CONFIG_ENV)
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No rendezvous variables inherited from the shell running the tests."""
-    for key in ENV_KEYS:
+    for key in (*RENDEZVOUS_VARS, RANK_CONFIG_ENV):
         monkeypatch.delenv(key, raising=False)
-
-
-def _script(tmp_path: Path, name: str, body: str) -> list[str]:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body))
-    return [sys.executable, str(path)]
 
 
 ENV_CHILD = """
@@ -66,7 +58,10 @@ def test_children_get_the_documented_environment(
         monkeypatch.setenv("NODE_RANK", str(node_rank))
     monkeypatch.setenv("SYNCBN_TEST_MARKER", "kept")
     before = dict(os.environ)
-    command = [*_script(tmp_path, "env_child.py", ENV_CHILD.format(keys=ENV_KEYS)), str(tmp_path)]
+    command = [
+        *write_script(tmp_path, "env_child.py", ENV_CHILD.format(keys=ENV_KEYS)),
+        str(tmp_path),
+    ]
     config = tmp_path / "job.yaml"
     with RankLauncher(command, config, devices=devices, num_nodes=num_nodes, log_dir=tmp_path):
         assert os.environ["LOCAL_RANK"] == "0"
@@ -174,7 +169,7 @@ def test_gloo_rendezvous_through_the_launcher(tmp_path) -> None:
     devices = 2
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps({"devices": devices, "out": str(tmp_path)}))
-    command = _script(tmp_path, "gloo_child.py", GLOO_CHILD.format(config_env=RANK_CONFIG_ENV))
+    command = write_script(tmp_path, "gloo_child.py", GLOO_CHILD.format(config_env=RANK_CONFIG_ENV))
     with RankLauncher(command, config, devices=devices, log_dir=tmp_path):
         dist.init_process_group(
             "gloo",
@@ -210,7 +205,7 @@ BARRIER_CHILD = """
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_single_node_rendezvous_listens_on_loopback_only(tmp_path) -> None:
-    command = _script(tmp_path, "barrier_child.py", BARRIER_CHILD)
+    command = write_script(tmp_path, "barrier_child.py", BARRIER_CHILD)
     launcher = RankLauncher(command, tmp_path / "cfg", devices=2, log_dir=tmp_path)
     with launcher:
         port = int(os.environ["MASTER_PORT"])

@@ -136,6 +136,32 @@ def test_target_nodes_instantiate_as_they_stand(
         assert built.hparams.global_batch_size == cfg.data.global_batch_size == 4
 
 
+@pytest.mark.parametrize(
+    ("overrides", "node", "expected"),
+    [
+        (["trainer=cpu"], "trainer", {"": "Trainer"}),
+        (["callbacks=default"], "callbacks", {"model_checkpoint": "ModelCheckpoint"}),
+        (["logger=csv"], "logger", {"csv": "CSVLogger"}),
+        (["logger=wandb_csv"], "logger", {"csv": "CSVLogger", "wandb": "WandbLogger"}),
+    ],
+)
+def test_other_nodes_instantiate_as_they_stand(
+    overrides: list[str],
+    node: str,
+    expected: dict[str, str],
+    tmp_path: Path,
+    data_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer, callbacks and logger nodes: ``hydra.utils.instantiate`` as they stand."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = _cfg(tmp_path, data_dir, *overrides)
+    built = instantiate(cfg[node], _convert_="all")
+    objects = {"": built} if node == "trainer" else dict(built)
+    for key, name in expected.items():  # the class or a subclass of it
+        assert name in {c.__name__ for c in type(objects[key]).__mro__}, (key, objects[key])
+
+
 def test_every_group_option_is_found() -> None:
     groups = {g for g, _ in _options()}
     assert groups == {"bn", "trainer", "model", "data", "logger", "callbacks", "recipe"}
