@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .call_order import register_layer_name
-from .function import TAG_LIMIT, SyncBatchNormFunction
+from .function import TAG_LIMIT, SyncBatchNormFunction, check_stats_mode
 from .groups import group_name_of, sync_group_size
 from .impl import check_impl
 
@@ -86,6 +86,11 @@ class SyncBatchNorm(_BatchNorm):
             ``"ext"`` (the extension or an error), ``"reference"``; ``None`` reads the
             ``SYNCBN_IMPL`` environment variable at each call (default ``"auto"``).
             Default: ``None``.
+        stats_mode: how the ranks' statistics are combined (mmcv's option): ``"N"`` weighs each
+            rank by its number of values, which gives the statistics of the concatenated batch;
+            ``"default"`` gives every rank with a non-empty batch the same weight, whatever its
+            batch size (the same result when batches are equal; the gradient follows the same
+            weights). Default: ``"N"``.
 
     Shape:
         - Input: ``(N, C, *)``; Output: same shape, dtype and memory format.
@@ -134,6 +139,8 @@ class SyncBatchNorm(_BatchNorm):
     _nonfinite: torch.Tensor | None = None
     #: The implementation asked for (``"auto"``, ``"ext"``, ``"ref"``; ``None``: ``SYNCBN_IMPL``).
     impl: str | None = None
+    #: How ranks are weighed in the group statistics: ``"N"`` (by sample count) or ``"default"``.
+    stats_mode: str = "N"
 
     def __init__(
         self,
@@ -149,14 +156,17 @@ class SyncBatchNorm(_BatchNorm):
         force_sync: bool = False,
         unbiased_running_var: bool = True,
         impl: str | None = None,
+        stats_mode: str = "N",
     ) -> None:
         _validate_hyperparameters(num_features, eps, momentum, process_group)
         impl = check_impl(impl)
+        stats_mode = check_stats_mode(stats_mode)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
         self.force_sync = bool(force_sync)
         self.unbiased_running_var = bool(unbiased_running_var)
         self.impl = impl
+        self.stats_mode = stats_mode
         self._sync_serial = next(_SERIALS)
 
     @property
@@ -261,6 +271,7 @@ class SyncBatchNorm(_BatchNorm):
             self.unbiased_running_var,
             self.layer_tag,
             self.impl,
+            self.stats_mode == "default",
         )
         self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
         return output
@@ -336,6 +347,8 @@ class SyncBatchNorm(_BatchNorm):
             text += ", unbiased_running_var=False"
         if self.impl is not None:
             text += f", impl={self.impl!r}"
+        if self.stats_mode != "N":
+            text += f", stats_mode={self.stats_mode!r}"
         return text
 
 

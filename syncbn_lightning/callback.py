@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .batchnorm import SyncBatchNorm
+from .batchnorm import SyncBatchNorm, check_stats_mode
 from .convert import revert_sync_batchnorm
 from .ddp_setup import (
     convert_layers,
@@ -112,6 +112,10 @@ class SyncBNCallback(BatchNormMonitor):
         momentum: if not None, replaces every layer's momentum (``None`` keeps each layer's own;
             to switch layers to the cumulative average, convert them yourself). Default: None.
         eps: if not None, replaces every layer's eps. Default: None.
+        stats_mode: if not None, every layer's ``stats_mode`` (``"N"``: ranks weighed by their
+            sample count; ``"default"``: every non-empty rank the same, see
+            :class:`~syncbn_lightning.SyncBatchNorm`); ``None`` keeps each layer's own (``"N"``
+            for converted layers). Default: None.
         impl: the layers' kernels: ``"auto"``, ``"ext"``, ``"reference"``, or ``None`` (the
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
@@ -203,6 +207,7 @@ class SyncBNCallback(BatchNormMonitor):
         revert_on_fit_end: bool = False,
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
         single_process: Literal["leave", "monitor"] = "leave",
+        stats_mode: Literal["N", "default"] | None = None,
     ) -> None:
         validate_group_size(group_size)
         if on_nonfinite not in _NONFINITE_ACTIONS:
@@ -227,6 +232,7 @@ class SyncBNCallback(BatchNormMonitor):
         self.momentum = momentum
         self.eps = eps
         self.impl = check_impl(impl)
+        self.stats_mode = None if stats_mode is None else check_stats_mode(stats_mode)
         self.target_norm_batch = target_norm_batch
         self.log_every_n_steps = log_every_n_steps
         self.drift = bool(drift)
@@ -259,7 +265,13 @@ class SyncBNCallback(BatchNormMonitor):
             if is_overridden("configure_model", pl_module):
                 pl_module.configure_model()
             self._layers = convert_layers(
-                pl_module, None, self.momentum, self.eps, self.impl, force_sync=True
+                pl_module,
+                None,
+                self.momentum,
+                self.eps,
+                self.impl,
+                force_sync=True,
+                stats_mode=self.stats_mode,
             )
             self._active = bool(self._layers)
             self.resolved_group_size = 1
@@ -287,7 +299,9 @@ class SyncBNCallback(BatchNormMonitor):
             size = resolve_group_size(self.group_size, world, trainer.num_devices)
             self.resolved_group_size = size
         group = new_sync_group(size) if size is not None and size < world else None
-        self._layers = convert_layers(pl_module, group, self.momentum, self.eps, self.impl)
+        self._layers = convert_layers(
+            pl_module, group, self.momentum, self.eps, self.impl, stats_mode=self.stats_mode
+        )
         if size is None or size < world:
             refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later
         self._active = bool(self._layers)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+from .batchnorm import SyncBatchNorm, _validate_hyperparameters, check_stats_mode
 from .impl import check_impl
 
 __all__ = [
@@ -70,6 +70,7 @@ def convert_sync_batchnorm(
     impl: str | None = None,
     force_sync: bool = False,
     unbiased_running_var: bool = True,
+    stats_mode: str = "N",
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
 
@@ -89,6 +90,8 @@ def convert_sync_batchnorm(
             ``SYNCBN_IMPL`` environment variable at each call).
         force_sync: passed to every :class:`SyncBatchNorm`.
         unbiased_running_var: passed to every :class:`SyncBatchNorm`.
+        stats_mode: passed to every :class:`SyncBatchNorm`: ``"N"`` (ranks weighed by their
+            number of samples) or ``"default"`` (every non-empty rank weighs the same).
 
     Returns:
         ``module`` with its BatchNorm children replaced in place, or the new layer if ``module``
@@ -110,6 +113,7 @@ def convert_sync_batchnorm(
     _require_module(module)
     settings = _settings(process_group, momentum, eps, impl, force_sync)
     settings["unbiased_running_var"] = bool(unbiased_running_var)
+    settings["stats_mode"] = check_stats_mode(stats_mode)
     converted = _convert_tree(module, settings)
     name_sync_layers(converted)
     return converted
@@ -146,10 +150,14 @@ def configure_sync_layers(
     eps: float | None = None,
     impl: str | None = None,
     force_sync: bool = False,
+    stats_mode: str | None = None,
 ) -> list[SyncBatchNorm]:
     """Give every :class:`SyncBatchNorm` of ``module`` (converted or built as one) these settings,
-    the converter's arguments of the same names; returns the layers."""
+    the converter's arguments of the same names (``stats_mode=None`` keeps each layer's own);
+    returns the layers."""
     settings = _settings(process_group, momentum, eps, impl, force_sync)
+    if stats_mode is not None:
+        settings["stats_mode"] = check_stats_mode(stats_mode)
     layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm)]
     for layer in layers:
         for name, value in settings.items():

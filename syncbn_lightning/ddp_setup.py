@@ -28,9 +28,10 @@ def convert_layers(
     eps: float | None,
     impl: str | None,
     force_sync: bool = False,
+    stats_mode: str | None = None,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
-    ``group`` with the overrides (``None`` keeps a layer's momentum/eps)."""
+    ``group`` with the overrides (``None`` keeps a layer's momentum/eps/stats_mode)."""
     convert_sync_batchnorm(model, process_group=group)
     return configure_sync_layers(
         model,
@@ -39,6 +40,7 @@ def convert_layers(
         eps=eps,
         impl=impl,
         force_sync=force_sync,
+        stats_mode=stats_mode,
     )
 
 

@@ -46,11 +46,27 @@ from .ops import uses_extension
 from .reference import CALL_ORDER_MARK, TAG_LIMIT
 
 __all__ = [
+    "STATS_MODES",
+    "check_stats_mode",
     "SyncBatchNormFunction",
     "sync_batch_norm",
     "group_name_of",
     "TAG_LIMIT",
 ]
+
+STATS_MODES = ("N", "default")
+
+
+def check_stats_mode(stats_mode: Any) -> str:
+    """``stats_mode`` if it is one of :data:`STATS_MODES`, else a ValueError naming them."""
+    if stats_mode not in STATS_MODES:
+        raise ValueError(
+            f"stats_mode must be 'N' (ranks weighed by their number of samples: the statistics "
+            f"of the concatenated batch) or 'default' (every non-empty rank weighs the same), "
+            f"got {stats_mode!r}"
+        )
+    return str(stats_mode)
+
 
 # Up to this many ranks, CPU (gloo) groups sum by all_gather + local sum instead of all_reduce.
 _GATHER_SUM_MAX_RANKS = 8
@@ -58,12 +74,14 @@ _GATHER_SUM_MAX_RANKS = 8
 
 class SyncBatchNormFunction(torch.autograd.Function):
     """``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-    calls, momentum, eps, group_name, world_size, unbiased, layer_tag, impl)``.
+    calls, momentum, eps, group_name, world_size, unbiased, layer_tag, impl,
+    equal_rank_weights)``.
 
     ``group_name`` names the process group for torch's functional collectives (``None``: no
     torch.distributed, nothing to communicate); ``running_*``, ``num_batches_tracked`` and
     ``nonfinite`` (optional) are updated in place; ``calls`` is the layer's int64 call counter;
-    ``impl``: ``"auto"``, ``"ext"``, ``"ref"`` or ``None`` (``SYNCBN_IMPL``).
+    ``impl``: ``"auto"``, ``"ext"``, ``"ref"`` or ``None`` (``SYNCBN_IMPL``);
+    ``equal_rank_weights``: ``stats_mode="default"`` (see :func:`_equal_rank_rows`).
 
     Returns ``(output, mean, var, info)``: the normalized input (differentiable), and, not
     differentiable, the group mean, the group variance used for the running-stat update (unbiased
@@ -90,12 +108,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
         unbiased: bool,
         layer_tag: int,
         impl: str | None = None,
+        equal_rank_weights: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         fused = uses_extension(input.device.type, impl)
         ops: Any = torch.ops.syncbn if fused else reference
         row = ops.stats_row(input, layer_tag, calls)
         rows = row if group_name is None else _all_gather(row, group_name, world_size)
+        ranks = None
+        if equal_rank_weights:
+            rows, ranks = _equal_rank_rows(rows, input.shape[1])
         try:
             output, mean, invstd, var, info = ops.merge_normalize(
                 input,
@@ -119,6 +141,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             queue_order_check(info, rows, input.shape[1], group_name)
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
                 reference.check_group_count(int(info[0].item()), input, world_size)
+        if ranks is not None:
+            info = _per_rank_count(info, ranks, input)
         ctx.save_for_backward(input, weight, mean, invstd, info)
         ctx.group_name = group_name
         ctx.world_size = world_size
@@ -158,7 +182,7 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     )
 
 
-_NO_GRADS: tuple[None, ...] = (None,) * 15
+_NO_GRADS: tuple[None, ...] = (None,) * 16
 _backward_once = once_differentiable(_backward)
 
 
@@ -173,12 +197,14 @@ def sync_batch_norm(
     layer_tag: int = 0,
     calls: torch.Tensor | None = None,
     impl: str | None = None,
+    stats_mode: str = "N",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Functional form of :class:`SyncBatchNormFunction` without running statistics.
 
     ``layer_tag`` and ``calls`` (an int64 counter on the input's device, incremented per call)
     identify the call for the call-order check; equal on all ranks for the same layer and call.
-    ``impl``: ``"auto"``, ``"ext"``, ``"reference"`` or ``None`` (the ``SYNCBN_IMPL`` default).
+    ``impl``: ``"auto"``, ``"ext"``, ``"reference"`` or ``None`` (the ``SYNCBN_IMPL`` default);
+    ``stats_mode``: ``"N"`` or ``"default"``, see :class:`~syncbn_lightning.SyncBatchNorm`.
 
     Returns:
         ``(output, mean, var, count, samples)``: ``count`` and ``samples`` are 0-d tensors.
@@ -201,8 +227,35 @@ def sync_batch_norm(
         unbiased,
         layer_tag,
         check_impl(impl),
+        check_stats_mode(stats_mode) == "default",
     )
     return output, mean, var, info[0], info[1]
+
+
+def _equal_rank_rows(rows: torch.Tensor, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered rows reweighted so that every rank with a non-empty batch weighs the same
+    (``stats_mode="default"``): each such rank's count becomes the mean count ``n / R`` (``R``
+    non-empty ranks) and its ``M2`` that count times its biased variance. The count-weighted
+    merge of these rows gives ``mean = sum_r mean_r / R`` and ``var = sum_r (var_r + (mean_r -
+    mean)^2) / R`` (mmcv's equal-weight statistics) with the group's true count ``n``, so the
+    unbiased running variance and the small-group check are as in ``"N"`` mode. Also returns
+    ``R`` (a 0-d tensor). Equal batches leave the rows unchanged."""
+    table = rows.view(-1, reference.ROW_HEADER + 2 * channels)
+    counts = table[:, :1]
+    nonempty = (counts > 0).to(table.dtype)
+    ranks = nonempty.sum()
+    share = counts.sum() / ranks.clamp_min(1)
+    m2 = table[:, reference.ROW_HEADER + channels :] * (share / counts.clamp_min(1))
+    head = table[:, 1 : reference.ROW_HEADER + channels]
+    return torch.cat([nonempty * share, head, m2], dim=1).view(-1), ranks
+
+
+def _per_rank_count(info: torch.Tensor, ranks: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+    """``info`` for the backward of ``stats_mode="default"``: the count ``R * n_r``. Each of this
+    rank's ``n_r`` values weighs ``1 / (R n_r)`` in the statistics, so the input gradient is the
+    count-weighted one with that count in place of the group's."""
+    local = input.numel() // max(input.shape[1], 1)
+    return torch.cat([(ranks * local).reshape(1).to(info.dtype), info[1:]])
 
 
 def _sum_over_group(sums: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from typing_extensions import override
 
+from .batchnorm import check_stats_mode
 from .convert import revert_sync_batchnorm
 from .ddp_setup import convert_layers, keep_group_buffers, validate_overrides
 from .groups import new_sync_group, resolve_group_size, validate_group_size
@@ -32,6 +33,7 @@ class SyncBNLayerSync(LayerSync):
         momentum: if not None, replaces every layer's momentum. Default: None.
         eps: if not None, replaces every layer's eps. Default: None.
         impl: the layers' kernels (see :class:`SyncBNCallback`). Default: None.
+        stats_mode: the layers' ``stats_mode`` (see :class:`SyncBNCallback`). Default: None.
 
     Note:
         With ``group_size`` smaller than the world the plugin switches DDP's per-forward buffer
@@ -50,6 +52,7 @@ class SyncBNLayerSync(LayerSync):
         momentum: float | None = None,
         eps: float | None = None,
         impl: str | None = None,
+        stats_mode: Literal["N", "default"] | None = None,
     ) -> None:
         validate_group_size(group_size, allow_auto=False)
         validate_overrides(momentum, eps)
@@ -57,6 +60,7 @@ class SyncBNLayerSync(LayerSync):
         self.momentum = momentum
         self.eps = eps
         self.impl = check_impl(impl)
+        self.stats_mode = None if stats_mode is None else check_stats_mode(stats_mode)
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:
@@ -69,7 +73,7 @@ class SyncBNLayerSync(LayerSync):
             per_node = self._processes_per_node(trainer) if self.group_size == "node" else 0
             size = resolve_group_size(self.group_size, world, per_node)
         group = new_sync_group(size) if size < world else None
-        convert_layers(model, group, self.momentum, self.eps, self.impl)
+        convert_layers(model, group, self.momentum, self.eps, self.impl, stats_mode=self.stats_mode)
         if size < world and trainer is not None:
             keep_group_buffers(trainer.strategy)
         return model

@@ -59,6 +59,11 @@ def test_bn_num_features_not_int() -> None:
         SyncBatchNorm(2.5)  # type: ignore[arg-type]
 
 
+def test_bn_stats_mode_unknown() -> None:
+    with expect_row():
+        SyncBatchNorm(4, stats_mode="mean")
+
+
 def test_bn_eps_zero() -> None:
     with expect_row():
         SyncBatchNorm(4, eps=0.0)
