@@ -5,6 +5,7 @@ Public API:
     convert_sync_batchnorm / revert_sync_batchnorm: swap a model's BatchNorm layers and back.
     new_sync_group: split the world into consecutive groups of ranks that normalize together.
     update_bn_stats: PreciseBN, population statistics over real batches.
+    SyncDataParallel / join_replicas: nn.DataParallel whose replicas normalize as one batch.
     SyncBNCallback / SyncBNLayerSync: the Lightning callback and plugin (imported on first use,
         so that ``import syncbn_lightning`` does not import Lightning).
 """
@@ -19,6 +20,7 @@ from .convert import (
     name_sync_layers,
     revert_sync_batchnorm,
 )
+from .data_parallel import SyncDataParallel, join_replicas
 from .groups import new_sync_group
 from .precise_bn import update_bn_stats
 
@@ -32,6 +34,8 @@ __all__ = [
     "new_sync_group",
     "BatchNormXd",
     "update_bn_stats",
+    "SyncDataParallel",
+    "join_replicas",
     "SyncBNCallback",
     "SyncBNLayerSync",
 ]

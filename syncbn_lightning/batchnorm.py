@@ -141,6 +141,9 @@ class SyncBatchNorm(_BatchNorm):
     impl: str | None = None
     #: How ranks are weighed in the group statistics: ``"N"`` (by sample count) or ``"default"``.
     stats_mode: str = "N"
+    #: Under :class:`~syncbn_lightning.SyncDataParallel`: this copy's exchange with the other
+    #: replicas (set by ``join_replicas``; it replaces the process group).
+    replica_group: Any = None
 
     def __init__(
         self,
@@ -234,7 +237,13 @@ class SyncBatchNorm(_BatchNorm):
         params, buffers = self._parameters, self._buffers
         weight, running_mean = params["weight"], buffers["running_mean"]
         self._check_input(input, weight if weight is not None else running_mean)
-        world_size = sync_group_size(self.process_group) if self.training else 1
+        replicas = self.replica_group
+        if not self.training:
+            world_size = 1
+        elif replicas is not None:
+            world_size = replicas.size
+        else:
+            world_size = sync_group_size(self.process_group)
         if world_size == 1 and not (self.training and self.force_sync):
             if self.training:
                 self.last_batch = BatchRecord(int(input.shape[0]))
@@ -266,7 +275,7 @@ class SyncBatchNorm(_BatchNorm):
             calls,
             self.momentum,
             float(self.eps),
-            group_name_of(self.process_group),
+            self.replica_group or group_name_of(self.process_group),
             world_size,
             self.unbiased_running_var,
             self.layer_tag,

@@ -55,8 +55,8 @@ def _layer_text(tag: float) -> str:
 
 
 def _group_ranks(group_name: str | None, world_size: int) -> list[int]:
-    if group_name is None or not dist.is_initialized():
-        return list(range(world_size))
+    if not isinstance(group_name, str) or not dist.is_initialized():
+        return list(range(world_size))  # no process group (DataParallel replicas: their indices)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return list(dist.get_process_group_ranks(_resolve_process_group(group_name)))
