@@ -34,21 +34,24 @@ def _layer() -> SyncBatchNorm:
     return bn
 
 
-def _worker(rank: int, world: int, sizes: list[int], mode: str, impl: str) -> dict:
-    bn = _layer()
-    bn.stats_mode, bn.impl = mode, impl
-    x, g = _rank_data(rank, sizes[rank])
-    x.requires_grad_(True)
-    y = bn(x)
-    (y * g).sum().backward()
-    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-    return {
-        "y": y.detach(),
-        "dx": grad,
-        "dw": bn.weight.grad.clone(),
-        "db": bn.bias.grad.clone(),
-        "running": (bn.running_mean.clone(), bn.running_var.clone()),
-    }
+def _worker(rank: int, world: int, sizes: list[int], impl: str) -> dict[str, dict]:
+    """Both modes on this rank (one process group, two fresh layers)."""
+    results = {}
+    for mode in ("default", "N"):
+        bn = _layer()
+        bn.stats_mode, bn.impl = mode, impl
+        x, g = _rank_data(rank, sizes[rank])
+        x.requires_grad_(True)
+        y = bn(x)
+        (y * g).sum().backward()
+        results[mode] = {
+            "y": y.detach(),
+            "dx": x.grad if x.grad is not None else torch.zeros_like(x),
+            "dw": bn.weight.grad.clone(),
+            "db": bn.bias.grad.clone(),
+            "running": (bn.running_mean.clone(), bn.running_var.clone()),
+        }
+    return results
 
 
 def _equal_weight_reference(sizes: list[int]) -> dict:
@@ -84,7 +87,8 @@ def _equal_weight_reference(sizes: list[int]) -> dict:
 @pytest.mark.parametrize("impl", ["ref", "ext"])
 def test_default_mode_weighs_every_nonempty_rank_the_same(impl: str) -> None:
     sizes = [1, 4, 0]
-    got = run_distributed(_worker, 3, sizes, "default", impl, timeout=180)
+    both = run_distributed(_worker, 3, sizes, impl, timeout=180)
+    got = [b["default"] for b in both]
     want = _equal_weight_reference(sizes)
     for rank, out in enumerate(got):
         torch.testing.assert_close(out["y"], want["y"][rank], rtol=1e-9, atol=1e-9)
@@ -95,16 +99,14 @@ def test_default_mode_weighs_every_nonempty_rank_the_same(impl: str) -> None:
     torch.testing.assert_close(sum(o["dw"] for o in got), want["dw"], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(sum(o["db"] for o in got), want["db"], rtol=1e-9, atol=1e-9)
     # With these uneven batches the two modes differ measurably.
-    by_count = run_distributed(_worker, 3, sizes, "N", impl, timeout=180)
-    assert (by_count[1]["running"][0] - got[1]["running"][0]).abs().max() > 1e-3
+    assert (both[1]["N"]["running"][0] - got[1]["running"][0]).abs().max() > 1e-3
 
 
 @pytest.mark.distributed
 def test_equal_batches_give_the_same_result_in_both_modes() -> None:
     sizes = [2, 2]
-    default = run_distributed(_worker, 2, sizes, "default", "ext", timeout=180)
-    by_count = run_distributed(_worker, 2, sizes, "N", "ext", timeout=180)
-    for a, b in zip(default, by_count, strict=True):
+    for rank in run_distributed(_worker, 2, sizes, "ext", timeout=180):
+        a, b = rank["default"], rank["N"]
         for key in ("y", "dx", "dw", "db"):
             torch.testing.assert_close(a[key], b[key], rtol=1e-12, atol=1e-12)
 
