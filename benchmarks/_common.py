@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @contextlib.contextmanager
@@ -57,3 +59,21 @@ def count_collectives(names: Iterable[str], counts: dict[str, int]) -> contextli
         setattr(dist, name, counting)
         stack.callback(setattr, dist, name, original)
     return stack
+
+
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as c: ...``: ``c.ops`` counts each dispatcher operator overload by its
+    name, e.g. ``"syncbn.stats_row.default"`` or ``"aten.add_.Tensor"`` (also used by the tests'
+    op-count budgets, through ``benchmarks._common``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def namespaces(self) -> set[str]:
+        """The operator namespaces seen (``"aten"``, ``"syncbn"``, ...)."""
+        return {name.split(".")[0] for name in self.ops}

@@ -23,28 +23,17 @@ import os
 import statistics
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import OpCounter
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import SyncBatchNorm
 
 SHAPE = (2, 8, 4, 4)
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _layers() -> dict[str, tuple[str, nn.Module]]:
@@ -80,7 +69,7 @@ def measure(rounds: int, steps: int) -> dict[str, dict[str, Any]]:
         run = _step(layer, x, grad)
         for _ in range(50):
             run()
-        with _Ops() as counter:
+        with OpCounter() as counter:
             run()
         runs[name] = (impl, run)
         results[name] = {"ops": counter.ops, "us": []}

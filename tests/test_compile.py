@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from _dispatch import OpCounter
 from _dist import run_distributed
 from _lightning import CompiledBNNet, Probe, load_ranks, single_process_reference, trainer
 from _numerics import rel_err
 from torch import nn
 
+from benchmarks._common import OpCounter
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm, new_sync_group
 
 pytestmark = pytest.mark.distributed

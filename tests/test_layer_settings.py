@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from _dispatch import OpCounter
 from _lightning import BNNet, quiet_trainer
 from torch import nn
 
+from benchmarks._common import OpCounter
 from syncbn_lightning import (
     SyncBatchNorm,
     SyncBNCallback,
