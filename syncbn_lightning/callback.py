@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from .batchnorm import SyncBatchNorm, check_stats_mode
+from .batchnorm import SyncBatchNorm
 from .convert import revert_sync_batchnorm
 from .ddp_setup import (
     convert_layers,
@@ -30,6 +30,7 @@ from .ddp_setup import (
     refuse_buffer_broadcast,
     validate_overrides,
 )
+from .function import check_stats_mode
 from .groups import GroupSize, new_sync_group, resolve_group_size, validate_group_size
 from .impl import check_impl
 from .layer_sync import SyncBNLayerSync

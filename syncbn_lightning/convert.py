@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-from .batchnorm import SyncBatchNorm, _validate_hyperparameters, check_stats_mode
+from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+from .function import check_stats_mode
 from .impl import check_impl
 
 __all__ = [

@@ -32,7 +32,7 @@ Call order: the gathered rows carry each call's layer and call tags, checked by 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from .groups import group_name_of
 from .impl import check_impl
 from .ops import uses_extension
 from .reference import CALL_ORDER_MARK, TAG_LIMIT
+
+if TYPE_CHECKING:  # data_parallel imports this module (through batchnorm)
+    from .data_parallel import ReplicaGroup
 
 __all__ = [
     "STATS_MODES",
@@ -105,7 +108,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         calls: torch.Tensor,
         momentum: float | None,
         eps: float,
-        group_name: str | None,
+        group_name: str | ReplicaGroup | None,
         world_size: int,
         unbiased: bool,
         layer_tag: int,
@@ -260,7 +263,9 @@ def _per_rank_count(info: torch.Tensor, ranks: torch.Tensor, input: torch.Tensor
     return torch.cat([(ranks * local).reshape(1).to(info.dtype), info[1:]])
 
 
-def _sum_over_group(sums: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+def _sum_over_group(
+    sums: torch.Tensor, group_name: str | ReplicaGroup, world_size: int
+) -> torch.Tensor:
     """``sums`` of every rank of the group, ONE collective: all-reduced (``[2C]``), or on CPU with
     small groups all-gathered (``[W * 2C]``, summed in rank order by ``grad_input``).
 
@@ -275,7 +280,9 @@ def _sum_over_group(sums: torch.Tensor, group_name: str, world_size: int) -> tor
     return collectives.wait_tensor(collectives.all_reduce(sums, "sum", group_name))
 
 
-def _all_gather(tensor: torch.Tensor, group_name: str, world_size: int) -> torch.Tensor:
+def _all_gather(
+    tensor: torch.Tensor, group_name: str | ReplicaGroup, world_size: int
+) -> torch.Tensor:
     """Every rank's 1-D ``tensor`` concatenated in rank order (``[world_size * numel]``): ONE
     collective, torch's functional form, which torch.compile traces.
 

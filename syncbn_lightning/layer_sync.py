@@ -10,9 +10,9 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 from typing_extensions import override
 
-from .batchnorm import check_stats_mode
 from .convert import revert_sync_batchnorm
 from .ddp_setup import convert_layers, keep_group_buffers, validate_overrides
+from .function import check_stats_mode
 from .groups import new_sync_group, resolve_group_size, validate_group_size
 from .impl import check_impl
 
