@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import statistics
+import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.modules import _functions as torch_functions
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -77,3 +82,67 @@ class OpCounter(TorchDispatchMode):
     def namespaces(self) -> set[str]:
         """The operator namespaces seen (``"aten"``, ``"syncbn"``, ...)."""
         return {name.split(".")[0] for name in self.ops}
+
+
+class ForcedTorchSyncBatchNorm(nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` that takes torch's sync Function in training even in a one-rank group
+    (torch falls back to ``F.batch_norm`` there), with the module's own momentum handling: every
+    kernel and collective torch's SyncBN runs in a real group (CUDA only)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(input)
+        assert self.num_batches_tracked is not None and self.momentum is not None
+        self.num_batches_tracked.add_(1)
+        return torch_functions.SyncBatchNorm.apply(
+            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+            self.momentum, self.process_group or dist.group.WORLD, 1,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """A one-rank default process group (NCCL for CUDA devices, else gloo) over a file store."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory(prefix="syncbn_bench_") as tmp:
+        dist.init_process_group(
+            backend, init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def capture_graph(step: Callable[[], None], device: torch.device, warmup: int = 3) -> Any:
+    """``step`` captured in a ``torch.cuda.CUDAGraph``, after ``warmup`` eager runs on a side
+    stream (so that lazily created state, allocator pools and communicators exist first)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def replay_ms(graph: Any, replays: int = 1) -> float:
+    """Milliseconds per replay of ``graph``: ``replays`` back-to-back replays between two CUDA
+    events, divided by ``replays`` (the host only enqueues; no host work is timed)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def median_replay_ms(graph: Any, samples: int, replays: int = 1, warmup: int = 3) -> float:
+    """Median over ``samples`` of :func:`replay_ms`, after ``warmup`` untimed replays."""
+    for _ in range(warmup):
+        graph.replay()
+    return statistics.median(replay_ms(graph, replays) for _ in range(samples))

@@ -28,40 +28,27 @@ fast as torch_sync.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
-from _common import cpu_model, env_var
+from _common import (
+    ForcedTorchSyncBatchNorm,
+    capture_graph,
+    cpu_model,
+    env_var,
+    median_replay_ms,
+    one_rank_group,
+)
 from torch import nn
-from torch.nn.modules import _functions as torch_functions
 
 import syncbn_lightning
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
 IMPLS = ("plain", "ours", "torch_sync")
 MODES = ("eager", "graph")
-
-
-class ForcedTorchSyncBatchNorm(nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` that takes torch's sync Function in training even in a one-rank group
-    (torch falls back to ``F.batch_norm`` there), with the module's own momentum handling."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(input)
-        assert self.num_batches_tracked is not None and self.momentum is not None
-        self.num_batches_tracked.add_(1)
-        return torch_functions.SyncBatchNorm.apply(
-            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-            self.momentum, self.process_group or dist.group.WORLD, 1,
-        )  # fmt: skip
 
 
 def _tiny_model(classes: int = 10) -> nn.Module:
@@ -105,19 +92,6 @@ def _with_impl(model: nn.Module, impl: str) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _one_rank_group(device: torch.device) -> Iterator[None]:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory(prefix="bench_model_") as tmp:
-        dist.init_process_group(
-            backend, init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1
-        )
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 def _train_step(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: str
 ) -> Callable[[], None]:
@@ -156,26 +130,8 @@ def _eager_ms(step: Callable[[], None], device: torch.device, steps: int, warmup
 
 def _graph_ms(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
     """Median replay time of the whole step captured in one CUDA graph (CUDA events)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(warmup, 3)):  # optimizer state and allocator pools exist before capture
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(warmup):
-        graph.replay()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    graph = capture_graph(step, device, warmup=max(warmup, 3))
+    return median_replay_ms(graph, steps, warmup=warmup)
 
 
 def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> dict[str, float]:
@@ -278,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     device = torch.device(args.device)
     results: Results = {}
-    with _one_rank_group(device), env_var(syncbn_lightning.impl.IMPL_ENV, "ext"):
+    with one_rank_group(device), env_var(syncbn_lightning.impl.IMPL_ENV, "ext"):
         for config in args.configs:
             for batch in args.batch:
                 for impl in args.impls:

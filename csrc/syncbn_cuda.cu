@@ -64,6 +64,8 @@ constexpr int64_t kMinPerThread = 16;
 constexpr int64_t kMaxPerBlock = int64_t(1) << 22;
 // Loads issued before their values are folded in: independent loads in flight per thread.
 constexpr int kUnroll = 4;
+// Rows of one channel vector a thread of the channels-last elementwise kernel handles per step.
+constexpr int kRowsPerThread = 4;
 constexpr int kMaxGridY = 65535;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -84,24 +86,64 @@ __device__ __forceinline__ void welford_combine(T* a, const T* b) {
   a[0] = n;
 }
 
+template <typename scalar_t, int VEC>
+struct alignas(sizeof(scalar_t) * VEC) Vec {
+  scalar_t v[VEC];
+};
+
+template <int VEC, typename scalar_t>
+__device__ __forceinline__ Vec<scalar_t, VEC> load_vec(const scalar_t* p, int64_t i) {
+  return *reinterpret_cast<const Vec<scalar_t, VEC>*>(p + i);
+}
+
+bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 // Per-channel Welford state: fields (count, mean, m2), of the values minus a per-channel shift (the
 // channel's first value), so that float32 keeps its precision when |mean| >> std. All blocks of a
 // channel use the same shift, so partials merge as they are and the shift is added at the end.
+// An Op's per-channel constants are its Channel: a reduction kernel holds one per channel it
+// walks; vector loads read VEC consecutive channels (channels-last) at once.
 template <typename scalar_t, typename acc_t>
 struct WelfordOp {
   static constexpr int kFields = 3;
+  using scalar_type = scalar_t;
   using Item = acc_t;
+  using Channel = acc_t;  // the shift
   const scalar_t* __restrict__ x;
   int64_t shift_stride;  // the first value of channel c is x[c * shift_stride]
-  acc_t shift = acc_t(0);
 
-  __device__ void set_channel(int64_t c) { shift = to_acc<acc_t>(x[c * shift_stride]); }
-  __device__ __forceinline__ Item load(int64_t i) const { return to_acc<acc_t>(x[i]) - shift; }
-  __device__ __forceinline__ void push(acc_t* s, Item v) const {
+  __device__ Channel channel(int64_t c) const { return to_acc<acc_t>(x[c * shift_stride]); }
+  bool aligned(size_t bytes) const { return aligned_to(x, bytes); }
+  __device__ __forceinline__ Item load(int64_t i, Channel shift) const {
+    return to_acc<acc_t>(x[i]) - shift;
+  }
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(int64_t i, const Channel* shift, Item* v) const {
+    const Vec<scalar_t, VEC> raw = syncbn::load_vec<VEC>(x, i);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) v[e] = to_acc<acc_t>(raw.v[e]) - shift[e];
+  }
+  __device__ __forceinline__ void push(acc_t* s, Item v, Channel) const {
     s[0] += acc_t(1);
     const acc_t d = v - s[1];
     s[1] += d / s[0];
     s[2] += d * (v - s[1]);
+  }
+  // VEC channels that have seen the same rows share their count: one division per row.
+  template <int VEC>
+  __device__ __forceinline__ void push_vec(
+      acc_t (*s)[kFields], const Item* v, const Channel*) const {
+    const acc_t n = s[0][0] + acc_t(1);
+    const acc_t inv = acc_t(1) / n;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const acc_t d = v[e] - s[e][1];
+      s[e][0] = n;
+      s[e][1] += d * inv;
+      s[e][2] += d * (v[e] - s[e][1]);
+    }
   }
   template <typename T>
   __device__ __forceinline__ static void combine(T* a, const T* b) {
@@ -109,7 +151,8 @@ struct WelfordOp {
   }
   // (mean, m2) of the unshifted values.
   template <typename T>
-  __device__ __forceinline__ void outputs(const T* s, acc_t& out0, acc_t& out1) const {
+  __device__ __forceinline__ void outputs(
+      const T* s, Channel shift, acc_t& out0, acc_t& out1) const {
     out0 = static_cast<acc_t>(static_cast<T>(shift) + s[1]);
     out1 = static_cast<acc_t>(s[2]);
   }
@@ -119,21 +162,36 @@ struct WelfordOp {
 template <typename scalar_t, typename acc_t>
 struct GradSumOp {
   static constexpr int kFields = 2;
+  using scalar_type = scalar_t;
   struct Item {
     acc_t dy, x;
   };
+  using Channel = acc_t;  // the mean
   const scalar_t* __restrict__ dy;
   const scalar_t* __restrict__ x;
   const acc_t* __restrict__ mean;
-  acc_t m = acc_t(0);
 
-  __device__ void set_channel(int64_t c) { m = mean[c]; }
-  __device__ __forceinline__ Item load(int64_t i) const {
+  __device__ Channel channel(int64_t c) const { return mean[c]; }
+  bool aligned(size_t bytes) const { return aligned_to(dy, bytes) && aligned_to(x, bytes); }
+  __device__ __forceinline__ Item load(int64_t i, Channel) const {
     return {to_acc<acc_t>(dy[i]), to_acc<acc_t>(x[i])};
   }
-  __device__ __forceinline__ void push(acc_t* s, Item v) const {
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(int64_t i, const Channel*, Item* v) const {
+    const Vec<scalar_t, VEC> rdy = syncbn::load_vec<VEC>(dy, i);
+    const Vec<scalar_t, VEC> rx = syncbn::load_vec<VEC>(x, i);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) v[e] = {to_acc<acc_t>(rdy.v[e]), to_acc<acc_t>(rx.v[e])};
+  }
+  __device__ __forceinline__ void push(acc_t* s, Item v, Channel m) const {
     s[0] += v.dy;
     s[1] += v.dy * (v.x - m);
+  }
+  template <int VEC>
+  __device__ __forceinline__ void push_vec(
+      acc_t (*s)[kFields], const Item* v, const Channel* m) const {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) push(s[e], v[e], m[e]);
   }
   template <typename T>
   __device__ __forceinline__ static void combine(T* a, const T* b) {
@@ -142,7 +200,7 @@ struct GradSumOp {
   }
   // (sum dy, sum dy * (x - mean)).
   template <typename T>
-  __device__ __forceinline__ void outputs(const T* s, acc_t& out0, acc_t& out1) const {
+  __device__ __forceinline__ void outputs(const T* s, Channel, acc_t& out0, acc_t& out1) const {
     out0 = static_cast<acc_t>(s[0]);
     out1 = static_cast<acc_t>(s[1]);
   }
@@ -160,45 +218,49 @@ __device__ __forceinline__ void warp_fold(acc_t* s, int stride) {
   }
 }
 
-// Folds the states of a (TX, TY) block over TY; thread (tx, 0) returns the fold for column tx.
-// Every thread of the block must call it (shuffles and a barrier inside).
-template <typename Op, typename acc_t>
-__device__ __forceinline__ void block_fold(acc_t* s) {
-  __shared__ acc_t shared[kWarps * kWarpSize * Op::kFields];
+// Folds the states of a (TX, TY) block over TY, VEC channels per thread; thread (tx, 0) returns the
+// folds of column tx. Every thread of the block must call it (shuffles and a barrier inside).
+template <typename Op, int VEC, typename acc_t>
+__device__ __forceinline__ void block_fold(acc_t (*s)[Op::kFields]) {
+  constexpr int F = Op::kFields;
+  __shared__ acc_t shared[kWarps * kWarpSize * F * VEC];
   const int tx_count = blockDim.x;  // a power of two <= 32
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   const int lane = tid % kWarpSize, warp = tid / kWarpSize;
-  warp_fold<Op>(s, tx_count);
-  if (lane < tx_count) {
 #pragma unroll
-    for (int f = 0; f < Op::kFields; ++f) shared[(warp * tx_count + lane) * Op::kFields + f] = s[f];
+  for (int e = 0; e < VEC; ++e) warp_fold<Op>(s[e], tx_count);
+  if (lane < tx_count) {
+    acc_t* mine = &shared[(warp * tx_count + lane) * F * VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+#pragma unroll
+      for (int f = 0; f < F; ++f) mine[e * F + f] = s[e][f];
+    }
   }
   __syncthreads();
   if (tid < tx_count) {
+    for (int w = 1; w < kWarps; ++w) {
+      const acc_t* other = &shared[(w * tx_count + tid) * F * VEC];
 #pragma unroll
-    for (int f = 0; f < Op::kFields; ++f) s[f] = shared[tid * Op::kFields + f];
-    for (int w = 1; w < kWarps; ++w) Op::combine(s, &shared[(w * tx_count + tid) * Op::kFields]);
+      for (int e = 0; e < VEC; ++e) Op::combine(s[e], other + e * F);
+    }
   }
 }
 
-// Writes a block's fold: straight to the outputs with one split, else to the partials workspace.
+// Writes a block's fold of channel c: straight to the outputs with one split, else to the partials
+// workspace.
 template <typename Op, typename acc_t>
 __device__ __forceinline__ void store_fold(
-    const Op& op, const acc_t* s, int64_t c, int64_t C, acc_t* __restrict__ partial,
-    acc_t* __restrict__ out0, acc_t* __restrict__ out1) {
+    const Op& op, const acc_t* s, typename Op::Channel ch, int64_t c, int64_t C,
+    acc_t* __restrict__ partial, acc_t* __restrict__ out0, acc_t* __restrict__ out1) {
   if (gridDim.y == 1) {
-    op.outputs(s, out0[c], out1[c]);
+    op.outputs(s, ch, out0[c], out1[c]);
     return;
   }
   acc_t* p = partial + (static_cast<int64_t>(blockIdx.y) * C + c) * Op::kFields;
 #pragma unroll
   for (int f = 0; f < Op::kFields; ++f) p[f] = s[f];
 }
-
-template <typename scalar_t, int VEC>
-struct alignas(sizeof(scalar_t) * VEC) Vec {
-  scalar_t v[VEC];
-};
 
 // y = (x - mean) * invstd * weight + bias.
 template <typename acc_t>
@@ -274,8 +336,8 @@ __global__ void reduce_channels_first_kernel(
   const int64_t per_channel = N * S;
   const int64_t j0 = per_channel * blockIdx.y / gridDim.y;
   const int64_t j1 = per_channel * (blockIdx.y + 1) / gridDim.y;
-  op.set_channel(c);
-  acc_t s[Op::kFields] = {};
+  const typename Op::Channel ch = op.channel(c);
+  acc_t s[1][Op::kFields] = {};
   // (n, i) of element j advance by kThreads per step as (q, r), with one carry: no division.
   const int64_t q = kThreads / S, r = kThreads % S;
   int64_t j = j0 + threadIdx.y;
@@ -286,7 +348,7 @@ __global__ void reduce_channels_first_kernel(
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j < j1) {
-        v[u] = op.load((n * C + c) * S + i);
+        v[u] = op.load((n * C + c) * S + i, ch);
         ++loaded;
         j += kThreads;
         n += q;
@@ -299,57 +361,77 @@ __global__ void reduce_channels_first_kernel(
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (u < loaded) op.push(s, v[u]);
+      if (u < loaded) op.push(s[0], v[u], ch);
     }
   }
-  block_fold<Op>(s);
-  if (threadIdx.y == 0) store_fold(op, s, c, C, partial, out0, out1);
+  block_fold<Op, 1>(s);
+  if (threadIdx.y == 0) store_fold(op, s[0], ch, c, C, partial, out0, out1);
 }
 
-// Channels-last reduction over M rows of C contiguous channels. Block (TX, TY): channel
-// blockIdx.x * TX + threadIdx.x, rows [r0, r1) of split blockIdx.y strided by TY.
-template <typename Op, typename acc_t>
+// Channels-last reduction over M rows of C contiguous channels, VEC consecutive channels per thread
+// (one 16-byte load per row when VEC > 1). Block (TX, TY): channels [cv * VEC, cv * VEC + VEC) with
+// cv = blockIdx.x * TX + threadIdx.x, rows [r0, r1) of split blockIdx.y strided by TY.
+template <typename Op, int VEC, typename acc_t>
 __global__ void reduce_channels_last_kernel(
     Op op, int64_t M, int64_t C, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
     acc_t* __restrict__ out1) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   const int64_t r0 = M * blockIdx.y / gridDim.y, r1 = M * (blockIdx.y + 1) / gridDim.y;
-  acc_t s[Op::kFields] = {};
-  if (c < C) {
-    op.set_channel(c);
+  acc_t s[VEC][Op::kFields] = {};
+  typename Op::Channel ch[VEC];
+  if (c0 < C) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ch[e] = op.channel(c0 + e);
     for (int64_t row = r0 + threadIdx.y; row < r1; row += kUnroll * blockDim.y) {
-      typename Op::Item v[kUnroll];
+      typename Op::Item v[kUnroll][VEC];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t ru = row + u * blockDim.y;
-        if (ru < r1) v[u] = op.load(ru * C + c);
+        if (ru >= r1) continue;
+        if constexpr (VEC == 1) {
+          v[u][0] = op.load(ru * C + c0, ch[0]);
+        } else {
+          op.template load_vec<VEC>(ru * C + c0, ch, v[u]);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (row + u * blockDim.y < r1) op.push(s, v[u]);
+        if (row + u * blockDim.y < r1) op.template push_vec<VEC>(s, v[u], ch);
       }
     }
   }
-  block_fold<Op>(s);  // every thread, including those past C
-  if (threadIdx.y == 0 && c < C) store_fold(op, s, c, C, partial, out0, out1);
+  block_fold<Op, VEC>(s);  // every thread, including those past C
+  if (threadIdx.y == 0 && c0 < C) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) store_fold(op, s[e], ch[e], c0 + e, C, partial, out0, out1);
+  }
 }
 
-// Folds partial[p, c, :] over p = 0..splits-1 in double, in order (deterministic).
+// Folds partial[p, c, :] over p = 0..splits-1 in double: one warp per channel (blockDim (32, TY)),
+// lane l takes splits l, l + 32, ..., then the lanes fold in a fixed tree (deterministic).
 template <typename Op, typename acc_t>
 __global__ void fold_partials_kernel(
     Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, acc_t* __restrict__ out0,
     acc_t* __restrict__ out1) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  op.set_channel(c);
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (c >= C) return;  // whole warps: c depends on threadIdx.y only
   double s[Op::kFields] = {};
-  for (int64_t p = 0; p < splits; ++p) {
-    double b[Op::kFields];
+  // kUnroll partials loaded before they are combined: independent loads in flight per lane.
+  for (int64_t p0 = threadIdx.x; p0 < splits; p0 += kUnroll * kWarpSize) {
+    double b[kUnroll][Op::kFields];
 #pragma unroll
-    for (int f = 0; f < Op::kFields; ++f) b[f] = partial[(p * C + c) * Op::kFields + f];
-    Op::combine(s, b);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t p = p0 + u * kWarpSize;
+#pragma unroll
+      for (int f = 0; f < Op::kFields; ++f) {
+        b[u][f] = p < splits ? static_cast<double>(partial[(p * C + c) * Op::kFields + f]) : 0.0;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) Op::combine(s, b[u]);
   }
-  op.outputs(s, out0[c], out1[c]);
+  warp_fold<Op>(s, 1);
+  if (threadIdx.x == 0) op.outputs(s, op.channel(c), out0[c], out1[c]);
 }
 
 // Count-weighted merge of W ranks' statistics, one thread per channel (merge.cuh).
@@ -364,16 +446,12 @@ __global__ void chan_merge_kernel(
   m.store(c, eps, unbiased, mean_out, invstd_out, var_out);
 }
 
-// out[k] = op(in[0][k], in[1][k], ...) for vector k of VEC elements; element e of the vector uses
-// the coefficients coeff_of(e).
-template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t, typename CoeffOf>
-__device__ __forceinline__ void apply_vector(
-    const Op& op, const ElemtPointers<scalar_t, Op::kInputs>& ptr, index_t k, CoeffOf coeff_of) {
-  using V = Vec<scalar_t, VEC>;
-  V in[Op::kInputs];
-#pragma unroll
-  for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
-  V out;
+// op applied to the input vectors `in` (one per input, VEC elements each); element e uses the
+// coefficients coeff_of(e).
+template <typename Op, typename scalar_t, typename acc_t, int VEC, typename CoeffOf>
+__device__ __forceinline__ Vec<scalar_t, VEC> compute_vector(
+    const Op& op, const Vec<scalar_t, VEC>* in, CoeffOf coeff_of) {
+  Vec<scalar_t, VEC> out;
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     acc_t a[Op::kInputs];
@@ -381,7 +459,7 @@ __device__ __forceinline__ void apply_vector(
     for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
     out.v[e] = static_cast<scalar_t>(op.apply(coeff_of(e), a));
   }
-  reinterpret_cast<V*>(ptr.out)[k] = out;
+  return out;
 }
 
 // Applies `op` to vectors of VEC elements that share one channel (channels-first, S % VEC == 0).
@@ -389,21 +467,28 @@ __device__ __forceinline__ void apply_vector(
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 __global__ void elemt_channels_first_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t nvec, index_t s_vec, index_t C) {
+  using V = Vec<scalar_t, VEC>;
   op.begin();
   const index_t stride = static_cast<index_t>(gridDim.x) * blockDim.x;
   for (index_t k = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < nvec;
        k += stride) {
     const typename Op::Coeff coeff = op.coeff((k / s_vec) % C);
-    apply_vector<Op, scalar_t, acc_t, VEC>(op, ptr, k, [&](int) { return coeff; });
+    V in[Op::kInputs];
+#pragma unroll
+    for (int t = 0; t < Op::kInputs; ++t) in[t] = reinterpret_cast<const V*>(ptr.in[t])[k];
+    reinterpret_cast<V*>(ptr.out)[k] =
+        compute_vector<Op, scalar_t, acc_t, VEC>(op, in, [&](int) { return coeff; });
   }
 }
 
 // Applies `op` to channels-last data: M rows of C / VEC vectors of consecutive channels. Block
-// (TX, TY): channel vector blockIdx.x * TX + threadIdx.x, whose coefficients stay in registers,
-// rows strided by gridDim.y * TY.
+// (TX, TY): channel vector blockIdx.x * TX + threadIdx.x, whose coefficients are loaded once into
+// registers; rows strided by gridDim.y * TY, kRowsPerThread of them loaded before any is written
+// (independent loads in flight amortize the coefficient loads).
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
 __global__ void elemt_channels_last_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t M, index_t c_vec) {
+  using V = Vec<scalar_t, VEC>;
   const index_t cv = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (cv >= c_vec) return;
   op.begin();
@@ -412,9 +497,22 @@ __global__ void elemt_channels_last_kernel(
   for (int e = 0; e < VEC; ++e) coeff[e] = op.coeff(static_cast<int64_t>(cv) * VEC + e);
   const index_t stride = static_cast<index_t>(gridDim.y) * blockDim.y;
   for (index_t row = static_cast<index_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < M;
-       row += stride) {
-    apply_vector<Op, scalar_t, acc_t, VEC>(
-        op, ptr, row * c_vec + cv, [&](int e) { return coeff[e]; });
+       row += kRowsPerThread * stride) {
+    V in[kRowsPerThread][Op::kInputs];
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const index_t rr = row + r * stride;
+      if (rr >= M) continue;
+#pragma unroll
+      for (int t = 0; t < Op::kInputs; ++t) in[r][t] = reinterpret_cast<const V*>(ptr.in[t])[rr * c_vec + cv];
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const index_t rr = row + r * stride;
+      if (rr >= M) continue;
+      reinterpret_cast<V*>(ptr.out)[rr * c_vec + cv] =
+          compute_vector<Op, scalar_t, acc_t, VEC>(op, in[r], [&](int e) { return coeff[e]; });
+    }
   }
 }
 
@@ -454,21 +552,25 @@ int64_t reduction_splits(int64_t work, int64_t blocks_per_split, int threads, in
   return std::clamp<int64_t>(splits, 1, kMaxGridY);
 }
 
-// Runs the two-stage reduction `op` over `g`, writing the [C] outputs out0 and out1.
+// Runs the two-stage reduction `op` over `g`, writing the [C] outputs out0 and out1. Channels-last
+// reads 16-byte vectors of consecutive channels when C and the pointers allow it.
 template <typename Op, typename acc_t>
 void launch_reduction(
     const Op& op, const Geometry& g, const at::Tensor& like, acc_t* out0, acc_t* out1) {
+  constexpr int kVec = 16 / sizeof(typename Op::scalar_type);
   const int device = like.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const bool channels_first = g.layout == Layout::kChannelsFirst;
+  const int vec = !channels_first && g.C % kVec == 0 && op.aligned(16) ? kVec : 1;
   dim3 block, grid;
   int64_t splits;
-  if (g.layout == Layout::kChannelsFirst) {
+  if (channels_first) {
     splits = reduction_splits(g.N * g.S, g.C, kThreads, device);
     block = dim3(1, kThreads);
     grid = dim3(static_cast<unsigned>(g.C), static_cast<unsigned>(splits));
   } else {
-    const int tx = next_pow2(g.C, kWarpSize);
-    const int64_t channel_blocks = ceil_div(g.C, tx);
+    const int tx = next_pow2(g.C / vec, kWarpSize);
+    const int64_t channel_blocks = ceil_div(g.C / vec, tx);
     splits = reduction_splits(g.N * g.S, channel_blocks, kThreads / tx, device);
     block = dim3(tx, kThreads / tx);
     grid = dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(splits));
@@ -480,23 +582,23 @@ void launch_reduction(
     partial = at::empty({splits, g.C, Op::kFields}, like.options().dtype(acc));
     partial_ptr = partial.mutable_data_ptr<acc_t>();
   }
-  if (g.layout == Layout::kChannelsFirst) {
+  if (channels_first) {
     reduce_channels_first_kernel<Op, acc_t>
         <<<grid, block, 0, stream>>>(op, g.N, g.C, g.S, partial_ptr, out0, out1);
+  } else if (vec > 1) {
+    reduce_channels_last_kernel<Op, kVec, acc_t>
+        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out0, out1);
   } else {
-    reduce_channels_last_kernel<Op, acc_t>
+    reduce_channels_last_kernel<Op, 1, acc_t>
         <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out0, out1);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
-    fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kThreads)), kThreads, 0, stream>>>(
+    const dim3 fold_block(kWarpSize, kWarps);  // a warp per channel
+    fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kWarps)), fold_block, 0, stream>>>(
         op, partial_ptr, splits, g.C, out0, out1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-bool aligned_to(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 // Most blocks an elementwise launch uses: its grid-stride loops step by at most this many blocks
@@ -521,7 +623,8 @@ void launch_elemt_with(
     const int ty = kThreads / tx;
     const int64_t channel_blocks = ceil_div(c_vec, tx);
     const int64_t row_blocks = std::clamp<int64_t>(
-        std::min(ceil_div(rows, ty), ceil_div(max_blocks, channel_blocks)), 1, kMaxGridY);
+        std::min(ceil_div(rows, int64_t(ty) * kRowsPerThread), ceil_div(max_blocks, channel_blocks)),
+        1, kMaxGridY);
     const dim3 grid(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(row_blocks));
     elemt_channels_last_kernel<Op, scalar_t, acc_t, VEC, index_t><<<grid, dim3(tx, ty), 0, stream>>>(
         op, ptr, static_cast<index_t>(rows), static_cast<index_t>(c_vec));
@@ -544,8 +647,9 @@ void launch_elemt(
     vectorize = vectorize && aligned_to(ptr.in[t], sizeof(scalar_t) * kVec);
   }
   // 32-bit indices only if the grid-stride loops' last step past the end (index + stride) fits
-  // too: with numel <= INT32_MAX alone, k += stride wrapped for numel near INT32_MAX.
-  const int64_t max_stride = elemt_max_blocks(device) * kThreads;
+  // too: with numel <= INT32_MAX alone, k += stride wrapped for numel near INT32_MAX. The
+  // channels-last kernel steps kRowsPerThread strides at once.
+  const int64_t max_stride = elemt_max_blocks(device) * kThreads * kRowsPerThread;
   const bool small = g.N * g.C * g.S + max_stride <= std::numeric_limits<int32_t>::max();
   if (vectorize && small) {
     launch_elemt_with<Op, scalar_t, acc_t, kVec, int32_t>(op, ptr, g, device, stream);

@@ -276,6 +276,11 @@ def _sum_over_group(
     in_process = not isinstance(group_name, str)  # DataParallel replicas: gathered, then summed
     if in_process or (sums.device.type == "cpu" and world_size <= _GATHER_SUM_MAX_RANKS):
         return _all_gather(sums, group_name, world_size)
+    group = _gloo_group_of_cuda_tensor(sums, group_name)
+    if group is not None:
+        summed = sums.clone()  # grad_sums' parameter gradients may view ``sums``
+        dist.all_reduce(summed, group=group)
+        return summed
     collectives = torch.ops._c10d_functional
     return collectives.wait_tensor(collectives.all_reduce(sums, "sum", group_name))
 
@@ -291,9 +296,30 @@ def _all_gather(
     """
     if not isinstance(group_name, str):  # the replicas of nn.DataParallel: an in-process exchange
         return group_name.all_gather(tensor)
+    group = _gloo_group_of_cuda_tensor(tensor, group_name)
+    if group is not None:
+        gathered = tensor.new_empty(world_size * tensor.numel())
+        dist.all_gather_into_tensor(gathered, tensor, group=group)
+        return gathered
     collectives = torch.ops._c10d_functional
     gathered = collectives.all_gather_into_tensor(tensor, world_size, group_name)
     return collectives.wait_tensor(gathered)
+
+
+def _gloo_group_of_cuda_tensor(tensor: torch.Tensor, group_name: str) -> Any:
+    """The process group ``group_name`` if ``tensor`` is a CUDA tensor and the group is gloo's (in
+    eager mode), else None.
+
+    torch 2.11's functional collectives kill the process (SIGSEGV) for CUDA tensors on a gloo
+    group (e.g. two ranks sharing one GPU, where NCCL refuses), while the process group's own
+    collectives work there: such calls take those instead. The lookup costs about 1 us.
+    """
+    if tensor.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    return group if dist.get_backend(group) == "gloo" else None
 
 
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:

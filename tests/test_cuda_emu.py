@@ -133,6 +133,8 @@ def test_the_matrix_covers_every_kernel_path(clean) -> None:
     } <= kernels
     elementwise = [r["function"] for r in launches if r["kernel"].startswith("elemt_")]
     assert any("VEC = 1;" in f for f in elementwise) and any("VEC = 4;" in f for f in elementwise)
+    # channels-last reductions: the 16-byte vector launch and the scalar one (two launch sites)
+    assert len({r["site"] for r in launches if r["kernel"] == "reduce_channels_last_kernel"}) == 2
     many_channels = [r for r in launches if r["kernel"] == "reduce_channels_last_kernel"]
     assert max(r["grid"][0] for r in many_channels) >= 4096 // 32  # C >= 4096: 128 channel tiles
 
