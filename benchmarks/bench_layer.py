@@ -73,6 +73,8 @@ SPEEDUP_GOAL, COPY_GOAL = 1.2, 0.8
 
 @dataclass
 class Case:
+    """One row: an input shape, dtype and layout, and what was measured for it."""
+
     shape: tuple[int, ...]
     dtype: str
     layout: str

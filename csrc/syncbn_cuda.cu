@@ -66,6 +66,8 @@ constexpr int64_t kMaxPerBlock = int64_t(1) << 22;
 constexpr int kUnroll = 4;
 // Rows of one channel vector a thread of the channels-last elementwise kernel handles per step.
 constexpr int kRowsPerThread = 4;
+// Groups of splits the fold of partials walks in parallel per channel (a block of 32 x this).
+constexpr int kFoldGroups = 32;
 constexpr int kMaxGridY = 65535;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -407,21 +409,25 @@ __global__ void reduce_channels_last_kernel(
   }
 }
 
-// Folds partial[p, c, :] over p = 0..splits-1 in double: one warp per channel (blockDim (32, TY)),
-// lane l takes splits l, l + 32, ..., then the lanes fold in a fixed tree (deterministic).
+// Folds partial[p, c, :] over p = 0..splits-1 in double. Block (32, kFoldGroups): thread (tx, ty)
+// folds splits ty, ty + kFoldGroups, ... of channel blockIdx.x * 32 + tx (a warp reads 32
+// consecutive channels of one split: coalesced), then the groups fold in shared memory along a
+// fixed tree (deterministic: the result does not depend on which thread runs first).
 template <typename Op, typename acc_t>
 __global__ void fold_partials_kernel(
     Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, acc_t* __restrict__ out0,
     acc_t* __restrict__ out1) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (c >= C) return;  // whole warps: c depends on threadIdx.y only
-  double s[Op::kFields] = {};
-  // kUnroll partials loaded before they are combined: independent loads in flight per lane.
-  for (int64_t p0 = threadIdx.x; p0 < splits; p0 += kUnroll * kWarpSize) {
+  __shared__ double shared[kFoldGroups][kWarpSize][Op::kFields];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpSize + threadIdx.x;
+  double* s = shared[threadIdx.y][threadIdx.x];
+#pragma unroll
+  for (int f = 0; f < Op::kFields; ++f) s[f] = 0.0;
+  // kUnroll partials loaded before they are combined: independent loads in flight per thread.
+  for (int64_t p0 = threadIdx.y; c < C && p0 < splits; p0 += kUnroll * kFoldGroups) {
     double b[kUnroll][Op::kFields];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t p = p0 + u * kWarpSize;
+      const int64_t p = p0 + u * kFoldGroups;
 #pragma unroll
       for (int f = 0; f < Op::kFields; ++f) {
         b[u][f] = p < splits ? static_cast<double>(partial[(p * C + c) * Op::kFields + f]) : 0.0;
@@ -430,8 +436,12 @@ __global__ void fold_partials_kernel(
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) Op::combine(s, b[u]);
   }
-  warp_fold<Op>(s, 1);
-  if (threadIdx.x == 0) op.outputs(s, op.channel(c), out0[c], out1[c]);
+  __syncthreads();
+  for (int half = kFoldGroups / 2; half > 0; half >>= 1) {
+    if (static_cast<int>(threadIdx.y) < half) Op::combine(s, shared[threadIdx.y + half][threadIdx.x]);
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && c < C) op.outputs(s, op.channel(c), out0[c], out1[c]);
 }
 
 // Count-weighted merge of W ranks' statistics, one thread per channel (merge.cuh).
@@ -594,8 +604,8 @@ void launch_reduction(
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
-    const dim3 fold_block(kWarpSize, kWarps);  // a warp per channel
-    fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kWarps)), fold_block, 0, stream>>>(
+    const dim3 fold_block(kWarpSize, kFoldGroups);
+    fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kWarpSize)), fold_block, 0, stream>>>(
         op, partial_ptr, splits, g.C, out0, out1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

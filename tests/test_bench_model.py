@@ -1,4 +1,4 @@
-"""benchmarks/bench_model.py runs (CPU smoke: tiny model, eager mode, plain vs ours).
+"""benchmarks/bench_model.py and bench_layer.py on a CPU (tiny model smoke run; argument checks).
 
 The GPU comparison it exists for (ResNet-50, CUDA graphs, torch's SyncBN forced) needs a GPU;
 this keeps the script working between the sessions that have one.
@@ -36,3 +36,22 @@ def test_bench_model_refuses_cuda_only_choices_on_cpu() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--modes graph needs --device cuda" in done.stderr
+
+
+def test_bench_layer_needs_a_gpu_and_says_so() -> None:
+    """benchmarks/bench_layer.py times by CUDA-graph replay: on a CPU it refuses in its parser,
+    naming the CPU benchmark to use instead (its GPU figures are in benchmarks/RESULTS.md)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_layer.py", "--shapes", "2x8x4x4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "needs a CUDA GPU (CUDA-graph replay); on CPU use bench_kernels.py" in done.stderr
+
+
+def test_bench_layer_names_a_bad_shape() -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_layer.py", "--shapes", "32x256xa"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--shapes: ['32x256xa'] is not NxCxHxW" in done.stderr
