@@ -1,52 +1,33 @@
 """Forward+backward timing of syncbn_lightning's kernels vs torch and a sum/sum-of-squares SyncBN.
 
-Each implementation is timed as one training step of a single BatchNorm layer::
+Each implementation is timed on the CPU as one training step of a single BatchNorm layer::
 
     y = layer(x)
     torch.autograd.grad(y, (x, layer.weight, layer.bias), dy)
 
 with ``x.requires_grad=True`` and a fixed random ``dy`` of ``x``'s shape, dtype and layout. The
-reported time is the median over ``--repeats`` steps after ``--warmup`` untimed ones; the
+reported time is the median wall time over ``--repeats`` steps after ``--warmup`` untimed ones; the
 implementations are interleaved step by step so that machine noise hits them alike.
 
 Implementations:
     * ``ext``: :class:`syncbn_lightning.SyncBatchNorm` with ``force_sync=True``, ``SYNCBN_IMPL=ext``
-      (the compiled C++/CUDA primitives); in a process group it calls one all_gather forward and
-      one all_reduce (or, on CPU, all_gather) backward even with one rank;
+      (the compiled C++ primitives); in a process group it calls one all_gather forward and one
+      backward (a gloo group sums by all_gather) even with one rank;
     * ``ref``: the same module with ``SYNCBN_IMPL=ref`` (the pure-PyTorch reference primitives);
-    * ``torch_sync`` (CUDA only): :class:`TorchSyncBatchNorm` below, the kernel sequence of
-      :class:`torch.nn.SyncBatchNorm`'s training step with its two collectives left out, i.e. what
-      torch's SyncBN costs on one rank apart from communication;
-    * ``torch``: :class:`torch.nn.BatchNorm2d` (no synchronization; cuDNN where torch picks it);
+    * ``torch``: :class:`torch.nn.BatchNorm2d` (no synchronization);
     * ``sumsq``: :class:`SumSqSyncBatchNorm` below, a plain-PyTorch SyncBN in the style of
       detectron2 (mean and mean of squares all-reduced, backward by autograd).
 
-On CPU (the default) the script runs inside a one-rank gloo process group that it creates and
-destroys itself; ``--group none`` (alias ``--no-group``) runs without one. On CUDA it runs without
-a process group by default, so that ``ext`` and ``torch_sync`` both issue no collectives and the
-comparison is kernels against kernels; ``--group nccl`` (or ``gloo``, which stages CUDA tensors
-through host memory) adds ext's one-rank collectives, which torch_sync never issues. bfloat16
-inputs keep float32 BatchNorm parameters (the usual mixed-precision setup).
+The script runs inside a one-rank gloo process group that it creates and destroys itself;
+``--group none`` (alias ``--no-group``) runs without one. bfloat16 inputs keep float32 BatchNorm
+parameters (the usual mixed-precision setup).
 
-CUDA mode also reports bandwidth:
-    * timing: each step is bracketed by CUDA events and queued behind a short GPU spin
-      (``torch.cuda._sleep``), so the events measure GPU time without the host's launch overhead,
-      except where the step itself makes the host wait for the GPU (that gap is counted);
-    * byte model of a minimal fwd+bwd step, ``8 x`` the bytes of ``x``: forward reads ``x`` for the
-      statistics, then reads ``x`` and writes ``y`` to normalize (3); backward reads ``dy`` and
-      ``x`` for the reduction, then reads ``dy`` and ``x`` and writes ``dx`` (5). Parameters and
-      per-channel statistics are negligible and not counted. ``ext GB/s`` = that / ext's time;
-    * ``copy GB/s``: ``2 x`` the bytes / the median time of ``dst.copy_(src)`` (a device-to-device
-      copy of the same byte count), measured once per tensor size; ``ext/copy`` is their ratio.
-      Tensors smaller than the GPU's L2 cache (50 MiB on an H100) run partly from it, in both the
-      step and the copy: only the large rows measure memory bandwidth;
-    * goals: ``torch_sync/ext`` (ext's speedup over torch's SyncBN kernels) >= 1.0 on NCHW and
-      >= 1.3 on channels_last; ``ext/copy`` >= 0.8 for tensors of at least 64 MiB.
+GPU timings: benchmarks/bench_layer.py (one layer, every implementation by CUDA-graph replay) and
+benchmarks/bench_model.py (ResNet-50 step).
 
 Example:
     python benchmarks/bench_kernels.py --out /tmp/bench_kernels.md
     python benchmarks/bench_kernels.py --shapes 8x64x56x56 --impls ext,torch --repeats 50
-    python benchmarks/bench_kernels.py --device cuda --out /tmp/bench_kernels_cuda.md
 """
 
 from __future__ import annotations
@@ -55,7 +36,6 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
-import functools
 import os
 import statistics
 import tempfile
@@ -64,12 +44,12 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import count_collectives, cpu_model, env_var
+from _common import OpCounter, count_collectives, cpu_model, env_var
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -77,27 +57,11 @@ import syncbn_lightning
 from syncbn_lightning import _backend
 from syncbn_lightning import impl as syncbn_impl
 
-IMPLS = ("ext", "ref", "torch_sync", "torch", "sumsq")  # also the table's column order
-CPU_IMPLS = ("ext", "ref", "torch", "sumsq")
-CUDA_IMPLS = ("ext", "torch_sync", "torch")
-CUDA_ONLY_IMPLS = ("torch_sync",)
+IMPLS = ("ext", "ref", "torch", "sumsq")  # also the table's column order
 DEFAULT_SHAPES = ((8, 64, 56, 56), (2, 256, 28, 28), (32, 512, 7, 7), (16, 256, 56, 56))
-# ResNet-50's BatchNorm inputs at 32 images of 224x224 per GPU (stem, then one per stage), the
-# detection shape of the issue (2 images, 256-channel FPN level of an 800x1344 input) and a large
-# square one: every dtype of the last two, and float32 of the first two, is >= 64 MiB.
-CUDA_SHAPES = (
-    (32, 64, 112, 112),
-    (32, 256, 56, 56),
-    (32, 512, 28, 28),
-    (32, 1024, 14, 14),
-    (32, 2048, 7, 7),
-    (2, 256, 200, 336),
-    (8, 256, 128, 128),
-)
-# --repeats / --warmup defaults per device.
-REPEATS = {"cpu": 20, "cuda": 100}
-WARMUP = {"cpu": 5, "cuda": 10}
-GROUPS = ("gloo", "nccl", "none")
+REPEATS = 20  # --repeats default
+WARMUP = 5  # --warmup default
+GROUPS = ("gloo", "none")
 LAYOUTS = ("NCHW", "channels_last")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 COLLECTIVES = (
@@ -114,12 +78,6 @@ _MALLOC_REUSE = (
     (_M_TRIM_THRESHOLD, 2**31 - 1),
     (_M_TOP_PAD, 2**30),
 )
-# CUDA mode: the bytes a minimal fwd+bwd step moves, in units of x's bytes (see the docstring), and
-# how long the GPU spins before each timed step so that the host can queue the step meanwhile.
-STEP_TRAFFIC = 8
-COPY_TRAFFIC = 2
-SPIN_MS = 2.0
-MIB = 2**20
 
 
 class Goal(NamedTuple):
@@ -130,7 +88,6 @@ class Goal(NamedTuple):
     column: str  # a Case.ratio column, "top/bottom"
     bound: float
     sense: str  # "<=" or ">="
-    min_bytes: int = 0  # rows whose x has fewer bytes are left out
 
 
 GOALS = (
@@ -138,20 +95,8 @@ GOALS = (
     Goal("ext <= 0.5x torch on NCHW", ("NCHW",), "ext/torch", 0.5, "<="),
     Goal("sumsq/ext >= 2 everywhere", None, "sumsq/ext", 2.0, ">="),
 )
-CUDA_GOALS = (
-    Goal("ext >= 1.0x torch's SyncBN kernels on NCHW", ("NCHW",), "torch_sync/ext", 1.0, ">="),
-    Goal(
-        "ext >= 1.3x torch's SyncBN kernels on channels_last",
-        ("channels_last",),
-        "torch_sync/ext",
-        1.3,
-        ">=",
-    ),
-    Goal("ext >= 80% of copy GB/s at >= 64 MiB", None, "ext/copy", 0.8, ">=", 64 * MIB),
-)
-# Ratio columns of the table: ms ratios on CPU (ext/torch < 1: ext faster), speedups of ext on CUDA
-# (> 1: ext faster) plus ext's bandwidth relative to a device-to-device copy.
-RATIO_COLUMNS = {"cpu": ("ext/torch", "sumsq/ext"), "cuda": ("torch_sync/ext", "torch/ext")}
+# Ratio columns of the table: ms ratios (ext/torch < 1: ext faster).
+RATIO_COLUMNS = ("ext/torch", "sumsq/ext")
 
 
 class SumSqSyncBatchNorm(_BatchNorm):
@@ -218,141 +163,6 @@ class SumSqSyncBatchNorm(_BatchNorm):
         self.num_batches_tracked.add_(1)
 
 
-def _channels_last_or_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` if channels-last (2-D or 3-D), else a contiguous copy, as torch's SyncBN does."""
-    if tensor.is_contiguous(memory_format=torch.channels_last) or tensor.is_contiguous(
-        memory_format=torch.channels_last_3d
-    ):
-        return tensor
-    return tensor.contiguous()
-
-
-class _TorchSyncBatchNormFunction(torch.autograd.Function):
-    """torch's SyncBatchNorm autograd Function on one rank with the collectives left out.
-
-    ``apply(input, weight, bias, running_mean, running_var, eps, momentum)``: the body of
-    ``torch.nn.modules._functions.SyncBatchNorm`` (torch 2.13) line for line, except that its two
-    collectives are not called: the one-rank ``all_gather`` of ``[mean, invstd, count]`` is replaced
-    by that tensor itself (as a ``(1, 2C + 1)`` row) and the one-rank ``all_reduce`` of
-    ``[sum_dy, sum_dy_xmu]`` by nothing (a one-rank sum is the identity). Every tensor operation
-    torch runs stays, including the packing ``cat``s, the empty-rank mask (a boolean index, which
-    makes the host wait for the GPU) and the running-stat update inside
-    ``batch_norm_gather_stats_with_counts``. CUDA only (those ``torch.batch_norm_*`` ops have no
-    CPU kernels); empty inputs are not supported (the benchmark has none).
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        input: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        eps: float,
-        momentum: float,
-    ) -> torch.Tensor:
-        input = _channels_last_or_contiguous(input)
-        if weight is not None:
-            weight = weight.contiguous()
-        size = input.numel() // input.size(1)
-        if size == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {size}"
-            )
-        assert input.numel() > 0, "the benchmark's torch_sync does not handle empty inputs"
-        num_channels = input.shape[1]
-        mean, invstd = torch.batch_norm_stats(input, eps)
-        count = torch.full((1,), size, dtype=mean.dtype, device=mean.device)
-        combined = torch.cat([mean, invstd, count], dim=0)
-        # torch: all_gather of `combined` into a (world_size, 2C + 1) tensor; one rank: itself.
-        combined = combined.view(1, -1)
-        mean_all, invstd_all, count_all = torch.split(combined, num_channels, dim=1)
-        # torch drops empty ranks' rows (a device-to-host sync) unless a CUDA graph is capturing.
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            mask = count_all.squeeze(-1) >= 1
-            count_all = count_all[mask]
-            mean_all = mean_all[mask]
-            invstd_all = invstd_all[mask]
-        counts = count_all.view(-1)
-        if running_mean is not None and counts.dtype != running_mean.dtype:
-            counts = counts.to(running_mean.dtype)
-        mean, invstd = torch.batch_norm_gather_stats_with_counts(
-            input, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts
-        )
-        ctx.save_for_backward(input, weight, mean, invstd, count_all.to(torch.int32))
-        return torch.batch_norm_elemt(input, weight, bias, mean, invstd, eps)
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        grad_output = _channels_last_or_contiguous(grad_output)
-        saved_input, weight, mean, invstd, count_tensor = ctx.saved_tensors
-        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
-            grad_output, saved_input, mean, invstd, weight, need_input, need_weight, need_bias
-        )
-        grad_input = None
-        if need_input:
-            num_channels = sum_dy.shape[0]
-            combined = torch.cat([sum_dy, sum_dy_xmu], dim=0)
-            # torch: all_reduce(combined, SUM) over the group; one rank: the identity.
-            sum_dy, sum_dy_xmu = torch.split(combined, num_channels)
-            if weight is not None and weight.dtype != mean.dtype:
-                weight = weight.to(mean.dtype)
-            grad_input = torch.batch_norm_backward_elemt(
-                grad_output, saved_input, mean, invstd, weight, sum_dy, sum_dy_xmu, count_tensor
-            )
-        if weight is None or not need_weight:
-            grad_weight = None
-        if weight is None or not need_bias:
-            grad_bias = None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-class TorchSyncBatchNorm(_BatchNorm):
-    """:class:`torch.nn.SyncBatchNorm`'s training step on one rank, without its collectives (CUDA).
-
-    ``nn.SyncBatchNorm`` itself falls back to plain BatchNorm when its group has one rank, so it
-    cannot be timed on one GPU; this module runs what it runs in a group instead: the module's
-    bookkeeping (``num_batches_tracked``, the momentum factor) and
-    :class:`_TorchSyncBatchNormFunction`, torch's kernel sequence ``batch_norm_stats`` ->
-    ``batch_norm_gather_stats_with_counts`` -> ``batch_norm_elemt``, backward
-    ``batch_norm_backward_reduce`` -> ``batch_norm_backward_elemt``.
-
-    Args:
-        num_features: ``C``, the number of channels (dim 1).
-        eps: added to the variance before the inverse square root. Default: ``1e-5``.
-        momentum: weight of the new batch in the running-stat update; ``None`` for the cumulative
-            average. Default: ``0.1``.
-
-    Note:
-        Training mode on CUDA tensors only; in eval mode it is plain BatchNorm.
-    """
-
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1) -> None:
-        super().__init__(num_features, eps, momentum, affine=True, track_running_stats=True)
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected input of shape (N, C, *), got {tuple(input.shape)}")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return super().forward(input)
-        self._check_input_dim(input)
-        assert self.num_batches_tracked is not None
-        self.num_batches_tracked.add_(1)
-        if self.momentum is None:  # as torch: the cumulative average reads the count on the host
-            factor = 1.0 / self.num_batches_tracked.item()
-        else:
-            factor = self.momentum
-        return _TorchSyncBatchNormFunction.apply(
-            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps, factor
-        )
-
-
 @dataclass
 class Case:
     """One row of the table: an input shape, memory layout and dtype."""
@@ -362,34 +172,16 @@ class Case:
     dtype_name: str
     ms: dict[str, float] = field(default_factory=dict)
     collectives: dict[str, int] = field(default_factory=dict)
-    copy_gbps: float | None = None  # CUDA: device-to-device copy bandwidth at this row's bytes
 
     @property
     def label(self) -> str:
         """``shape layout dtype``, to name the row in the summary."""
         return f"{_shape_text(self.shape)} {self.layout} {self.dtype_name}"
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the input ``x`` (and of ``y``, ``dy``, ``dx``)."""
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * DTYPES[self.dtype_name].itemsize
-
-    def gbps(self, impl: str) -> float | None:
-        """``impl``'s achieved GB/s under the minimal-step byte model; ``None`` if not timed."""
-        if impl not in self.ms:
-            return None
-        return STEP_TRAFFIC * self.nbytes / (self.ms[impl] * 1e-3) / 1e9
-
     def ratio(self, column: str) -> float | None:
-        """``top/bottom`` of this row's times (``ext/torch``, ``torch_sync/ext``, ...), or for
-        ``impl/copy`` of its GB/s over the copy's; ``None`` when an operand was not measured."""
+        """``top/bottom`` of this row's times (``ext/torch``, ``sumsq/ext``); ``None`` when an
+        operand was not measured."""
         top, bottom = column.split("/")
-        if bottom == "copy":
-            ours = self.gbps(top)
-            return None if ours is None or self.copy_gbps is None else ours / self.copy_gbps
         if top not in self.ms or bottom not in self.ms:
             return None
         return self.ms[top] / self.ms[bottom]
@@ -428,22 +220,20 @@ def _parse_impls(text: str) -> list[str]:
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu only (cuda is refused: GPU timings are benchmarks/bench_layer.py's)",
+    )
     parser.add_argument(
         "--repeats",
         type=int,
-        default=None,
-        help="timed steps per implementation (default: "
-        + ", ".join(f"{n} on {device}" for device, n in REPEATS.items())
-        + ")",
+        default=REPEATS,
+        help=f"timed steps per implementation (default: {REPEATS})",
     )
     parser.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="untimed steps first (default: "
-        + ", ".join(f"{n} on {device}" for device, n in WARMUP.items())
-        + ")",
+        "--warmup", type=int, default=WARMUP, help=f"untimed steps first (default: {WARMUP})"
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -452,18 +242,15 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--shapes",
         type=_parse_shapes,
         default=None,
-        help="comma-separated NxCxHxW (default on cpu: "
+        help="comma-separated NxCxHxW (default: "
         + ",".join(_shape_text(shape) for shape in DEFAULT_SHAPES)
-        + "; on cuda: "
-        + ",".join(_shape_text(shape) for shape in CUDA_SHAPES)
         + ")",
     )
     parser.add_argument(
         "--impls",
         type=_parse_impls,
         default=None,
-        help=f"comma-separated subset of {','.join(IMPLS)} (default on cpu: "
-        f"{','.join(CPU_IMPLS)}; on cuda: {','.join(CUDA_IMPLS)}); torch_sync needs cuda",
+        help=f"comma-separated subset of {','.join(IMPLS)} (default: all)",
     )
     parser.add_argument(
         "--malloc-reuse",
@@ -476,9 +263,8 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--group",
         choices=GROUPS,
         default=None,
-        help="the one-rank process group to run in (default: gloo on cpu, none on cuda); nccl "
-        "needs cuda; gloo with cuda stages tensors through host memory. ext/ref/sumsq call "
-        "collectives in it, torch_sync and torch never",
+        help="the one-rank process group to run in (default: gloo). ext/ref/sumsq call "
+        "collectives in it, torch never",
     )
     parser.add_argument(
         "--no-group",
@@ -489,37 +275,28 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        parser.error(
+            "--device cuda: this script times the CPU kernels; on a GPU use "
+            "benchmarks/bench_layer.py (every implementation by CUDA-graph replay)"
+        )
     if args.no_group and args.group not in (None, "none"):
         parser.error(f"--no-group contradicts --group {args.group}: give one of them")
     if args.no_group:
         args.group = "none"
     elif args.group is None:
-        args.group = "gloo" if args.device == "cpu" else "none"
+        args.group = "gloo"
     args.no_group = args.group == "none"
-    if args.repeats is None:
-        args.repeats = REPEATS[args.device]
-    if args.warmup is None:
-        args.warmup = WARMUP[args.device]
     if args.shapes is None:
-        args.shapes = list(DEFAULT_SHAPES if args.device == "cpu" else CUDA_SHAPES)
+        args.shapes = list(DEFAULT_SHAPES)
     if args.impls is None:
-        args.impls = list(CPU_IMPLS if args.device == "cpu" else CUDA_IMPLS)
+        args.impls = list(IMPLS)
     if args.no_group:
         args.impls = [impl for impl in args.impls if impl != "sumsq"]
     for name, least in (("repeats", 1), ("warmup", 0), ("threads", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             parser.error(f"--{name} must be >= {least}, got {value}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available to this torch")
-    cuda_only = [impl for impl in args.impls if impl in CUDA_ONLY_IMPLS]
-    if cuda_only and args.device != "cuda":
-        parser.error(
-            f"--impls {','.join(cuda_only)} needs --device cuda: torch.batch_norm_stats, "
-            f"batch_norm_elemt and the other SyncBatchNorm kernels it runs exist for CUDA only"
-        )
-    if args.group == "nccl" and args.device != "cuda":
-        parser.error("--group nccl needs --device cuda; use --group gloo or none on cpu")
     if not args.impls:
         parser.error("no implementation left to time (sumsq needs a process group)")
     return args
@@ -592,8 +369,6 @@ def _make_layer(impl: str, channels: int, device: torch.device) -> nn.Module:
     """A freshly initialized training-mode layer of ``impl`` with float32 parameters."""
     if impl in ("ext", "ref"):
         layer: nn.Module = syncbn_lightning.SyncBatchNorm(channels, force_sync=True)
-    elif impl == "torch_sync":
-        layer = TorchSyncBatchNorm(channels)
     elif impl == "torch":
         layer = nn.BatchNorm2d(channels)
     else:
@@ -630,73 +405,27 @@ def _step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[]
     return step
 
 
-def _count_collectives(step: Callable[[], None], impl: str, device: torch.device) -> int:
-    """How many torch.distributed collectives one (untimed) ``step`` of ``impl`` issues."""
+def _count_collectives(step: Callable[[], None], impl: str) -> int:
+    """How many collectives one (untimed) ``step`` of ``impl`` issues: calls of the
+    ``torch.distributed`` functions (sumsq) plus torch's functional collective operators, which
+    the layer calls (``_c10d_functional.*``, their ``wait_tensor`` not counted)."""
     counts: dict[str, int] = {}
-    with count_collectives(COLLECTIVES, counts):
-        _timed(step, impl, device)
-    return sum(counts.values())
+    with count_collectives(COLLECTIVES, counts), OpCounter() as ops:
+        _timed(step, impl)
+    functional = sum(
+        n
+        for name, n in ops.ops.items()
+        if name.startswith("_c10d_functional.") and "wait_tensor" not in name
+    )
+    return sum(counts.values()) + functional
 
 
-def _timed(step: Callable[[], None], impl: str, device: torch.device) -> float:
-    """Seconds of one ``step`` under ``SYNCBN_IMPL`` for ``impl``: wall time on CPU, GPU time
-    between CUDA events on CUDA (see :func:`_timed_cuda`)."""
+def _timed(step: Callable[[], None], impl: str) -> float:
+    """Wall-clock seconds of one ``step`` under ``SYNCBN_IMPL`` for ``impl``."""
     with env_var(syncbn_impl.IMPL_ENV, impl if impl in ("ext", "ref") else None):
-        if device.type == "cuda":
-            return _timed_cuda(step, device)
         start = time.perf_counter()
         step()
         return time.perf_counter() - start
-
-
-def _timed_cuda(step: Callable[[], None], device: torch.device) -> float:
-    """GPU seconds of one ``step``: from a CUDA event recorded before it to one recorded after.
-
-    A spin kernel of about :data:`SPIN_MS` runs first, so that the host has queued the whole step
-    (and the end event) before the GPU reaches the start event: the interval is then the GPU's
-    time for the step's kernels, without the host's launch overhead, except where the step makes
-    the host wait for the GPU (a device-to-host read), whose gap up to the next launch counts.
-    """
-    with torch.cuda.device(device):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_spin_cycles(torch.cuda.current_device()))
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e-3
-
-
-@functools.cache
-def _spin_cycles(device_index: int) -> int:
-    """GPU clock cycles for ``torch.cuda._sleep`` to spin about :data:`SPIN_MS` on the device."""
-    with torch.cuda.device(device_index):
-        probe = 1_000_000
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(probe)  # first launch: module load, clocks ramping up
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        probe_ms = max(start.elapsed_time(end), 1e-3)
-        # Bounded, so that a bogus probe cannot make every step spin for seconds.
-        return min(max(int(probe * SPIN_MS / probe_ms), 1), 100 * probe)
-
-
-def _copy_gbps(nbytes: int, device: torch.device, repeats: int, warmup: int) -> float:
-    """Device-to-device copy bandwidth (GB/s, 2 x ``nbytes`` moved) of ``dst.copy_(src)``."""
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-
-    def step() -> None:
-        dst.copy_(src)
-
-    for _ in range(warmup):
-        _timed(step, "copy", device)
-    seconds = statistics.median(_timed(step, "copy", device) for _ in range(repeats))
-    return COPY_TRAFFIC * nbytes / seconds / 1e9
 
 
 def _measure(
@@ -705,14 +434,14 @@ def _measure(
     """Fill ``case.ms`` with each implementation's median step time (milliseconds)."""
     x, dy = _make_inputs(case.shape, case.layout, DTYPES[case.dtype_name], device)
     steps = {impl: _step_fn(_make_layer(impl, case.shape[1], device), x, dy) for impl in impls}
-    case.collectives = {impl: _count_collectives(steps[impl], impl, device) for impl in impls}
+    case.collectives = {impl: _count_collectives(steps[impl], impl) for impl in impls}
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(warmup):
         for impl in impls:
-            _timed(steps[impl], impl, device)
+            _timed(steps[impl], impl)
     for _ in range(repeats):  # interleaved, so drifts in machine load hit all alike
         for impl in impls:
-            times[impl].append(_timed(steps[impl], impl, device))
+            times[impl].append(_timed(steps[impl], impl))
     case.ms = {impl: 1e3 * statistics.median(values) for impl, values in times.items()}
 
 
@@ -730,73 +459,43 @@ def _format_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _table_head(impls: Sequence[str], device: torch.device) -> list[str]:
-    """The markdown table's header: shape, layout, dtype, ms per implementation, two ratios; on
-    CUDA also the tensor size and ext's bandwidth against a device-to-device copy."""
+def _table_head(impls: Sequence[str]) -> list[str]:
+    """The markdown table's header: shape, layout, dtype, ms per implementation, two ratios."""
     header = ["shape", "layout", "dtype"]
-    if device.type == "cuda":
-        header.append("MiB")
     header += [f"{impl} ms" for impl in impls]
-    header += RATIO_COLUMNS[device.type]
-    if device.type == "cuda":
-        header += ["ext GB/s", "copy GB/s", "ext/copy"]
+    header += RATIO_COLUMNS
     return ["| " + " | ".join(header) + " |", "|" + "---|" * 3 + "---:|" * (len(header) - 3)]
 
 
-def _table_row(case: Case, impls: Sequence[str], device: torch.device) -> str:
+def _table_row(case: Case, impls: Sequence[str]) -> str:
     """One measured row of the markdown table."""
     cells = [_shape_text(case.shape), case.layout, case.dtype_name]
-    if device.type == "cuda":
-        cells.append(f"{case.nbytes / MIB:.1f}")
-    # Sub-0.1 ms GPU steps need more digits than the CPU table's two.
-    precision = 3 if device.type == "cuda" else 2
-    cells += [f"{case.ms[impl]:.{precision}f}" for impl in impls]
-    cells += [_format_ratio(case.ratio(column)) for column in RATIO_COLUMNS[device.type]]
-    if device.type == "cuda":
-        ours = case.gbps("ext")
-        cells.append("-" if ours is None else f"{ours:.0f}")
-        cells.append("-" if case.copy_gbps is None else f"{case.copy_gbps:.0f}")
-        cells.append(_format_ratio(case.ratio("ext/copy")))
+    cells += [f"{case.ms[impl]:.2f}" for impl in impls]
+    cells += [_format_ratio(case.ratio(column)) for column in RATIO_COLUMNS]
     return "| " + " | ".join(cells) + " |"
 
 
-def _goal_line(goal: Goal, cases: Sequence[Case], verdict: bool) -> str:
-    """How many rows meet ``goal`` and which do not; with ``verdict``, led by PASS/FAIL and with
-    the worst row."""
-    rows = [
-        c
-        for c in cases
-        if (goal.layouts is None or c.layout in goal.layouts) and c.nbytes >= goal.min_bytes
-    ]
+def _goal_line(goal: Goal, cases: Sequence[Case]) -> str:
+    """How many rows meet ``goal`` and which do not."""
+    rows = [c for c in cases if goal.layouts is None or c.layout in goal.layouts]
     rated = [(c, c.ratio(goal.column)) for c in rows]
     rated = [(c, r) for c, r in rated if r is not None]
     if not rated:
-        if rows or not cases:
-            why = f"needs {goal.column.replace('/', ' and ')}"
-        else:
-            why = f"no row has an input of >= {goal.min_bytes / MIB:.0f} MiB"
-        if verdict:
-            return f"- NOT MEASURED {goal.title}: {why}"
-        return f"- {goal.title}: not measured ({why})"
+        return f"- {goal.title}: not measured (needs {goal.column.replace('/', ' and ')})"
     below = goal.sense == ">="
     failed = [(c, r) for c, r in rated if (r < goal.bound if below else r > goal.bound)]
     met = len(rated) - len(failed)
     text = f"- {goal.title}: {met}/{len(rated)} rows meet it"
-    if verdict:
-        worst, ratio = (min if below else max)(rated, key=lambda item: item[1])
-        text = f"- {'FAIL' if failed else 'PASS'} {text[2:]}; worst: {worst.label} "
-        text += f"({goal.column} {ratio:.3f})"
     if failed:
         text += "; not met: " + "; ".join(f"{c.label} ({goal.column} {r:.3f})" for c, r in failed)
     return text
 
 
-def _summary(cases: Sequence[Case], group: str, device: torch.device) -> list[str]:
-    """One line per goal of ``device``: how many rows meet it, and every row that does not (on
-    CUDA: PASS/FAIL and the worst row), then the collectives each implementation called."""
-    cuda = device.type == "cuda"
+def _summary(cases: Sequence[Case], group: str) -> list[str]:
+    """One line per goal: how many rows meet it, and every row that does not, then the
+    collectives each implementation called."""
     lines = ["", "Goals:"]
-    lines += [_goal_line(goal, cases, verdict=cuda) for goal in (CUDA_GOALS if cuda else GOALS)]
+    lines += [_goal_line(goal, cases) for goal in GOALS]
     counts = {impl: sorted({c.collectives[impl] for c in cases}) for impl in cases[0].collectives}
     lines.append(
         "- torch.distributed collectives per step "
@@ -804,20 +503,13 @@ def _summary(cases: Sequence[Case], group: str, device: torch.device) -> list[st
         + ", ".join(f"{impl} {'/'.join(map(str, n))}" for impl, n in counts.items())
         + "; an implementation with 0 times no communication at all."
     )
-    if cuda and max(counts.get("ext", [0])) > 0 and "torch_sync" in counts:
-        lines.append(
-            "- Note: ext's times include its one-rank collectives and torch_sync's include none; "
-            "run with --group none for the kernel-against-kernel comparison."
-        )
     return lines
 
 
-def _header(args: argparse.Namespace, device: torch.device) -> list[str]:
+def _header(args: argparse.Namespace) -> list[str]:
     """The run's context: device, torch, threads, CPU, repeat counts and what is measured."""
-    if device.type == "cuda":
-        return _cuda_header(args, device)
     return [
-        f"# bench_kernels: device={device.type}, torch {torch.__version__}, "
+        f"# bench_kernels: device=cpu, torch {torch.__version__}, "
         f"threads={torch.get_num_threads()}, CPU: {cpu_model()}",
         "",
         f"Median forward+backward time per step (ms) over {args.repeats} repeats after "
@@ -842,44 +534,6 @@ def _header(args: argparse.Namespace, device: torch.device) -> list[str]:
     ]
 
 
-def _cuda_header(args: argparse.Namespace, device: torch.device) -> list[str]:
-    """:func:`_header` for CUDA: the GPU, torch/CUDA/cuDNN versions, timing and byte model."""
-    props = torch.cuda.get_device_properties(device)
-    if args.no_group:
-        group = "No process group: no implementation calls a collective (kernels against kernels). "
-    else:
-        group = (
-            f"One-rank {args.group} group: ext/ref/sumsq call their collectives in it "
-            "(ext: all_gather forward, all_reduce backward), torch_sync and torch none. "
-        )
-    return [
-        f"# bench_kernels: device=cuda ({torch.cuda.get_device_name(device)}, "
-        f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB), "
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"cuDNN {torch.backends.cudnn.version()}, threads={torch.get_num_threads()}, "
-        f"CPU: {cpu_model()}",
-        "",
-        f"Median forward+backward GPU time per step (ms) over {args.repeats} repeats after "
-        f"{args.warmup} warm-up steps, implementations interleaved step by step; each step between "
-        f"CUDA events, queued behind a ~{SPIN_MS:g} ms GPU spin so that host launch overhead is "
-        "hidden (a host wait inside a step still counts).",
-        "ext: syncbn_lightning.SyncBatchNorm(force_sync=True), SYNCBN_IMPL=ext (our CUDA kernels "
-        "local_stats, merge_stats, normalize, backward_reduce, backward_elemt); torch_sync: "
-        "torch's nn.SyncBatchNorm kernel sequence (batch_norm_stats, "
-        "batch_norm_gather_stats_with_counts incl. its empty-rank mask and running-stat update, "
-        "batch_norm_elemt; batch_norm_backward_reduce, batch_norm_backward_elemt) with its "
-        "collectives left out; torch: nn.BatchNorm2d (cuDNN where torch picks it), no sync. "
-        + group
-        + "bf16 inputs use float32 parameters.",
-        "Ratios torch_sync/ext and torch/ext are ms ratios, i.e. ext's speedup (> 1: ext "
-        f"faster). ext GB/s = {STEP_TRAFFIC} x the input's bytes (minimal step: forward reads x "
-        "twice and writes y, backward reads dy and x twice and writes dx) / ext's time; copy "
-        f"GB/s = {COPY_TRAFFIC} x the input's bytes / median time of a device-to-device "
-        "dst.copy_(src) of as many bytes; ext/copy = their ratio. MiB = the input's size.",
-        "",
-    ]
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the benchmark and print (and optionally write) the report."""
     args = _parse_args(argv)
@@ -894,31 +548,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if "ext" in args.impls:
-        ext = _backend.load_extension()  # build (first run, ~30 s) before anything is timed
-        if device.type == "cuda" and not ext.with_cuda:
-            raise SystemExit(
-                "--device cuda: the syncbn_lightning extension was built without its CUDA kernels "
-                "(it needs a CUDA torch, a visible GPU and nvcc under CUDA_HOME at build time); "
-                f"build dir: {_backend.build_dir()}"
-            )
+        _backend.load_extension()  # build (first run, ~30 s) before anything is timed
     cases = _cases(args)
-    report = _header(args, device) + _table_head(args.impls, device)
+    report = _header(args) + _table_head(args.impls)
     print("\n".join(report), flush=True)
     before = _cpu_seconds()
-    copy_gbps: dict[int, float] = {}  # by byte count: measured once per tensor size
     group = contextlib.nullcontext() if args.no_group else _single_rank_group(args.group)
     with group:
         for case in cases:  # rows are printed as they are measured
             _measure(case, args.impls, device, args.repeats, args.warmup)
-            if device.type == "cuda":
-                if case.nbytes not in copy_gbps:
-                    copy_gbps[case.nbytes] = _copy_gbps(
-                        case.nbytes, device, args.repeats, args.warmup
-                    )
-                case.copy_gbps = copy_gbps[case.nbytes]
-            report.append(_table_row(case, args.impls, device))
+            report.append(_table_row(case, args.impls))
             print(report[-1], flush=True)
-    summary = _summary(cases, args.group, device) + _contention_line(before, _cpu_seconds())
+    summary = _summary(cases, args.group) + _contention_line(before, _cpu_seconds())
     print("\n".join(summary), flush=True)
     if args.out is not None:
         args.out.write_text("\n".join(report + summary) + "\n")
