@@ -171,6 +171,7 @@ class SyncBatchNorm(_BatchNorm):
         self.impl = impl
         self.stats_mode = stats_mode
         self._sync_serial = next(_SERIALS)
+        self._match_torch_class()
 
     @property
     def layer_tag(self) -> int:
@@ -213,6 +214,24 @@ class SyncBatchNorm(_BatchNorm):
         if self._nonfinite is None or self._nonfinite.device != device:
             self._nonfinite = _counter_on(self._nonfinite, device)
         return self._calls, self._nonfinite
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SyncBatchNorm:
+        super()._apply(fn, recurse)
+        self._match_torch_class()
+        return self
+
+    def _match_torch_class(self) -> None:
+        """Be a ``torch.nn.SyncBatchNorm`` too exactly when off the CPU (see torch_class.py)."""
+        from .torch_class import match_torch_class
+
+        match_torch_class(self)
+
+    def _get_name(self) -> str:
+        return (
+            "SyncBatchNorm"
+            if type(self).__name__ == "SyncBatchNormOnDevice"
+            else super()._get_name()
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         """A deep copy that shares the process group (a ProcessGroup cannot be copied; the copy

@@ -244,6 +244,7 @@ def _to_sync(bn: _BatchNorm, settings: dict[str, Any]) -> SyncBatchNorm:
         sync.qconfig = bn.qconfig
     original = {k: v for k, v in vars(bn).items() if k not in _NORM_STATE}
     object.__setattr__(sync, _ORIGINAL, (type(bn), original))
+    sync._match_torch_class()  # the shared tensors may already be on a GPU
     return sync
 
 
