@@ -8,14 +8,26 @@ between the converted and the plain model.
 
 from __future__ import annotations
 
-import copy
-import pickle
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from _convert_models import (
+    HYPERPARAMETERS,
+    C,
+    Net,
+    ScratchBatchNorm2d,
+    TaggedBatchNorm2d,
+    assert_same_objects,
+    assert_state_dicts_equal,
+    bn_modules,
+    bn_types,
+    make_input,
+    make_net,
+    requires_grad_flags,
+    tensor_slots,
+    training_flags,
+)
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -26,128 +38,6 @@ from syncbn_lightning import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
-
-C = 4
-HYPERPARAMETERS = ("num_features", "eps", "momentum", "affine", "track_running_stats")
-
-
-class TaggedBatchNorm2d(nn.BatchNorm2d):
-    """A user subclass carrying an extra attribute (module level, so that it pickles)."""
-
-    def __init__(self, num_features: int, tag: str) -> None:
-        super().__init__(num_features)
-        self.tag = tag
-
-
-class ScratchBatchNorm2d(nn.BatchNorm2d):
-    """A user subclass with a non-persistent buffer (never part of the state_dict)."""
-
-    def __init__(self, num_features: int) -> None:
-        super().__init__(num_features)
-        self.register_buffer("scratch", torch.zeros(num_features), persistent=False)
-
-
-class Stem(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, C, 3, padding=1)
-        self.bn = TaggedBatchNorm2d(C, tag="stem")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.conv(x))
-
-
-class Net(nn.Module):
-    """BatchNorm1d/2d/3d nested in a custom module, Sequential and ModuleList, plus edge cases."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = Stem()
-        self.body = nn.Sequential(
-            nn.BatchNorm2d(C, affine=False),
-            nn.ReLU(),
-            nn.SyncBatchNorm(C),
-            nn.BatchNorm2d(C, track_running_stats=False),
-        )
-        self.branches = nn.ModuleList(
-            [nn.BatchNorm3d(C, momentum=None), nn.BatchNorm3d(C, eps=1e-3, momentum=0.3)]
-        )
-        self.head = nn.Sequential(nn.Linear(C, C), nn.BatchNorm1d(C))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        v = self.body(self.stem(x)).unsqueeze(2)
-        for bn in self.branches:
-            v = bn(v)
-        return self.head(v.mean(dim=(2, 3, 4)))
-
-
-def make_net(seed: int = 0) -> Net:
-    """A Net with random affine parameters and running stats, mixed train/eval, some frozen."""
-    torch.manual_seed(seed)
-    net = Net()
-    with torch.no_grad():
-        for m in net.modules():
-            if isinstance(m, _BatchNorm):
-                if m.affine:
-                    m.weight.uniform_(0.5, 1.5)
-                    m.bias.normal_()
-                if m.track_running_stats:
-                    m.running_mean.normal_()
-                    m.running_var.uniform_(0.5, 2.0)
-                    m.num_batches_tracked.fill_(3)
-    net.body[0].eval()
-    net.branches[1].eval()
-    net.stem.bn.weight.requires_grad_(False)
-    net.head[1].bias.requires_grad_(False)
-    return net
-
-
-def make_input(seed: int = 1) -> torch.Tensor:
-    return torch.randn(6, 3, 5, 5, generator=torch.Generator().manual_seed(seed))
-
-
-def bn_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, _BatchNorm)}
-
-
-def bn_types(model: nn.Module) -> dict[str, type]:
-    return {name: type(m) for name, m in bn_modules(model).items()}
-
-
-def tensor_slots(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    """Every Parameter and buffer slot (None ones included), keyed by qualified name."""
-    slots: dict[str, torch.Tensor | None] = {}
-    for prefix, m in model.named_modules():
-        for key, value in [*m._parameters.items(), *m._buffers.items()]:
-            slots[f"{prefix}.{key}" if prefix else key] = value
-    return slots
-
-
-def assert_same_objects(before: dict[str, object], after: dict[str, object]) -> None:
-    assert list(after) == list(before)
-    for name, obj in before.items():
-        assert after[name] is obj, name
-
-
-def assert_state_dicts_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b)
-    for key in a:
-        assert a[key].dtype == b[key].dtype, key
-        assert torch.equal(a[key], b[key]), key
-
-
-def training_flags(model: nn.Module) -> dict[str, bool]:
-    return {name: m.training for name, m in model.named_modules()}
-
-
-def requires_grad_flags(model: nn.Module) -> dict[str, bool]:
-    return {name: p.requires_grad for name, p in model.named_parameters()}
-
-
-def train_steps(model: nn.Module, steps: int = 3) -> None:
-    with torch.no_grad():
-        for step in range(steps):
-            model(make_input(seed=10 + step))
 
 
 @pytest.fixture
@@ -395,128 +285,3 @@ def test_revert_after_cast_keeps_current_buffers(
         if m.weight is not None:
             assert m.weight.dtype == torch.float64, name
     assert net(make_input().double()).dtype == torch.float64
-
-
-# --------------------------------------------------------------------------------------------------
-# checkpoints and numerics
-
-
-def _save_and_load(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    torch.save(state, path)
-    return torch.load(path, weights_only=True)
-
-
-@pytest.mark.parametrize("force_sync", [False, True], ids=["local", "synchronized_path"])
-def test_checkpoint_of_converted_model_loads_into_plain_model(
-    tmp_path: Path, force_sync: bool
-) -> None:
-    # force_sync trains through the synchronized Function (packed collective row, merge kernels).
-    converted = convert_sync_batchnorm(make_net(seed=0), force_sync=force_sync)
-    stats = converted.head[1].running_mean.clone()
-    train_steps(converted)
-    assert not torch.equal(converted.head[1].running_mean, stats)
-
-    plain = make_net(seed=1)
-    result = plain.load_state_dict(
-        _save_and_load(converted.state_dict(), tmp_path / "converted.pt"), strict=True
-    )
-    assert not result.missing_keys and not result.unexpected_keys
-    assert_state_dicts_equal(plain.state_dict(), converted.state_dict())
-    x = make_input(seed=99)
-    torch.testing.assert_close(plain.eval()(x), converted.eval()(x))
-
-
-def test_checkpoint_of_plain_model_loads_into_converted_model(tmp_path: Path) -> None:
-    plain = make_net(seed=0)
-    stats = plain.head[1].running_mean.clone()
-    train_steps(plain)
-    assert not torch.equal(plain.head[1].running_mean, stats)
-
-    converted = convert_sync_batchnorm(make_net(seed=1))
-    result = converted.load_state_dict(
-        _save_and_load(plain.state_dict(), tmp_path / "plain.pt"), strict=True
-    )
-    assert not result.missing_keys and not result.unexpected_keys
-    assert_state_dicts_equal(converted.state_dict(), plain.state_dict())
-    x = make_input(seed=99)
-    torch.testing.assert_close(converted.eval()(x), plain.eval()(x))
-
-
-@pytest.mark.parametrize("all_training", [False, True], ids=["mixed_modes", "all_training"])
-def test_converted_model_matches_plain_model_without_distributed(
-    net: Net, all_training: bool
-) -> None:
-    assert not (dist.is_available() and dist.is_initialized())
-    if all_training:
-        net.train()
-    plain = copy.deepcopy(net)
-    converted = convert_sync_batchnorm(net)
-    for step in range(3):
-        xs = [make_input(seed=step).requires_grad_() for _ in range(2)]
-        out_plain, out_conv = plain(xs[0]), converted(xs[1])
-        torch.testing.assert_close(out_conv, out_plain, rtol=0, atol=0)
-        out_plain.square().sum().backward()
-        out_conv.square().sum().backward()
-        torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=0, atol=0)
-    assert_state_dicts_equal(converted.state_dict(), plain.state_dict())
-    for (name, p), q in zip(converted.named_parameters(), plain.parameters(), strict=True):
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
-        else:
-            assert p.grad is None and q.grad is None, name
-
-
-# --------------------------------------------------------------------------------------------------
-# errors
-
-
-def test_convert_uninitialized_lazy_batchnorm_raises() -> None:
-    model = nn.Sequential(nn.Conv2d(3, C, 1), nn.LazyBatchNorm2d())
-    with pytest.raises(ValueError, match="forward pass"):
-        convert_sync_batchnorm(model)
-
-
-def test_convert_initialized_lazy_batchnorm_reverts_to_batchnorm2d() -> None:
-    model = nn.Sequential(nn.LazyBatchNorm2d())
-    model(torch.randn(2, C, 3, 3))
-    convert_sync_batchnorm(model)
-    assert type(model[0]) is SyncBatchNorm and model[0].num_features == C
-    revert_sync_batchnorm(model)
-    assert type(model[0]) is nn.BatchNorm2d
-
-
-@pytest.mark.parametrize("group", ["world", 0, object()], ids=["str", "int", "object"])
-def test_convert_rejects_process_group_of_wrong_type(net: Net, group: object) -> None:
-    types = bn_types(net)
-    with pytest.raises(TypeError, match="process_group"):
-        convert_sync_batchnorm(net, group)  # type: ignore[arg-type]
-    assert bn_types(net) == types  # nothing was converted
-
-
-# --------------------------------------------------------------------------------------------------
-# copies
-
-
-def _pickle_round_trip(model: nn.Module) -> nn.Module:
-    return pickle.loads(pickle.dumps(model))
-
-
-@pytest.mark.parametrize("clone", [copy.deepcopy, _pickle_round_trip], ids=["deepcopy", "pickle"])
-def test_copied_converted_model_reverts_to_original_classes(
-    net: Net, clone: Callable[[nn.Module], nn.Module]
-) -> None:
-    types = bn_types(net)
-    convert_sync_batchnorm(net)
-    twin = clone(net)
-    assert all(t is SyncBatchNorm for t in bn_types(twin).values())
-    assert_state_dicts_equal(twin.state_dict(), net.state_dict())
-    assert twin.head[1].weight is not net.head[1].weight
-    assert training_flags(twin) == training_flags(net)
-
-    slots = tensor_slots(twin)
-    revert_sync_batchnorm(twin)
-    assert bn_types(twin) == types
-    assert twin.stem.bn.tag == "stem"
-    assert_same_objects(slots, tensor_slots(twin))
-    assert_state_dicts_equal(twin.state_dict(), net.state_dict())
-    assert all(t is SyncBatchNorm for t in bn_types(net).values())  # the original is untouched
