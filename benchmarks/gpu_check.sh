@@ -3,10 +3,11 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh tests layer model sanitize
 #
-# Steps, in the order given: tests (pytest -m gpu), layer (bench_layer.py; LAYER_ARGS adds
-# options, e.g. "--profile"), model (bench_model.py: fp32 NCHW b64, bf16 channels-last b32/b128),
+# Steps, in the order given: tests (pytest -m gpu over every file with a gpu test), layer
+# (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW b64, bf16 channels-last b32/b128),
 # sanitize (compute-sanitizer memcheck and racecheck over the non-slow tests of test_cuda.py, the
 # two-rank spawn test left out). Full outputs go to $OUT (default ./gpu_out); the console gets tails.
+# Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
 cd "$(dirname "$0")/.."
@@ -20,26 +21,31 @@ t0=$(date +%s)
 python -c "from syncbn_lightning import _backend as b; print(b.load_extension())" >"$OUT/build.txt" 2>&1
 echo "build $(($(date +%s) - t0)) s" >>"$OUT/build.txt"
 tail -2 "$OUT/build.txt"
+failed=()
 for step in "$@"; do
   echo "== $step"
   t0=$(date +%s)
   case $step in
   tests)
-    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py \
-      tests/test_module.py tests/test_data_parallel.py >"$OUT/tests.txt" 2>&1
+    # Every test file with a gpu-marked test (not all of tests/: the GPU image lacks the
+    # service's dependencies, so the service's test files would not even import there).
+    mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu "${files[@]}" >"$OUT/tests.txt" 2>&1 ||
+      failed+=("tests")
     tail -4 "$OUT/tests.txt"
     ;;
   layer)
     # shellcheck disable=SC2086
-    timeout 240 python benchmarks/bench_layer.py ${LAYER_ARGS:-} >"$OUT/layer.md" 2>&1
+    timeout 240 python benchmarks/bench_layer.py ${LAYER_ARGS:-} >"$OUT/layer.md" 2>&1 ||
+      failed+=("layer")
     tail -25 "$OUT/layer.md"
     ;;
   model)
     timeout 200 python benchmarks/bench_model.py --configs fp32-nchw --batch 64 \
-      >"$OUT/model_fp32.md" 2>&1
+      >"$OUT/model_fp32.md" 2>&1 || failed+=("model fp32")
     tail -9 "$OUT/model_fp32.md"
     timeout 250 python benchmarks/bench_model.py --configs bf16-cl --batch 32,128 \
-      >"$OUT/model_bf16.md" 2>&1
+      >"$OUT/model_bf16.md" 2>&1 || failed+=("model bf16")
     tail -14 "$OUT/model_bf16.md"
     ;;
   sanitize)
@@ -47,11 +53,20 @@ for step in "$@"; do
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python -m pytest -q \
         -p no:cacheprovider -m "gpu and not slow" -k "not two_ranks" tests/test_cuda.py \
         >"$OUT/sanitizer_$tool.txt" 2>&1
-      echo "$tool rc=$?"
+      rc=$?
+      echo "$tool rc=$rc"
+      [ "$rc" -eq 0 ] || failed+=("$tool")
       grep -E "SUMMARY|passed|failed" "$OUT/sanitizer_$tool.txt" | tail -2
     done
     ;;
-  *) echo "unknown step $step (tests, layer, model, sanitize)" ;;
+  *)
+    echo "unknown step $step (tests, layer, model, sanitize)"
+    failed+=("$step")
+    ;;
   esac
   echo "-- $step $(($(date +%s) - t0)) s"
 done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]} (outputs in $OUT)"
+  exit 1
+fi

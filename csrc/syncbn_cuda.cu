@@ -51,7 +51,7 @@ using namespace detail;
 // Launch constants and device helpers
 // ------------------------------------------------------------------------------------------------
 
-constexpr int kThreads = 256;  // threads per block, every kernel
+constexpr int kThreads = 256;  // threads per block, every kernel but the fold (kFoldGroups)
 constexpr int kWarpSize = 32;
 constexpr int kWarps = kThreads / kWarpSize;
 // Blocks per SM the reductions aim for: 4 x 256 threads keep enough loads in flight to saturate
@@ -414,7 +414,7 @@ __global__ void reduce_channels_last_kernel(
 // consecutive channels of one split: coalesced), then the groups fold in shared memory along a
 // fixed tree (deterministic: the result does not depend on which thread runs first).
 template <typename Op, typename acc_t>
-__global__ void fold_partials_kernel(
+__global__ void __launch_bounds__(kWarpSize * kFoldGroups) fold_partials_kernel(
     Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, acc_t* __restrict__ out0,
     acc_t* __restrict__ out1) {
   __shared__ double shared[kFoldGroups][kWarpSize][Op::kFields];

@@ -164,7 +164,18 @@ class SyncBatchNorm(_BatchNorm):
         _validate_hyperparameters(num_features, eps, momentum, process_group)
         impl = check_impl(impl)
         stats_mode = check_stats_mode(stats_mode)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        # _BatchNorm's, not super(): in SyncBatchNormOnDevice the next class is nn.SyncBatchNorm,
+        # whose sixth positional argument is process_group.
+        _BatchNorm.__init__(
+            self,
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            device=device,
+            dtype=dtype,
+        )
         self.process_group = process_group
         self.force_sync = bool(force_sync)
         self.unbiased_running_var = bool(unbiased_running_var)
@@ -225,6 +236,12 @@ class SyncBatchNorm(_BatchNorm):
         from .torch_class import match_torch_class
 
         match_torch_class(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A pickle (torch.load of a whole model) keeps the class it was saved with, but
+        # map_location may have put the tensors elsewhere: the class follows the tensors.
+        super().__setstate__(state)
+        self._match_torch_class()
 
     def _get_name(self) -> str:
         return (
@@ -355,6 +372,7 @@ class SyncBatchNorm(_BatchNorm):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        self._match_torch_class()  # load_state_dict(assign=True) may have moved the tensors
 
     @classmethod
     def convert_sync_batchnorm(

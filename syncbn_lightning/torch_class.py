@@ -10,7 +10,9 @@ are off the CPU: moving it (``.to``, ``.cuda``, ``.cpu``: every ``Module._apply`
 with a ``device`` or converting a model that lives there sets its class to
 :class:`SyncBatchNormOnDevice`, a subclass of both with no code of its own, and back to
 :class:`~syncbn_lightning.SyncBatchNorm` on the CPU. The forward, the state_dict and the hyper-
-parameters are the same in both classes.
+parameters are the same in both classes; ``repr`` prints ``SyncBatchNorm`` for both, while tools
+that print ``type(m).__name__`` (Lightning's ModelSummary) show ``SyncBatchNormOnDevice`` on a GPU.
+Pickles and ``load_state_dict(assign=True)`` re-check the class: they can put tensors elsewhere.
 
 Subclasses of :class:`~syncbn_lightning.SyncBatchNorm` keep their own class everywhere (switching
 it would lose their methods); one that wants the torch identity on GPUs lists

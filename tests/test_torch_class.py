@@ -46,7 +46,30 @@ def test_the_torch_class_runs_our_forward_and_keeps_the_state() -> None:
     torch.testing.assert_close(as_torch.running_var, ours.running_var, rtol=0, atol=0)
     assert list(as_torch.state_dict()) == list(ours.state_dict())
     assert type(copy.deepcopy(as_torch)) is SyncBatchNormOnDevice
-    assert type(pickle.loads(pickle.dumps(as_torch))) is SyncBatchNormOnDevice
+
+
+def test_the_class_follows_the_tensors_through_pickles_and_state_dicts(tmp_path: Path) -> None:
+    """A model saved on a GPU and loaded with map_location="cpu" must not stay a torch
+    SyncBatchNorm on the CPU (DDP on gloo would refuse it); the class follows the tensors."""
+    saved_on_device = SyncBatchNorm(4)
+    saved_on_device.__class__ = SyncBatchNormOnDevice  # as if saved from a GPU, mapped to CPU
+    assert type(pickle.loads(pickle.dumps(saved_on_device))) is SyncBatchNorm
+    torch.save(nn.Sequential(saved_on_device), tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", map_location="cpu", weights_only=False)
+    assert type(loaded[0]) is SyncBatchNorm
+    assert type(pickle.loads(pickle.dumps(SyncBatchNorm(4).to("meta")))) is SyncBatchNormOnDevice
+    layer = SyncBatchNorm(4, device="meta")
+    layer.load_state_dict(SyncBatchNorm(4).state_dict(), assign=True)  # CPU tensors assigned
+    assert type(layer) is SyncBatchNorm
+
+
+def test_the_torch_class_can_be_constructed_like_ours() -> None:
+    """Code that clones a layer with type(layer)(...) on a GPU model builds the torch class."""
+    layer = SyncBatchNormOnDevice(4, eps=1e-3, momentum=None, device="meta", dtype=torch.float64)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.float64
+    assert layer.eps == 1e-3 and layer.momentum is None and layer.process_group is None
+    assert type(layer) is SyncBatchNormOnDevice
+    assert type(SyncBatchNormOnDevice(4)) is SyncBatchNorm  # made on the CPU: ours
 
 
 def test_subclasses_keep_their_own_class() -> None:
