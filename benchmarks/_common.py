@@ -146,3 +146,27 @@ def median_replay_ms(graph: Any, samples: int, replays: int = 1, warmup: int = 3
     for _ in range(warmup):
         graph.replay()
     return statistics.median(replay_ms(graph, replays) for _ in range(samples))
+
+
+def csv_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``: a comma-separated command-line option."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def ratio_text(a: float | None, b: float | None) -> str:
+    """``a / b`` with two decimals for a table cell, ``-`` when either side was not measured."""
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def value_text(value: float | None) -> str:
+    """``value`` with two decimals for a table cell, ``-`` when it was not measured."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+def init_affine(layer: nn.Module, channels: int) -> None:
+    """Give ``layer`` the same non-trivial weight and bias as every other implementation of a
+    comparison (seeded by ``channels``), so that no side normalizes with identity parameters."""
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(channels)
+        layer.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
+        layer.bias.copy_(torch.randn(channels, generator=generator))

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import OpCounter, count_collectives, cpu_model, env_var
+from _common import OpCounter, count_collectives, cpu_model, env_var, init_affine, value_text
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -374,10 +374,7 @@ def _make_layer(impl: str, channels: int, device: torch.device) -> nn.Module:
     else:
         layer = SumSqSyncBatchNorm(channels)
     layer = layer.to(device).train()
-    with torch.no_grad():  # non-trivial affine parameters, the same for every implementation
-        generator = torch.Generator().manual_seed(channels)
-        layer.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
-        layer.bias.copy_(torch.randn(channels, generator=generator))
+    init_affine(layer, channels)
     return layer
 
 
@@ -455,10 +452,6 @@ def _cases(args: argparse.Namespace) -> list[Case]:
     ]
 
 
-def _format_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def _table_head(impls: Sequence[str]) -> list[str]:
     """The markdown table's header: shape, layout, dtype, ms per implementation, two ratios."""
     header = ["shape", "layout", "dtype"]
@@ -471,7 +464,7 @@ def _table_row(case: Case, impls: Sequence[str]) -> str:
     """One measured row of the markdown table."""
     cells = [_shape_text(case.shape), case.layout, case.dtype_name]
     cells += [f"{case.ms[impl]:.2f}" for impl in impls]
-    cells += [_format_ratio(case.ratio(column)) for column in RATIO_COLUMNS]
+    cells += [value_text(case.ratio(column)) for column in RATIO_COLUMNS]
     return "| " + " | ".join(cells) + " |"
 
 

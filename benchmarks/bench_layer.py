@@ -40,9 +40,13 @@ import torch
 from _common import (
     ForcedTorchSyncBatchNorm,
     capture_graph,
+    csv_list,
     env_var,
+    init_affine,
     one_rank_group,
+    ratio_text,
     replay_ms,
+    value_text,
 )
 from torch import nn
 
@@ -100,10 +104,7 @@ def _layer(impl: str, channels: int, device: torch.device) -> nn.Module:
     else:
         layer = nn.BatchNorm2d(channels)
     layer = layer.to(device).train()
-    with torch.no_grad():  # the same non-trivial affine parameters for every implementation
-        generator = torch.Generator().manual_seed(channels)
-        layer.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
-        layer.bias.copy_(torch.randn(channels, generator=generator))
+    init_affine(layer, channels)
     return layer
 
 
@@ -198,7 +199,7 @@ def _report(cases: Sequence[Case], args: argparse.Namespace, device: torch.devic
         if ours and case.copy_ms:
             copy_ratio = (STEP_TRAFFIC / COPY_TRAFFIC) * case.copy_ms / ours
         cells = [f"{case.ms[i] * 1e3:.1f}" for i in args.impls]
-        cells += [_ratio(sync, ours), _ratio(ours, plain), _fmt(copy_ratio)]
+        cells += [ratio_text(sync, ours), ratio_text(ours, plain), value_text(copy_ratio)]
         lines.append(f"| {case.label()} | {case.nbytes / MIB:.0f} | " + " | ".join(cells) + " |")
         if ours and sync:
             ok = sync / ours >= SPEEDUP_GOAL
@@ -215,24 +216,12 @@ def _report(cases: Sequence[Case], args: argparse.Namespace, device: torch.devic
     return [*lines, "", *goals]
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
-
-
-def _fmt(value: float | None) -> str:
-    return f"{value:.2f}" if value is not None else "-"
-
-
-def _csv(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", type=_csv, help="NxCxHxW,... (default: the built-in rows)")
-    parser.add_argument("--dtypes", type=_csv, default=["float32", "bfloat16"])
-    parser.add_argument("--layouts", type=_csv, default=list(LAYOUTS))
-    parser.add_argument("--impls", type=_csv, default=list(IMPLS))
+    parser.add_argument("--shapes", type=csv_list, help="NxCxHxW,... (default: the built-in rows)")
+    parser.add_argument("--dtypes", type=csv_list, default=["float32", "bfloat16"])
+    parser.add_argument("--layouts", type=csv_list, default=list(LAYOUTS))
+    parser.add_argument("--impls", type=csv_list, default=list(IMPLS))
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="also list each impl's kernels")

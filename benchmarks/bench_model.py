@@ -38,9 +38,11 @@ from _common import (
     ForcedTorchSyncBatchNorm,
     capture_graph,
     cpu_model,
+    csv_list,
     env_var,
     median_replay_ms,
     one_rank_group,
+    ratio_text,
 )
 from torch import nn
 
@@ -164,10 +166,6 @@ def _ms(value: float | None) -> str:
     return f"{value:.1f}" if value is not None else "-"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
-
-
 Results = dict[tuple[str, int, str], dict[str, float]]  # (config, batch, impl) -> mode -> ms
 
 
@@ -183,8 +181,8 @@ def _report(args: argparse.Namespace, results: Results) -> None:
         plain = results.get((config, batch, "plain"), {})
         print(
             f"| {config} | {batch} | {impl} | {_ms(times.get('eager'))} | "
-            f"{_ms(times.get('graph'))} | {_ratio(times.get('eager'), plain.get('eager'))} | "
-            f"{_ratio(times.get('graph'), plain.get('graph'))} |"
+            f"{_ms(times.get('graph'))} | {ratio_text(times.get('eager'), plain.get('eager'))} | "
+            f"{ratio_text(times.get('graph'), plain.get('graph'))} |"
         )
         if impl == "ours" and "graph" in times and "graph" in plain:
             ratio = times["graph"] / plain["graph"]
@@ -199,19 +197,15 @@ def _report(args: argparse.Namespace, results: Results) -> None:
         print("\n" + "\n".join(goals))
 
 
-def _csv(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--model", choices=("resnet50", "tiny"), default="resnet50")
-    parser.add_argument("--batch", type=_csv, default=["32", "128"])
+    parser.add_argument("--batch", type=csv_list, default=["32", "128"])
     parser.add_argument("--size", type=int, default=224, help="input height and width")
-    parser.add_argument("--configs", type=_csv, default=list(CONFIGS))
-    parser.add_argument("--impls", type=_csv, help=f"default: all of {IMPLS} the device has")
-    parser.add_argument("--modes", type=_csv, help=f"default: all of {MODES} the device has")
+    parser.add_argument("--configs", type=csv_list, default=list(CONFIGS))
+    parser.add_argument("--impls", type=csv_list, help=f"default: all of {IMPLS} the device has")
+    parser.add_argument("--modes", type=csv_list, help=f"default: all of {MODES} the device has")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args(argv)

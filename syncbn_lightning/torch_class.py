@@ -34,9 +34,10 @@ class SyncBatchNormOnDevice(SyncBatchNorm, nn.SyncBatchNorm):
     """A :class:`~syncbn_lightning.SyncBatchNorm` whose tensors are off the CPU: the same layer,
     and also a ``torch.nn.SyncBatchNorm`` for ``isinstance`` checks (see the module docstring).
 
-    Not constructed directly: a SyncBatchNorm takes this class when it moves to a GPU (or is made
-    there) and leaves it when it moves back to the CPU. Its forward is ours (first in the MRO), so
-    torch's ``nn.SyncBatchNorm.forward`` never runs.
+    Usually not constructed by hand: a SyncBatchNorm takes this class when it moves to a GPU (or
+    is made there) and leaves it when it moves back to the CPU; ``SyncBatchNormOnDevice(...)``
+    takes the constructor's arguments and ends up in the class its ``device`` calls for. Its
+    forward is ours (first in the MRO), so torch's ``nn.SyncBatchNorm.forward`` never runs.
     """
 
 
