@@ -100,6 +100,25 @@ class ForcedTorchSyncBatchNorm(nn.SyncBatchNorm):
         )  # fmt: skip
 
 
+class ForcedTorchSyncBatchNormAct(ForcedTorchSyncBatchNorm):
+    """timm's ``SyncBatchNormAct`` (torch's SyncBatchNorm, then its ``drop`` and ``act``) forced
+    through torch's sync Function like :class:`ForcedTorchSyncBatchNorm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(input)))
+
+
+def force_torch_sync(model: nn.Module) -> nn.Module:
+    """``model`` with every ``nn.SyncBatchNorm`` forced through torch's sync Function: the plain
+    ones become :class:`ForcedTorchSyncBatchNorm`, those with ``act`` and ``drop`` children
+    (timm's SyncBatchNormAct) :class:`ForcedTorchSyncBatchNormAct`."""
+    for module in model.modules():
+        if isinstance(module, nn.SyncBatchNorm):
+            with_act = "act" in module._modules and "drop" in module._modules
+            module.__class__ = ForcedTorchSyncBatchNormAct if with_act else ForcedTorchSyncBatchNorm
+    return model
+
+
 @contextlib.contextmanager
 def one_rank_group(device: torch.device) -> Iterator[None]:
     """A one-rank default process group (NCCL for CUDA devices, else gloo) over a file store."""

@@ -3,6 +3,7 @@
     python benchmarks/bench_layer.py                    # the issue's rows and more
     python benchmarks/bench_layer.py --profile          # + each implementation's kernels (µs)
     python benchmarks/bench_layer.py --shapes 32x1024x14x14 --dtypes bfloat16 --layouts CL
+    python benchmarks/bench_layer.py --act silu          # BatchNorm + SiLU (timm's BatchNormAct2d)
 
 One step = ``y = layer(x); torch.autograd.grad(y, (x, weight, bias), dy)``. Implementations:
 
@@ -11,6 +12,11 @@ One step = ``y = layer(x); torch.autograd.grad(y, (x, weight, bias), dy)``. Impl
 * ``torch_sync``: ``nn.SyncBatchNorm`` forced through torch's sync Function
   (:class:`_common.ForcedTorchSyncBatchNorm`): its kernels and both collectives;
 * ``plain``: ``nn.BatchNorm2d`` (cuDNN), no synchronization: the floor.
+
+With ``--act NAME`` every implementation computes ``act(bn(x))``: ours is
+:class:`syncbn_lightning.SyncBatchNormAct` (the activation fused into its kernels), the others
+are followed by the activation module (what timm's ``SyncBatchNormAct`` and ``BatchNormAct2d``
+run).
 
 All run in one one-rank NCCL group. Each step is captured once in a CUDA graph; a sample is
 ``--replays`` back-to-back replays between two CUDA events, divided by ``--replays``; the table
@@ -52,6 +58,8 @@ from torch import nn
 
 import syncbn_lightning
 from syncbn_lightning import impl as syncbn_impl
+from syncbn_lightning.activation import ACTIVATIONS
+from syncbn_lightning.batchnorm_act import make_activation
 
 IMPLS = ("ours", "torch_sync", "plain")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,16 +104,36 @@ class Case:
         return f"{'x'.join(map(str, self.shape))} {self.dtype} {self.layout}"
 
 
-def _layer(impl: str, channels: int, device: torch.device) -> nn.Module:
+def _layer(impl: str, channels: int, device: torch.device, act: str | None) -> nn.Module:
+    """The implementation's layer, followed by ``act`` (ours fuses it); its BatchNorm is
+    ``layer.bn`` for the parameters."""
     if impl == "ours":
-        layer: nn.Module = syncbn_lightning.SyncBatchNorm(channels, force_sync=True)
-    elif impl == "torch_sync":
-        layer = ForcedTorchSyncBatchNorm(channels)
+        if act is None:
+            bn: nn.Module = syncbn_lightning.SyncBatchNorm(channels, force_sync=True)
+        else:
+            bn = syncbn_lightning.SyncBatchNormAct(channels, act=act, force_sync=True)
+            assert bn.fused_activation is not None, act
+        layer = _WithBN(bn, None)
     else:
-        layer = nn.BatchNorm2d(channels)
+        bn = (
+            ForcedTorchSyncBatchNorm(channels) if impl == "torch_sync" else nn.BatchNorm2d(channels)
+        )
+        layer = _WithBN(bn, None if act is None else make_activation(act))
     layer = layer.to(device).train()
-    init_affine(layer, channels)
+    init_affine(layer.bn, channels)
     return layer
+
+
+class _WithBN(nn.Module):
+    """``act(bn(x))`` (``act`` None: ``bn(x)``), the BatchNorm reachable as ``.bn``."""
+
+    def __init__(self, bn: nn.Module, act: nn.Module | None) -> None:
+        super().__init__()
+        self.bn, self.act = bn, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(x)
+        return y if self.act is None else self.act(y)
 
 
 def _inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +147,7 @@ def _inputs(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], None]:
-    params = (x, layer.weight, layer.bias)
+    params = (x, layer.bn.weight, layer.bn.bias)
 
     def step() -> None:
         torch.autograd.grad(layer(x), params, dy)
@@ -131,7 +159,7 @@ def _measure(case: Case, args: argparse.Namespace, device: torch.device) -> None
     """Fill ``case.ms`` (median ms per replay of each implementation) and ``case.copy_ms``."""
     x, dy = _inputs(case, device)
     # The layers must outlive their graphs: a replay reads and writes their parameters and buffers.
-    layers = {impl: _layer(impl, case.shape[1], device) for impl in args.impls}
+    layers = {impl: _layer(impl, case.shape[1], device, args.act) for impl in args.impls}
     graphs = {impl: capture_graph(_step(layer, x, dy), device) for impl, layer in layers.items()}
     src = torch.empty(case.nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -156,7 +184,7 @@ def _profile(case: Case, args: argparse.Namespace, device: torch.device, steps: 
     print("| impl | kernel | µs/step |")
     print("|---|---|---:|")
     for impl in args.impls:
-        step = _step(_layer(impl, case.shape[1], device), x, dy)
+        step = _step(_layer(impl, case.shape[1], device, args.act), x, dy)
         for _ in range(3):
             step()
         torch.cuda.synchronize(device)
@@ -186,6 +214,7 @@ def _report(cases: Sequence[Case], args: argparse.Namespace, device: torch.devic
     lines = [
         f"device: {name} | torch {torch.__version__} | CUDA {torch.version.cuda}",
         f"command: python benchmarks/bench_layer.py {' '.join(sys.argv[1:])}",
+        f"layer: BatchNorm{f' + {args.act}' if args.act else ''}",
         f"median of {args.samples} samples of {args.replays} graph replays each\n",
     ]
     head = [f"{impl} µs" for impl in args.impls]
@@ -225,6 +254,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="also list each impl's kernels")
+    parser.add_argument(
+        "--act", choices=[a for a in ACTIVATIONS if a != "identity"], help="BatchNorm + this"
+    )
     args = parser.parse_args(argv)
     for name, allowed in (("dtypes", DTYPES), ("layouts", LAYOUTS), ("impls", IMPLS)):
         bad = [v for v in getattr(args, name) if v not in allowed]

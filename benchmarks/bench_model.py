@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py --device cuda                       # ResNet-50 (torchvision)
     python benchmarks/bench_model.py --device cpu --model tiny --batch 4 --size 32 --steps 3
+    python benchmarks/bench_model.py --model timm:efficientnet_b0     # BatchNormAct2d + SiLU (timm)
 
 One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The BN layers are:
 
@@ -11,6 +12,11 @@ One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The
   collective of a real group;
 * ``torch_sync`` (CUDA only): ``nn.SyncBatchNorm`` forced through torch's own sync Function
   (``torch.nn.modules._functions.SyncBatchNorm``) the same way.
+
+A ``timm:NAME`` model (timm's BatchNormAct2d layers: batch norm, then the activation module) is
+converted by our converter to :class:`syncbn_lightning.SyncBatchNormAct` (activation fused) and,
+for ``torch_sync``, by timm's own converter to its SyncBatchNormAct (torch's SyncBatchNorm, then
+the activation module), forced the same way.
 
 A one-rank process group (NCCL on CUDA, gloo on CPU) makes the collectives real. Two modes, each
 measured the same way for every implementation:
@@ -32,14 +38,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from _common import (
-    ForcedTorchSyncBatchNorm,
     capture_graph,
     cpu_model,
     csv_list,
     env_var,
+    force_torch_sync,
     median_replay_ms,
     one_rank_group,
     ratio_text,
@@ -71,6 +78,8 @@ def _tiny_model(classes: int = 10) -> nn.Module:
 def _model(name: str) -> nn.Module:
     if name == "tiny":
         return _tiny_model()
+    if name.startswith("timm:"):
+        return _timm().create_model(name[5:], num_classes=10)
     try:
         import torchvision
     except ImportError:
@@ -80,17 +89,27 @@ def _model(name: str) -> nn.Module:
     return torchvision.models.resnet50(weights=None)
 
 
-def _with_impl(model: nn.Module, impl: str) -> nn.Module:
+def _timm() -> Any:
+    try:
+        import timm
+    except ImportError:
+        raise SystemExit("--model timm:NAME needs timm (pip install timm)") from None
+    return timm
+
+
+def _with_impl(model: nn.Module, impl: str, name: str) -> nn.Module:
     if impl == "ours":
         model = syncbn_lightning.convert_sync_batchnorm(model)
         for module in model.modules():
             if isinstance(module, syncbn_lightning.SyncBatchNorm):
                 module.force_sync = True
     elif impl == "torch_sync":
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        for module in model.modules():
-            if type(module) is nn.SyncBatchNorm:
-                module.__class__ = ForcedTorchSyncBatchNorm
+        # timm's converter keeps BatchNormAct2d's activation; torch's would drop it.
+        if name.startswith("timm:"):
+            model = _timm().layers.convert_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = force_torch_sync(model)
     return model
 
 
@@ -139,7 +158,7 @@ def _graph_ms(step: Callable[[], None], device: torch.device, steps: int, warmup
 def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> dict[str, float]:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = _with_impl(_model(args.model), impl).to(device).train()
+    model = _with_impl(_model(args.model), impl, args.model).to(device).train()
     x = torch.randn(batch, 3, args.size, args.size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     if config == "bf16-cl":
@@ -200,7 +219,9 @@ def _report(args: argparse.Namespace, results: Results) -> None:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", choices=("resnet50", "tiny"), default="resnet50")
+    parser.add_argument(
+        "--model", default="resnet50", help="resnet50 (torchvision), tiny, or timm:NAME"
+    )
     parser.add_argument("--batch", type=csv_list, default=["32", "128"])
     parser.add_argument("--size", type=int, default=224, help="input height and width")
     parser.add_argument("--configs", type=csv_list, default=list(CONFIGS))
@@ -220,6 +241,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         for name, cuda_only in (("impls", "torch_sync"), ("modes", "graph")):
             if cuda_only in getattr(args, name):
                 parser.error(f"--{name} {cuda_only} needs --device cuda")
+    if args.model not in ("resnet50", "tiny") and not args.model.startswith("timm:"):
+        parser.error(f"--model: {args.model!r} is not resnet50, tiny or timm:NAME")
     args.batch = [int(b) for b in args.batch]
     return args
 

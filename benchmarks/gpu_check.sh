@@ -5,8 +5,8 @@
 #
 # Steps, in the order given: tests (pytest -m gpu over every file with a gpu test), layer
 # (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW b64, bf16 channels-last b32/b128),
-# sanitize (compute-sanitizer memcheck and racecheck over the non-slow tests of test_cuda.py, the
-# two-rank spawn test left out). Full outputs go to $OUT (default ./gpu_out); the console gets tails.
+# sanitize (compute-sanitizer memcheck and racecheck over the non-slow tests of test_cuda.py and
+# test_cuda_act.py, the two-rank spawn test left out). Full outputs go to $OUT (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
@@ -52,6 +52,7 @@ for step in "$@"; do
     for tool in memcheck racecheck; do
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python -m pytest -q \
         -p no:cacheprovider -m "gpu and not slow" -k "not two_ranks" tests/test_cuda.py \
+        tests/test_cuda_act.py \
         >"$OUT/sanitizer_$tool.txt" 2>&1
       rc=$?
       echo "$tool rc=$rc"

@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 namespace syncbn {
 namespace detail {
 
@@ -148,6 +150,28 @@ at::Tensor optional_acc(
   // Checked first: to() is a dispatcher call even when it has nothing to do.
   if (v->scalar_type() == acc_dtype_of(input.scalar_type()) && v->is_contiguous()) return *v;
   return v->to(acc_dtype_of(input.scalar_type())).contiguous();
+}
+
+Activation checked_activation(int64_t act, double act_param) {
+  TORCH_CHECK(
+      act >= 0 && act < kActKinds, "syncbn: `act` must be an activation code in [0, ", kActKinds,
+      ") (syncbn_lightning.activation.ACTIVATIONS), got ", act);
+  TORCH_CHECK(
+      std::isfinite(act_param), "syncbn: `act_param` must be finite (the negative slope of ",
+      "leaky_relu), got ", act_param);
+  return {act, act_param};
+}
+
+ActAffine act_affine(
+    int64_t act, double act_param, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const at::Tensor& input) {
+  ActAffine out{checked_activation(act, act_param), {}, {}, {}};
+  if (out.act.identity()) return out;
+  out.invstd = invstd.contiguous();
+  out.weight = optional_acc(weight, "weight", input);
+  out.bias = optional_acc(bias, "bias", input);
+  return out;
 }
 
 int64_t check_rows(const at::Tensor& rows, const at::Tensor& input) {

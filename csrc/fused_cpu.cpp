@@ -140,7 +140,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased) {
+    bool unbiased, int64_t act, double act_param) {
+  const Activation activation = checked_activation(act, act_param);  // before any update
   MergeOutputs merged = prepare_merge(
       input, rows, running_mean, running_var, num_batches_tracked, nonfinite, eps,
       c10::DeviceType::CPU);
@@ -173,19 +174,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     out[2] = scalar_t(1);
     out[3] = finite ? scalar_t(1) : scalar_t(0);
   });
-  at::Tensor output = normalize_cpu(input, mean, invstd, weight, bias);
+  at::Tensor output = normalize_checked_cpu(input, mean, invstd, weight, bias, activation);
   return {output, mean, invstd, var, info};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   check_backward_args(grad_out_, input_, mean, invstd, c10::DeviceType::CPU);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const int64_t C = input.size(1);
   at::Tensor sums = at::empty({2 * C}, mean.options());
-  backward_sums_into_cpu(grad_out, input, mean.contiguous(), {sums}, {sums, C});
+  backward_sums_into_cpu(
+      grad_out, input, mean.contiguous(), {sums}, {sums, C},
+      act_affine(act, act_param, invstd, weight, bias, input));
   auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
   return {sums, grad_weight, grad_bias};
 }
@@ -193,8 +197,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
 at::Tensor grad_input_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info) {
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CPU);
+  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input);
   const int64_t C = input.size(1);
   const at::Tensor total = group_sums(sums, info, input);
   double count = 0;
@@ -202,7 +207,7 @@ at::Tensor grad_input_cpu(
     count = static_cast<double>(info.const_data_ptr<scalar_t>()[0]);
   });
   return backward_elemt_checked_cpu(
-      grad_out, input, mean, invstd, weight, {total}, {total, C}, count);
+      grad_out, input, mean, invstd, weight, {total}, {total, C}, count, activation);
 }
 
 }  // namespace syncbn

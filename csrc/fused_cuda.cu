@@ -142,7 +142,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased) {
+    bool unbiased, int64_t act, double act_param) {
+  const Activation activation = checked_activation(act, act_param);  // before any update
   MergeOutputs merged = prepare_merge(
       input, rows, running_mean, running_var, num_batches_tracked, nonfinite, eps,
       c10::DeviceType::CUDA);
@@ -167,14 +168,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  at::Tensor output = normalize_cuda(input, mean, invstd, weight, bias);
+  at::Tensor output = normalize_act_cuda(input, mean, invstd, weight, bias, activation);
   return {output, mean, invstd, var, info};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   check_backward_args(grad_out_, input_, mean_, invstd, c10::DeviceType::CUDA);
+  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input_);
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
@@ -183,20 +186,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
   at::Tensor sums = input.numel() == 0 ? at::zeros({2 * C}, mean.options())
                                        : at::empty({2 * C}, mean.options());
   at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
-  if (input.numel() > 0) backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu);
+  if (input.numel() > 0) {
+    backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu, activation);
+  }
   return with_packed_param_grads(sums, invstd, weight, input);
 }
 
 at::Tensor grad_input_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info) {
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   check_input(input, c10::DeviceType::CUDA);
   const int64_t C = input.size(1);
   const at::Tensor total = group_sums(sums, info, input);
-  return backward_elemt_cuda(
-      grad_out, input, mean, invstd, weight, total.narrow(0, 0, C), total.narrow(0, C, C),
-      info.narrow(0, 0, 1));
+  const at::Tensor sum_dy = total.narrow(0, 0, C), sum_dy_xmu = total.narrow(0, C, C);
+  const at::Tensor count = info.narrow(0, 0, 1);
+  if (act == 0) {  // the primitive, with its argument checks
+    return backward_elemt_cuda(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count);
+  }
+  check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CUDA);
+  return backward_elemt_act_cuda(
+      grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count,
+      act_affine(act, act_param, invstd, weight, bias, input));
 }
 
 }  // namespace syncbn

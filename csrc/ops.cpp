@@ -14,14 +14,16 @@ TORCH_LIBRARY(syncbn, m) {
   m.def(
       "merge_normalize(Tensor input, Tensor rows, Tensor? weight, Tensor? bias, "
       "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
-      "Tensor(d!)? nonfinite, float? momentum, float eps, bool unbiased) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor(d!)? nonfinite, float? momentum, float eps, bool unbiased, int act=0, "
+      "float act_param=0.) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // `act` (activation.h; 0 = none) and `act_param` are the activation fused after the affine
+  // step; its backward recomputes the pre-activation from the input, so it needs the bias.
   m.def(
-      "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight) "
-      "-> (Tensor, Tensor, Tensor)");
+      "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+      "Tensor? bias=None, int act=0, float act_param=0.) -> (Tensor, Tensor, Tensor)");
   m.def(
       "grad_input(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
-      "Tensor sums, Tensor info) -> Tensor");
+      "Tensor sums, Tensor info, Tensor? bias=None, int act=0, float act_param=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(syncbn, CPU, m) {

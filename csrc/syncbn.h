@@ -18,6 +18,8 @@
 
 #include <tuple>
 
+#include "activation.h"
+
 namespace syncbn {
 
 // Per-channel Welford statistics of the local batch.
@@ -85,6 +87,8 @@ at::Tensor stats_row_cpu(const at::Tensor& input, int64_t layer_tag, const at::T
 //     or var has a NaN/inf, or the group is empty, running = lerp(running, batch, momentum or
 //     1 / num_batches_tracked) with the unbiased (or biased) var; num_batches_tracked += finite;
 //     nonfinite (int64 counter) += !finite.
+//   * `act`, `act_param`: the activation applied to the normalized output (activation.h; 0 is
+//     none), computed in the acc dtype before the single rounding to the input's dtype.
 // Returns (output, mean, invstd, var, info) with info = [count, samples, order_ok, finite] (acc
 // dtype, group-wide count and samples).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cpu(
@@ -93,21 +97,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased);
+    bool unbiased, int64_t act, double act_param);
 
 // Local backward sums packed for the collective, [sum_dy[C], sum_dy_xmu[C]] (acc dtype), with the
 // local grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy in the weight's dtype (acc dtype
 // without weight). Returns (sums, grad_weight, grad_bias).
+// With an activation (`act` != 0) the layer's output was act(z), z = (x - mean) * invstd * weight
+// + bias: z is recomputed from `input` (so `bias` is needed) and dy * act'(z) stands for dy in
+// every sum, here and in grad_input.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight);
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 
 // Input gradient from R >= 1 rows of sums ([R * 2C]: all-reduced, R = 1, or gathered, summed here
 // in row order) and the group count info[0] (read on the device).
 at::Tensor grad_input_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info);
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 
 // ------------------------------------------------------------------------------------------------
 // Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp, no nvcc).
@@ -164,6 +172,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
 at::Tensor optional_acc(
     const c10::optional<at::Tensor>& v, const char* name, const at::Tensor& input);
 
+// A fused activation with what its backward needs to recompute z = (x - mean) * scale + shift:
+// invstd, and the weight and bias in the acc dtype (undefined when absent). For the identity the
+// tensors stay undefined and the kernels are the plain BatchNorm ones.
+struct ActAffine {
+  Activation act;
+  at::Tensor invstd, weight, bias;
+};
+// `act`/`act_param` checked (a known kind, a finite param); the tensors converted for the kernels.
+ActAffine act_affine(
+    int64_t act, double act_param, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const at::Tensor& input);
+// `act`/`act_param` checked as an Activation (the forward needs no tensors).
+Activation checked_activation(int64_t act, double act_param);
+
 // Values in front of the statistics in a gathered row, and a row's width for C channels.
 constexpr int64_t kRowHeader = 4;
 inline int64_t row_width(int64_t C) { return kRowHeader + 2 * C; }
@@ -219,13 +242,18 @@ void merge_rows_cpu(
     at::Tensor& invstd, at::Tensor& var);
 void backward_sums_into_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
-    Channels sum_dy_xmu);
+    Channels sum_dy_xmu, const ActAffine& act = {});
+// normalize_cpu after its checks, with the activation applied before the rounding.
+at::Tensor normalize_checked_cpu(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const Activation& act);
 // backward_elemt_cpu after its checks, with the group sums as channel slices and the group count
-// as a number.
+// as a number (dy * act'(z) in place of dy for an activation).
 at::Tensor backward_elemt_checked_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, Channels sum_dy,
-    Channels sum_dy_xmu, double count);
+    Channels sum_dy_xmu, double count, const ActAffine& act = {});
 
 }  // namespace detail
 
@@ -235,7 +263,17 @@ namespace detail {
 void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu);
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act = {});
+// normalize_cuda with an activation (the fused forward's output).
+at::Tensor normalize_act_cuda(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const Activation& act);
+// backward_elemt_cuda with an activation (dy * act'(z) in place of dy).
+at::Tensor backward_elemt_act_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+    const at::Tensor& sum_dy_xmu, const at::Tensor& count, const ActAffine& act);
 }  // namespace detail
 
 std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input);
@@ -260,14 +298,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased);
+    bool unbiased, int64_t act, double act_param);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight);
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 at::Tensor grad_input_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info);
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 #endif
 
 }  // namespace syncbn

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace syncbn {
@@ -74,6 +75,11 @@ inline c10::BFloat16 from_acc<c10::BFloat16, float>(float v) {
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
   const uint32_t out = v != v ? 0x7FC0u : rounded;
   return c10::BFloat16(static_cast<uint16_t>(out), c10::BFloat16::from_bits());
+}
+
+template <typename T>
+const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
 }
 
 // Count, mean and sum of squared deviations, merged with Chan's pairwise formula.
@@ -336,6 +342,25 @@ Affine<acc_t> normalize_coefficients(
   return a;
 }
 
+// The activation's z coefficients for the backward kernels (empty without an activation).
+template <typename acc_t>
+Affine<acc_t> z_affine(const ActAffine& act, const acc_t* mean, int64_t C) {
+  if (act.act.identity()) return {};
+  return normalize_coefficients<acc_t>(
+      mean, act.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.weight),
+      data_or_null<acc_t>(act.bias), C);
+}
+
+// The z coefficients of channel c (zeros without an activation: the vectors are empty then).
+template <typename Act, typename acc_t>
+inline std::pair<acc_t, acc_t> z_coefficients(const Affine<acc_t>& z, int64_t c) {
+  if constexpr (Act::kIdentity) {
+    return {acc_t(0), acc_t(0)};
+  } else {
+    return {z.scale[c], z.shift[c]};
+  }
+}
+
 // Per-channel coefficients of dx = (dy - mean_dy - (x - mean) * k) * iw, with mean_dy and k from
 // the group-wide sums and count. (x - mean) stays explicit: folding it into an offset would cancel
 // catastrophically for large means.
@@ -361,8 +386,9 @@ BackwardCoefficients<acc_t> backward_coefficients(
   return b;
 }
 
-template <typename scalar_t, typename acc_t>
-void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const Affine<acc_t>& a) {
+template <typename scalar_t, typename acc_t, typename Act>
+void normalize_kernel(
+    const scalar_t* x, scalar_t* y, const Geometry& g, const Affine<acc_t>& a, const Act& act) {
   if (g.layout == Layout::kChannelsFirst) {
     const int64_t S = g.S;
     at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t b, int64_t e) {
@@ -372,7 +398,7 @@ void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const A
         const scalar_t* __restrict xr = x + r * S;
         scalar_t* __restrict yr = y + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          yr[s] = from_acc<scalar_t>((to_acc<acc_t>(xr[s]) - m) * sc + sh);
+          yr[s] = from_acc<scalar_t>(act.forward((to_acc<acc_t>(xr[s]) - m) * sc + sh));
         }
       }
     });
@@ -387,17 +413,18 @@ void normalize_kernel(const scalar_t* x, scalar_t* y, const Geometry& g, const A
         scalar_t* __restrict yr = y + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          yr[c] = from_acc<scalar_t>((to_acc<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]);
+          yr[c] = from_acc<scalar_t>(act.forward((to_acc<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]));
         }
       }
     });
   }
 }
 
-template <typename scalar_t, typename acc_t>
+// With an activation, `z` holds its per-channel coefficients (see act_input_grad).
+template <typename scalar_t, typename acc_t, typename Act>
 void backward_reduce_channels_first(
     const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
-    acc_t* sum_dy_xmu) {
+    acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
   constexpr int L = kLanes<acc_t>;
   const int64_t P = row_splits(g);
   std::vector<double> part_dy(g.C * P), part_dyx(g.C * P);
@@ -406,6 +433,7 @@ void backward_reduce_channels_first(
       const int64_t c = task / P, p = task % P;
       const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
       const acc_t m = mean[c];
+      const auto [sc, sh] = z_coefficients<Act>(z, c);
       acc_t a_dy[L] = {}, a_dyx[L] = {};
       double t_dy = 0, t_dyx = 0;
       int64_t pending = 0;
@@ -428,16 +456,18 @@ void backward_reduce_channels_first(
               const scalar_t* __restrict v = q[1] + gi * L;
 #pragma GCC ivdep
               for (int l = 0; l < L; ++l) {
-                const acc_t dv = to_acc<acc_t>(d[l]);
+                const acc_t xm = to_acc<acc_t>(v[l]) - m;
+                const acc_t dv = act_input_grad(act, to_acc<acc_t>(d[l]), xm, sc, sh);
                 a_dy[l] += dv;
-                a_dyx[l] += dv * (to_acc<acc_t>(v[l]) - m);
+                a_dyx[l] += dv * xm;
               }
               if (++pending == kFlushGroups) flush();
             }
           },
           [&](const std::array<const scalar_t*, 2>& q, int count) {
             for (int i = 0; i < count; ++i) {
-              const double dv = static_cast<double>(q[0][i]);
+              const acc_t xm = to_acc<acc_t>(q[1][i]) - m;
+              const double dv = act_input_grad(act, static_cast<double>(q[0][i]), double(xm), double(sc), double(sh));
               t_dy += dv;
               t_dyx += dv * (static_cast<double>(q[1][i]) - m);
             }
@@ -450,10 +480,10 @@ void backward_reduce_channels_first(
   fold_sum_partials(part_dy, part_dyx, g.C, P, P, 1, sum_dy, sum_dy_xmu);
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Act>
 void backward_reduce_channels_last(
     const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
-    acc_t* sum_dy_xmu) {
+    acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
   const int64_t rows = g.N * g.S, C = g.C;
   const int64_t chunks = row_chunks(rows);
   std::vector<double> part_dy(chunks * C, 0.0), part_dyx(chunks * C, 0.0);
@@ -474,9 +504,11 @@ void backward_reduce_channels_last(
           const scalar_t* __restrict v = x + r * C;
 #pragma GCC ivdep
           for (int64_t c = 0; c < C; ++c) {
-            const acc_t dv = to_acc<acc_t>(d[c]);
+            const acc_t xm = to_acc<acc_t>(v[c]) - mean[c];
+            const auto [sc, sh] = z_coefficients<Act>(z, c);
+            const acc_t dv = act_input_grad(act, to_acc<acc_t>(d[c]), xm, sc, sh);
             pdy[c] += dv;
-            pdyx[c] += dv * (to_acc<acc_t>(v[c]) - mean[c]);
+            pdyx[c] += dv * xm;
           }
         }
         for (int64_t c = 0; c < C; ++c) {
@@ -489,22 +521,24 @@ void backward_reduce_channels_last(
   fold_sum_partials(part_dy, part_dyx, C, chunks, 1, C, sum_dy, sum_dy_xmu);
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Act>
 void backward_elemt_kernel(
     const scalar_t* dy, const scalar_t* x, scalar_t* dx, const Geometry& g,
-    const BackwardCoefficients<acc_t>& b) {
+    const BackwardCoefficients<acc_t>& b, const Affine<acc_t>& z, const Act& act) {
   if (g.layout == Layout::kChannelsFirst) {
     const int64_t S = g.S;
     at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t c = r % g.C;
         const acc_t m = b.mean[c], iw = b.iw[c], mdy = b.mean_dy[c], k = b.k[c];
+        const auto [sc, sh] = z_coefficients<Act>(z, c);
         const scalar_t* __restrict d = dy + r * S;
         const scalar_t* __restrict v = x + r * S;
         scalar_t* __restrict o = dx + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          o[s] = from_acc<scalar_t>(
-              (to_acc<acc_t>(d[s]) - mdy - (to_acc<acc_t>(v[s]) - m) * k) * iw);
+          const acc_t xm = to_acc<acc_t>(v[s]) - m;
+          const acc_t dz = act_input_grad(act, to_acc<acc_t>(d[s]), xm, sc, sh);
+          o[s] = from_acc<scalar_t>((dz - mdy - xm * k) * iw);
         }
       }
     });
@@ -521,9 +555,10 @@ void backward_elemt_kernel(
         scalar_t* __restrict o = dx + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          o[c] = from_acc<scalar_t>(
-              (to_acc<acc_t>(d[c]) - mdyp[c] - (to_acc<acc_t>(v[c]) - mp[c]) * kp[c]) *
-              iwp[c]);
+          const acc_t xm = to_acc<acc_t>(v[c]) - mp[c];
+          const auto [sc, sh] = z_coefficients<Act>(z, c);
+          const acc_t dz = act_input_grad(act, to_acc<acc_t>(d[c]), xm, sc, sh);
+          o[c] = from_acc<scalar_t>((dz - mdyp[c] - xm * kp[c]) * iwp[c]);
         }
       }
     });
@@ -533,11 +568,6 @@ void backward_elemt_kernel(
 // ------------------------------------------------------------------------------------------------
 // Host entry points: argument checks, layout, dtype dispatch
 // ------------------------------------------------------------------------------------------------
-
-template <typename T>
-const T* data_or_null(const at::Tensor& t) {
-  return t.defined() ? t.const_data_ptr<T>() : nullptr;
-}
 
 }  // namespace
 
@@ -578,7 +608,7 @@ void merge_rows_cpu(
 
 void backward_sums_into_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
-    Channels sum_dy_xmu) {
+    Channels sum_dy_xmu, const ActAffine& act) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -592,18 +622,21 @@ void backward_sums_into_cpu(
     const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const acc_t* m = mean.const_data_ptr<acc_t>();
-    if (g.layout == Layout::kChannelsFirst) {
-      backward_reduce_channels_first<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum);
-    } else {
-      backward_reduce_channels_last<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum);
-    }
+    const Affine<acc_t> z = z_affine<acc_t>(act, m, g.C);
+    with_activation<acc_t>(act.act, [&](const auto& a) {
+      if (g.layout == Layout::kChannelsFirst) {
+        backward_reduce_channels_first<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum, z, a);
+      } else {
+        backward_reduce_channels_last<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum, z, a);
+      }
+    });
   });
 }
 
 at::Tensor backward_elemt_checked_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, Channels sum_dy,
-    Channels sum_dy_xmu, double count) {
+    Channels sum_dy_xmu, double count, const ActAffine& act) {
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
@@ -616,9 +649,12 @@ at::Tensor backward_elemt_checked_cpu(
     const auto coeff = backward_coefficients<acc_t>(
         mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
         sum_dy.data<acc_t>(), sum_dy_xmu.data<acc_t>(), count, g.C);
-    backward_elemt_kernel<scalar_t, acc_t>(
-        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-        grad_in.mutable_data_ptr<scalar_t>(), g, coeff);
+    const Affine<acc_t> z = z_affine<acc_t>(act, mean.const_data_ptr<acc_t>(), g.C);
+    with_activation<acc_t>(act.act, [&](const auto& a) {
+      backward_elemt_kernel<scalar_t, acc_t>(
+          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+          grad_in.mutable_data_ptr<scalar_t>(), g, coeff, z, a);
+    });
   });
   return grad_in;
 }
@@ -656,9 +692,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
 }
 
 at::Tensor normalize_cpu(
-    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
-  check_normalize_args(input_, mean_, invstd_, c10::DeviceType::CPU);
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CPU);
+  return normalize_checked_cpu(input, mean, invstd, weight, bias, Activation{});
+}
+
+namespace detail {
+
+at::Tensor normalize_checked_cpu(
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const Activation& act) {
   const at::Tensor input = dense_input(input_);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
   const at::Tensor w = optional_acc(weight, "weight", input);
@@ -671,11 +716,15 @@ at::Tensor normalize_cpu(
     const auto coeff = normalize_coefficients<acc_t>(
         mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
         data_or_null<acc_t>(b), g.C);
-    normalize_kernel<scalar_t, acc_t>(
-        input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(), g, coeff);
+    with_activation<acc_t>(act, [&](const auto& a) {
+      normalize_kernel<scalar_t, acc_t>(
+          input.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>(), g, coeff, a);
+    });
   });
   return output;
 }
+
+}  // namespace detail
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,

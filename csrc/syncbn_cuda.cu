@@ -41,6 +41,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace syncbn {
 namespace {
@@ -160,20 +161,38 @@ struct WelfordOp {
   }
 };
 
-// Per-channel backward sums: fields (sum dy, sum dy * (x - mean)).
-template <typename scalar_t, typename acc_t>
+// A channel's mean and, for a fused activation, the coefficients of z = (x - mean) * scale + shift.
+template <typename acc_t>
+struct ZChannel {
+  acc_t mean, scale, shift;
+};
+
+// Per-channel backward sums: fields (sum dy, sum dy * (x - mean)); with a fused activation, dy *
+// act'(z) in place of dy (activation.h), z recomputed from x.
+template <typename scalar_t, typename acc_t, typename Act = IdentityAct>
 struct GradSumOp {
   static constexpr int kFields = 2;
   using scalar_type = scalar_t;
   struct Item {
     acc_t dy, x;
   };
-  using Channel = acc_t;  // the mean
+  using Channel = ZChannel<acc_t>;
   const scalar_t* __restrict__ dy;
   const scalar_t* __restrict__ x;
   const acc_t* __restrict__ mean;
+  // Read only with an activation (weight and bias may be null: 1 and 0).
+  const acc_t* __restrict__ invstd = nullptr;
+  const acc_t* __restrict__ weight = nullptr;
+  const acc_t* __restrict__ bias = nullptr;
+  Act act = {};
 
-  __device__ Channel channel(int64_t c) const { return mean[c]; }
+  __device__ Channel channel(int64_t c) const {
+    if constexpr (Act::kIdentity) {
+      return {mean[c], acc_t(0), acc_t(0)};
+    } else {
+      return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
+    }
+  }
   bool aligned(size_t bytes) const { return aligned_to(dy, bytes) && aligned_to(x, bytes); }
   __device__ __forceinline__ Item load(int64_t i, Channel) const {
     return {to_acc<acc_t>(dy[i]), to_acc<acc_t>(x[i])};
@@ -185,9 +204,11 @@ struct GradSumOp {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v[e] = {to_acc<acc_t>(rdy.v[e]), to_acc<acc_t>(rx.v[e])};
   }
-  __device__ __forceinline__ void push(acc_t* s, Item v, Channel m) const {
-    s[0] += v.dy;
-    s[1] += v.dy * (v.x - m);
+  __device__ __forceinline__ void push(acc_t* s, Item v, const Channel& ch) const {
+    const acc_t xm = v.x - ch.mean;
+    const acc_t dz = act_input_grad(act, v.dy, xm, ch.scale, ch.shift);
+    s[0] += dz;
+    s[1] += dz * xm;
   }
   template <int VEC>
   __device__ __forceinline__ void push_vec(
@@ -264,8 +285,8 @@ __device__ __forceinline__ void store_fold(
   for (int f = 0; f < Op::kFields; ++f) p[f] = s[f];
 }
 
-// y = (x - mean) * invstd * weight + bias.
-template <typename acc_t>
+// y = act((x - mean) * invstd * weight + bias).
+template <typename acc_t, typename Act = IdentityAct>
 struct NormalizeOp {
   static constexpr int kInputs = 1;
   struct Coeff {
@@ -275,24 +296,26 @@ struct NormalizeOp {
   const acc_t* __restrict__ invstd;
   const acc_t* __restrict__ weight;  // may be null
   const acc_t* __restrict__ bias;    // may be null
+  Act act = {};
 
   __device__ __forceinline__ void begin() {}
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
     return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
   }
   __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
-    return (in[0] - k.mean) * k.scale + k.shift;
+    return act.forward((in[0] - k.mean) * k.scale + k.shift);
   }
 };
 
 // dx = (dy - mean_dy - (x - mean) * k) * iw with mean_dy = sum_dy / n, k = sum_dy_xmu / n *
 // invstd^2 and iw = invstd * weight, where n is the group count read from device memory.
 // (x - mean) stays explicit: folding it into an offset cancels catastrophically for large means.
-template <typename acc_t>
+// With a fused activation dy * act'(z) stands for dy, z = (x - mean) * iw + bias as in the forward.
+template <typename acc_t, typename Act = IdentityAct>
 struct BackwardElemtOp {
   static constexpr int kInputs = 2;  // dy, x
   struct Coeff {
-    acc_t mean, iw, mean_dy, k;
+    acc_t mean, iw, mean_dy, k, shift;
   };
   const acc_t* __restrict__ mean;
   const acc_t* __restrict__ invstd;
@@ -300,6 +323,8 @@ struct BackwardElemtOp {
   const acc_t* __restrict__ sum_dy;
   const acc_t* __restrict__ sum_dy_xmu;
   const acc_t* __restrict__ count;  // one element
+  const acc_t* __restrict__ bias = nullptr;  // read only with an activation (may be null: 0)
+  Act act = {};
   acc_t inv_n = acc_t(0);           // 1 / count, set by begin()
 
   // Once per thread, before coeff(): one read of the group count and one division, instead of
@@ -311,10 +336,12 @@ struct BackwardElemtOp {
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
     const acc_t is = invstd[c];
     const acc_t iw = weight ? is * weight[c] : is;
-    return {mean[c], iw, sum_dy[c] * inv_n, sum_dy_xmu[c] * inv_n * is * is};
+    const acc_t shift = !Act::kIdentity && bias ? bias[c] : acc_t(0);
+    return {mean[c], iw, sum_dy[c] * inv_n, sum_dy_xmu[c] * inv_n * is * is, shift};
   }
   __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
-    return (in[0] - k.mean_dy - (in[1] - k.mean) * k.k) * k.iw;
+    const acc_t xm = in[1] - k.mean;
+    return (act_input_grad(act, in[0], xm, k.iw, k.shift) - k.mean_dy - xm * k.k) * k.iw;
   }
 };
 
@@ -697,15 +724,18 @@ void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor
 
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu) {
+    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const GradSumOp<scalar_t, acc_t> op{
-        grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-        mean.const_data_ptr<acc_t>()};
-    launch_reduction(
-        op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+    with_activation<acc_t>(act.act, [&](const auto& a) {
+      const GradSumOp<scalar_t, acc_t, std::decay_t<decltype(a)>> op{
+          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+          mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.invstd),
+          data_or_null<acc_t>(act.weight), data_or_null<acc_t>(act.bias), a};
+      launch_reduction(
+          op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+    });
   });
 }
 
@@ -747,9 +777,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cuda(
 }
 
 at::Tensor normalize_cuda(
-    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
-  check_normalize_args(input_, mean_, invstd_, c10::DeviceType::CUDA);
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CUDA);
+  return normalize_act_cuda(input, mean, invstd, weight, bias, Activation{});
+}
+
+namespace detail {
+
+at::Tensor normalize_act_cuda(
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const Activation& act) {
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = dense_input(input_);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
@@ -760,15 +799,20 @@ at::Tensor normalize_cuda(
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "normalize_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const NormalizeOp<acc_t> op{
-        mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
-        data_or_null<acc_t>(b)};
     const ElemtPointers<scalar_t, 1> ptr{
         {input.const_data_ptr<scalar_t>()}, output.mutable_data_ptr<scalar_t>()};
-    launch_elemt<NormalizeOp<acc_t>, scalar_t, acc_t>(op, ptr, g, input);
+    with_activation<acc_t>(act, [&](const auto& a) {
+      using Op = NormalizeOp<acc_t, std::decay_t<decltype(a)>>;
+      const Op op{
+          mean.const_data_ptr<acc_t>(), invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(w),
+          data_or_null<acc_t>(b), a};
+      launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, input);
+    });
   });
   return output;
 }
+
+}  // namespace detail
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
@@ -800,6 +844,16 @@ at::Tensor backward_elemt_cuda(
   check_channel_vector(sum_dy_, "sum_dy", input_, true);
   check_channel_vector(sum_dy_xmu_, "sum_dy_xmu", input_, true);
   check_count(count_, input_);
+  return backward_elemt_act_cuda(
+      grad_out_, input_, mean_, invstd_, weight, sum_dy_, sum_dy_xmu_, count_, ActAffine{});
+}
+
+namespace detail {
+
+at::Tensor backward_elemt_act_cuda(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
+    const at::Tensor& sum_dy_xmu_, const at::Tensor& count_, const ActAffine& act) {
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
@@ -813,16 +867,22 @@ at::Tensor backward_elemt_cuda(
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_elemt_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const BackwardElemtOp<acc_t> op{
-        mean.const_data_ptr<acc_t>(),   invstd.const_data_ptr<acc_t>(),
-        data_or_null<acc_t>(w),         sum_dy.const_data_ptr<acc_t>(),
-        sum_dy_xmu.const_data_ptr<acc_t>(), count.const_data_ptr<acc_t>()};
     const ElemtPointers<scalar_t, 2> ptr{
         {grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>()},
         grad_in.mutable_data_ptr<scalar_t>()};
-    launch_elemt<BackwardElemtOp<acc_t>, scalar_t, acc_t>(op, ptr, g, input);
+    with_activation<acc_t>(act.act, [&](const auto& a) {
+      using Op = BackwardElemtOp<acc_t, std::decay_t<decltype(a)>>;
+      const Op op{
+          mean.const_data_ptr<acc_t>(),   invstd.const_data_ptr<acc_t>(),
+          data_or_null<acc_t>(w),         sum_dy.const_data_ptr<acc_t>(),
+          sum_dy_xmu.const_data_ptr<acc_t>(), count.const_data_ptr<acc_t>(),
+          data_or_null<acc_t>(act.bias), a};
+      launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, input);
+    });
   });
   return grad_in;
 }
+
+}  // namespace detail
 
 }  // namespace syncbn

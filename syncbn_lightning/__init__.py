@@ -2,6 +2,7 @@
 
 Public API:
     SyncBatchNorm: drop-in for ``torch.nn.SyncBatchNorm`` that also runs on CPU.
+    SyncBatchNormAct: SyncBatchNorm + activation fused in its kernels (timm's BatchNormAct2d).
     convert_sync_batchnorm / revert_sync_batchnorm: swap a model's BatchNorm layers and back.
     new_sync_group: split the world into consecutive groups of ranks that normalize together.
     update_bn_stats: PreciseBN, population statistics over real batches.
@@ -13,6 +14,7 @@ Public API:
 from typing import Any
 
 from .batchnorm import SyncBatchNorm
+from .batchnorm_act import BatchNormActXd, SyncBatchNormAct
 from .call_order import CallOrderError, check_call_order
 from .convert import (
     BatchNormXd,
@@ -26,6 +28,7 @@ from .precise_bn import update_bn_stats
 
 __all__ = [
     "SyncBatchNorm",
+    "SyncBatchNormAct",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",
     "name_sync_layers",
@@ -33,6 +36,7 @@ __all__ = [
     "check_call_order",
     "new_sync_group",
     "BatchNormXd",
+    "BatchNormActXd",
     "update_bn_stats",
     "SyncDataParallel",
     "join_replicas",

@@ -15,6 +15,7 @@ from .call_order import register_layer_name
 from .function import TAG_LIMIT, SyncBatchNormFunction, check_stats_mode
 from .groups import group_name_of, sync_group_size
 from .impl import check_impl
+from .validation import validate_hyperparameters
 
 __all__ = ["SyncBatchNorm", "BatchRecord"]
 
@@ -161,7 +162,7 @@ class SyncBatchNorm(_BatchNorm):
         impl: str | None = None,
         stats_mode: str = "N",
     ) -> None:
-        _validate_hyperparameters(num_features, eps, momentum, process_group)
+        validate_hyperparameters(num_features, eps, momentum, process_group)
         impl = check_impl(impl)
         stats_mode = check_stats_mode(stats_mode)
         # _BatchNorm's, not super(): in SyncBatchNormOnDevice the next class is nn.SyncBatchNorm,
@@ -268,6 +269,14 @@ class SyncBatchNorm(_BatchNorm):
             )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self._forward(input, None)[0]
+
+    def _forward(
+        self, input: torch.Tensor, activation: tuple[int, float] | None
+    ) -> tuple[torch.Tensor, bool]:
+        """The normalized ``input``, and whether ``activation`` (a code and parameter of
+        :mod:`.activation`) was applied too: by the synchronized kernels, never on the local path
+        (plain ``F.batch_norm``), which leaves it to the caller."""
         # Parameters and buffers read from their dicts: Module.__getattr__ costs ~0.7 us of host
         # time per name, a tenth of the layer's own host cost on a small tensor.
         params, buffers = self._parameters, self._buffers
@@ -283,8 +292,11 @@ class SyncBatchNorm(_BatchNorm):
         if world_size == 1 and not (self.training and self.force_sync):
             if self.training:
                 self.last_batch = BatchRecord(int(input.shape[0]))
-            return super().forward(input)
-        return self._forward_sync(input, world_size, weight, params["bias"], running_mean, buffers)
+            return super().forward(input), False
+        output = self._forward_sync(
+            input, world_size, weight, params["bias"], running_mean, buffers, activation or (0, 0.0)
+        )
+        return output, activation is not None
 
     def _forward_sync(
         self,
@@ -294,10 +306,12 @@ class SyncBatchNorm(_BatchNorm):
         bias: torch.Tensor | None,
         running_mean: torch.Tensor | None,
         buffers: dict[str, torch.Tensor | None],
+        activation: tuple[int, float],
     ) -> torch.Tensor:
         """The synchronized training forward: statistics over the group, running stats updated
         in place by the merge (non-finite group statistics skip the update, see
-        :meth:`nonfinite_skips`; an all-empty group leaves them alone as torch does)."""
+        :meth:`nonfinite_skips`; an all-empty group leaves them alone as torch does), and the
+        fused ``activation`` (code 0: none)."""
         calls, nonfinite = self._counters(input.device)
         track = self.track_running_stats and running_mean is not None
         output, mean, var, info = SyncBatchNormFunction.apply(
@@ -317,6 +331,7 @@ class SyncBatchNorm(_BatchNorm):
             self.layer_tag,
             self.impl,
             self.stats_mode == "default",
+            *activation,
         )
         self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
         return output
@@ -409,45 +424,3 @@ def _dtypes_compatible(input_dtype: torch.dtype, param_dtype: torch.dtype) -> bo
     return input_dtype == param_dtype or (
         input_dtype in _HALF_DTYPES and param_dtype == torch.float32
     )
-
-
-def _validate_hyperparameters(
-    num_features: Any, eps: Any, momentum: Any, process_group: Any
-) -> None:
-    if isinstance(num_features, bool) or not isinstance(num_features, int):
-        raise TypeError(
-            f"num_features must be an int (the number of channels), got "
-            f"{type(num_features).__name__} {num_features!r}"
-        )
-    if num_features <= 0:
-        raise ValueError(f"num_features must be > 0 (the number of channels), got {num_features}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float > 0, got {type(eps).__name__} {eps!r}")
-    if not eps > 0 or eps == float("inf"):
-        raise ValueError(f"eps must be a finite float > 0 (e.g. 1e-5), got {eps}")
-    if momentum is not None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-            raise TypeError(
-                f"momentum must be a float in [0, 1] or None (cumulative average), got "
-                f"{type(momentum).__name__} {momentum!r}"
-            )
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(
-                f"momentum must be in [0, 1] or None (cumulative average), got {momentum}; torch "
-                f"convention: the weight of the new batch (TF/Keras momentum m is 1 - m here)"
-            )
-    if process_group is not None and not _is_group(process_group):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None (world), got "
-            f"{type(process_group).__name__}; create one with syncbn_lightning.new_sync_group()"
-        )
-
-
-def _is_group(process_group: Any) -> bool:
-    """A ProcessGroup, or what ``dist.new_group(ranks)`` returns on a rank outside ``ranks``
-    (``GroupMember.NON_GROUP_MEMBER``), which ``torch.nn.SyncBatchNorm`` accepts too: every rank
-    can then convert the same model; only training such a layer there fails (see
-    :func:`~syncbn_lightning.groups.sync_group_size`)."""
-    if isinstance(process_group, dist.ProcessGroup):
-        return True
-    return dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER

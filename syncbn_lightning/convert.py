@@ -9,11 +9,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+from .batchnorm import SyncBatchNorm
+from .batchnorm_act import BatchNormActXd, SyncBatchNormAct
 from .function import check_stats_mode
 from .impl import check_impl
+from .validation import validate_hyperparameters
 
 __all__ = [
+    "CUSTOM_FORWARD",
     "KEEP",
     "convert_sync_batchnorm",
     "configure_sync_layers",
@@ -36,6 +39,18 @@ _NORM_STATE = (
     "track_running_stats",
 )
 _ORIGINAL = "_syncbn_original"
+#: What the converter does with a ``_BatchNorm`` subclass whose ``forward`` it cannot reproduce:
+#: raise (the default), convert it anyway (its forward is plain batch norm, e.g. another
+#: library's synchronized BatchNorm), or leave it as it is.
+CUSTOM_FORWARD = ("error", "convert", "skip")
+# The forwards a SyncBatchNorm reproduces: torch's BatchNorm (every BatchNorm*d, lazy ones
+# included) and torch's SyncBatchNorm.
+_PLAIN_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+# timm's BatchNorm + drop + activation classes (module, name): SyncBatchNormAct reproduces them.
+_TIMM_NORM_ACT = {
+    ("timm.layers.norm_act", "BatchNormAct2d"),
+    ("timm.layers.norm_act", "SyncBatchNormAct"),
+}
 
 
 class _Keep:
@@ -72,14 +87,18 @@ def convert_sync_batchnorm(
     force_sync: bool = False,
     unbiased_running_var: bool = True,
     stats_mode: str = "N",
+    custom_forward: str = "error",
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
 
-    ``BatchNorm1d/2d/3d``, their subclasses and ``torch.nn.SyncBatchNorm`` are converted; layers
-    that already are :class:`SyncBatchNorm` are left alone (so the call is idempotent), and so is
-    everything that is not a ``_BatchNorm``. Each new layer shares the original's Parameter and
-    buffer *objects* (an optimizer built before or after the conversion holds the same tensors) and
-    keeps its ``training`` flag, ``requires_grad``, hyper-parameters and state_dict keys.
+    ``BatchNorm1d/2d/3d``, their subclasses that keep torch's ``forward`` and
+    ``torch.nn.SyncBatchNorm`` are converted; timm's ``BatchNormAct2d`` and ``SyncBatchNormAct``
+    (batch norm, then their ``drop`` and ``act`` modules) become :class:`SyncBatchNormAct`, which
+    keeps both. Layers that already are :class:`SyncBatchNorm` are left alone (so the call is
+    idempotent), and so is everything that is not a ``_BatchNorm``. Each new layer shares the
+    original's Parameter, buffer and child-module *objects* (an optimizer built before or after
+    the conversion holds the same tensors) and keeps its ``training`` flag, ``requires_grad``,
+    hyper-parameters and state_dict keys.
 
     Args:
         module: the model, or a single BatchNorm layer.
@@ -93,6 +112,11 @@ def convert_sync_batchnorm(
         unbiased_running_var: passed to every :class:`SyncBatchNorm`.
         stats_mode: passed to every :class:`SyncBatchNorm`: ``"N"`` (ranks weighed by their
             number of samples) or ``"default"`` (every non-empty rank weighs the same).
+        custom_forward: what to do with any other ``_BatchNorm`` subclass, one with a
+            ``forward`` of its own that a SyncBatchNorm would not reproduce: ``"error"`` (raise,
+            naming the layer and its class), ``"convert"`` (convert it anyway: its forward is
+            plain batch norm, e.g. another library's synchronized BatchNorm) or ``"skip"`` (leave
+            it unsynchronized). Default: ``"error"``.
 
     Returns:
         ``module`` with its BatchNorm children replaced in place, or the new layer if ``module``
@@ -100,7 +124,8 @@ def convert_sync_batchnorm(
 
     Raises:
         ValueError: when a lazy BatchNorm has not been initialized yet (run one forward first),
-            or ``momentum``/``eps``/``impl`` is out of range.
+            ``momentum``/``eps``/``impl``/``custom_forward`` is out of range, or (with
+            ``custom_forward="error"``) a layer has a forward of its own.
         TypeError: when ``process_group`` is not a ProcessGroup or None, or an argument has the
             wrong type.
 
@@ -115,7 +140,12 @@ def convert_sync_batchnorm(
     settings = _settings(process_group, momentum, eps, impl, force_sync)
     settings["unbiased_running_var"] = bool(unbiased_running_var)
     settings["stats_mode"] = check_stats_mode(stats_mode)
-    converted = _convert_tree(module, settings)
+    if custom_forward not in CUSTOM_FORWARD:
+        raise ValueError(
+            f"custom_forward must be one of {CUSTOM_FORWARD} (what to do with a BatchNorm "
+            f"subclass that has its own forward), got {custom_forward!r}"
+        )
+    converted = _convert_tree(module, settings, custom_forward, "")
     name_sync_layers(converted)
     return converted
 
@@ -128,7 +158,7 @@ def _settings(
     force_sync: bool,
 ) -> dict[str, Any]:
     """The attributes a converted layer gets, checked (momentum/eps left out when kept)."""
-    _validate_hyperparameters(
+    validate_hyperparameters(
         1, 1e-5 if eps is None else eps, None if momentum is KEEP else momentum, process_group
     )
     settings: dict[str, Any] = {
@@ -186,14 +216,44 @@ def name_sync_layers(module: nn.Module) -> None:
             child.set_sync_name(name or type(module).__name__)
 
 
-def _convert_tree(module: nn.Module, settings: dict[str, Any]) -> nn.Module:
+def _convert_tree(
+    module: nn.Module, settings: dict[str, Any], custom_forward: str, name: str
+) -> nn.Module:
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        return _to_sync(module, settings)
-    for name, child in module.named_children():
-        converted = _convert_tree(child, settings)
+        cls = _sync_class(type(module), custom_forward, name or type(module).__name__)
+        return module if cls is None else _to_sync(module, settings, cls)
+    for child_name, child in module.named_children():
+        converted = _convert_tree(
+            child, settings, custom_forward, f"{name}.{child_name}" if name else child_name
+        )
         if converted is not child:
-            module.add_module(name, converted)
+            module.add_module(child_name, converted)
     return module
+
+
+def _sync_class(
+    cls: type[_BatchNorm], custom_forward: str, name: str
+) -> type[SyncBatchNorm] | None:
+    """The class a layer of class ``cls`` converts to (``None``: leave it), by whose ``forward``
+    it runs: torch's (SyncBatchNorm), timm's BatchNorm + drop + act (SyncBatchNormAct), or its
+    own (``custom_forward`` decides)."""
+    owner = next(klass for klass in cls.__mro__ if "forward" in vars(klass))
+    if owner.forward in _PLAIN_FORWARDS:
+        return SyncBatchNorm
+    if owner is BatchNormActXd or (owner.__module__, owner.__name__) in _TIMM_NORM_ACT:
+        return SyncBatchNormAct
+    if custom_forward == "convert":
+        return SyncBatchNorm
+    if custom_forward == "skip":
+        return None
+    raise ValueError(
+        f"cannot convert {name!r}: {cls.__module__}.{cls.__qualname__} is a BatchNorm with a "
+        f"forward of its own ({owner.__qualname__}.forward), which SyncBatchNorm would replace "
+        f"with plain batch norm. If that forward is plain batch normalization (e.g. another "
+        f"library's synchronized BatchNorm), convert with convert_sync_batchnorm(model, "
+        f"custom_forward='convert'); to leave such layers unsynchronized, custom_forward='skip' "
+        f"(SyncBNCallback configures layers converted before it runs)."
+    )
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
@@ -202,7 +262,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     A layer made by the converter comes back as exactly the class it was (``BatchNorm2d`` as
     ``BatchNorm2d``, with its input-dim check; a subclass with its extra attributes), sharing the
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
-    are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd`.
+    are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a
+    :class:`SyncBatchNormAct`: :class:`BatchNormActXd`, with its ``act`` and ``drop``).
 
     Args:
         module: the model, or a single layer.
@@ -227,13 +288,13 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     return module
 
 
-def _to_sync(bn: _BatchNorm, settings: dict[str, Any]) -> SyncBatchNorm:
+def _to_sync(bn: _BatchNorm, settings: dict[str, Any], cls: type[SyncBatchNorm]) -> SyncBatchNorm:
     if isinstance(bn, _LazyNormBase) and bn.has_uninitialized_params():
         raise ValueError(
             f"cannot convert the uninitialized lazy layer {bn!r}: run one forward pass first so "
             f"that num_features is known"
         )
-    sync = SyncBatchNorm.__new__(SyncBatchNorm)
+    sync = cls.__new__(cls)
     nn.Module.__init__(sync)
     # Share the very same Parameter and buffer objects (and their order, hence the state_dict).
     for attr in _NORM_STATE:
@@ -249,7 +310,8 @@ def _to_sync(bn: _BatchNorm, settings: dict[str, Any]) -> SyncBatchNorm:
 
 
 def _from_sync(sync: SyncBatchNorm) -> nn.Module:
-    cls, original = getattr(sync, _ORIGINAL, (BatchNormXd, None))
+    plain = BatchNormActXd if isinstance(sync, SyncBatchNormAct) else BatchNormXd
+    cls, original = getattr(sync, _ORIGINAL, (plain, None))
     bn = cls.__new__(cls)
     if original is None:
         nn.Module.__init__(bn)

@@ -10,15 +10,16 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .batchnorm import SyncBatchNorm, _validate_hyperparameters
+from .batchnorm import SyncBatchNorm
 from .convert import KEEP, configure_sync_layers, convert_sync_batchnorm
+from .validation import validate_hyperparameters
 
 __all__ = ["convert_layers", "keep_group_buffers", "refuse_buffer_broadcast", "validate_overrides"]
 
 
 def validate_overrides(momentum: Any, eps: Any) -> None:
     """Check ``momentum``/``eps`` overrides with the module's own validation (None = keep)."""
-    _validate_hyperparameters(1, 1e-5 if eps is None else eps, momentum, None)
+    validate_hyperparameters(1, 1e-5 if eps is None else eps, momentum, None)
 
 
 def convert_layers(

@@ -9,7 +9,8 @@ same steps of :mod:`.reference`):
     2. ONE all-gather of the rows over the group (``torch.distributed``'s functional collectives,
        so that ``torch.compile`` traces it);
     3. ``merge_normalize``: count-weighted Chan merge of the gathered rows, the running-stat update
-       (in place, skipped when the merged statistics are not finite) and the normalization.
+       (in place, skipped when the merged statistics are not finite) and the normalization, with
+       the layer's activation applied in the same kernel when it has one (see :mod:`.activation`).
 
 Backward:
     1. ``grad_sums``: local ``[sum(dy), sum(dy * (x - mean))]`` packed for the collective, plus the
@@ -19,6 +20,8 @@ Backward:
        all-gather whose rows the next step sums in rank order, see ``_sum_over_group``), only when
        the input needs a gradient;
     3. ``grad_input``: the elementwise input gradient with the group-wide count.
+With a fused activation both backward steps recompute its input from the saved input and use
+``dy * act'(z)`` in place of ``dy``; nothing else changes (one collective each way).
 
 "Synchronized" means the group is normalized as one batch: with per-rank counts ``n_r`` the mean is
 ``sum_r n_r mean_r / sum_r n_r``, so uneven batches are exact, and a rank with an empty batch
@@ -78,7 +81,7 @@ _GATHER_SUM_MAX_RANKS = 8
 class SyncBatchNormFunction(torch.autograd.Function):
     """``apply(input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
     calls, momentum, eps, group_name, world_size, unbiased, layer_tag, impl,
-    equal_rank_weights)``.
+    equal_rank_weights, act, act_param)``.
 
     ``group_name`` names the process group for torch's functional collectives (``None``: no
     torch.distributed, nothing to communicate), or is the
@@ -86,7 +89,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ``running_*``, ``num_batches_tracked`` and ``nonfinite`` (optional) are updated in place;
     ``calls`` is the layer's int64 call counter;
     ``impl``: ``"auto"``, ``"ext"``, ``"ref"`` or ``None`` (``SYNCBN_IMPL``);
-    ``equal_rank_weights``: ``stats_mode="default"`` (see :func:`_equal_rank_rows`).
+    ``equal_rank_weights``: ``stats_mode="default"`` (see :func:`_equal_rank_rows`);
+    ``act``, ``act_param``: the fused activation (:data:`.activation.ACTIVATIONS`; 0 is none).
 
     Returns ``(output, mean, var, info)``: the normalized input (differentiable), and, not
     differentiable, the group mean, the group variance used for the running-stat update (unbiased
@@ -114,6 +118,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         layer_tag: int,
         impl: str | None = None,
         equal_rank_weights: bool = False,
+        act: int = 0,
+        act_param: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         fused = uses_extension(input.device.type, impl)
@@ -136,6 +142,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 momentum,
                 eps,
                 unbiased,
+                *((act, act_param) if act else ()),
             )
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
@@ -148,7 +155,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 reference.check_group_count(int(info[0].item()), input, world_size)
         if ranks is not None:
             info = _per_rank_count(info, ranks, input)
-        ctx.save_for_backward(input, weight, mean, invstd, info)
+        ctx.save_for_backward(input, weight, mean, invstd, info, bias if act else None)
+        ctx.activation = (act, act_param) if act else ()
         ctx.group_name = group_name
         ctx.world_size = world_size
         ctx.fused = fused
@@ -170,15 +178,17 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     """The layer's backward: local sums, ONE collective, the input gradient."""
     if grad_output is None:  # grads are not materialized: nothing flows back through output
         return _NO_GRADS
-    input, weight, mean, invstd, info = ctx.saved_tensors
+    input, weight, mean, invstd, info, bias = ctx.saved_tensors
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     ops: Any = torch.ops.syncbn if ctx.fused else reference
-    sums, grad_weight, grad_bias = ops.grad_sums(grad_output, input, mean, invstd, weight)
+    # The activation's arguments only when there is one: the plain layer's calls stay as they were.
+    act = (bias, *ctx.activation) if ctx.activation else ()
+    sums, grad_weight, grad_bias = ops.grad_sums(grad_output, input, mean, invstd, weight, *act)
     grad_input = None
     if need_input:
         if ctx.group_name is not None:
             sums = _sum_over_group(sums, ctx.group_name, ctx.world_size)
-        grad_input = ops.grad_input(grad_output, input, mean, invstd, weight, sums, info)
+        grad_input = ops.grad_input(grad_output, input, mean, invstd, weight, sums, info, *act)
     return (
         grad_input,
         grad_weight if need_weight else None,
@@ -187,7 +197,7 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     )
 
 
-_NO_GRADS: tuple[None, ...] = (None,) * 16
+_NO_GRADS: tuple[None, ...] = (None,) * 18  # one per argument of forward
 _backward_once = once_differentiable(_backward)
 
 

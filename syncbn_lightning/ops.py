@@ -5,9 +5,14 @@ call, with CPU and CUDA kernels:
 
 * ``syncbn::stats_row(input, layer_tag, calls!) -> row``
 * ``syncbn::merge_normalize(input, rows, weight, bias, running_mean!, running_var!,
-  num_batches_tracked!, nonfinite!, momentum, eps, unbiased) -> (output, mean, invstd, var, info)``
-* ``syncbn::grad_sums(grad_out, input, mean, invstd, weight) -> (sums, grad_weight, grad_bias)``
-* ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info) -> grad_input``
+  num_batches_tracked!, nonfinite!, momentum, eps, unbiased, act=0, act_param=0.)
+  -> (output, mean, invstd, var, info)``
+* ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None, act=0, act_param=0.)
+  -> (sums, grad_weight, grad_bias)``
+* ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info, bias=None, act=0,
+  act_param=0.) -> grad_input``
+
+``act``/``act_param`` are a fused activation (:mod:`syncbn_lightning.activation`; 0 is none).
 
 Their semantics are those of the same-named functions of :mod:`syncbn_lightning.reference`. The
 fake (meta) implementations below give ``torch.compile`` their output shapes, dtypes and strides
@@ -83,7 +88,10 @@ def _grad_sums_fake(
     mean: torch.Tensor,
     invstd: torch.Tensor,
     weight: torch.Tensor | None,
+    *_activation: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shapes from ``input``, dtypes from ``mean`` and ``weight`` (the activation arguments,
+    ``bias, act, act_param``, change neither)."""
     channels = input.shape[1]
     param_dtype = weight.dtype if weight is not None else mean.dtype
     return (

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .activation import ACTIVATIONS, activate, activation_grad, check_activation
+
 __all__ = [
     "acc_dtype",
     "local_stats",
@@ -32,6 +34,9 @@ __all__ = [
     "merge_normalize",
     "grad_sums",
     "grad_input",
+    "ACTIVATIONS",
+    "activate",
+    "activation_grad",
 ]
 
 # Values in front of the statistics in a gathered row: [count, samples, layer_tag, call_tag].
@@ -112,12 +117,41 @@ def normalize(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y = (x - mean) * invstd * weight + bias`` per channel, in ``input``'s dtype and layout."""
+    return _affine(input, mean, invstd, weight, bias).to(input.dtype)
+
+
+def _affine(
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``z = (x - mean) * invstd * weight + bias`` in the acc dtype (not rounded)."""
     acc = acc_dtype(input.dtype)
     scale = invstd if weight is None else invstd * weight.to(acc)
-    y = (input.to(acc) - _per_channel(mean, input)) * _per_channel(scale, input)
+    z = (input.to(acc) - _per_channel(mean, input)) * _per_channel(scale, input)
     if bias is not None:
-        y = y + _per_channel(bias.to(acc), input)
-    return y.to(input.dtype)
+        z = z + _per_channel(bias.to(acc), input)
+    return z
+
+
+def _activation_input_grad(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    act: int,
+    act_param: float,
+) -> torch.Tensor:
+    """``dy * act'(z)`` in the acc dtype (``grad_out`` itself without an activation): the
+    gradient at the activation's input, z recomputed from ``input``."""
+    if act == 0:
+        return grad_out
+    z = _affine(input, mean, invstd, weight, bias)
+    return grad_out.to(z.dtype) * activation_grad(z, act, act_param)
 
 
 def backward_reduce(
@@ -212,8 +246,11 @@ def merge_normalize(
     momentum: float | None,
     eps: float,
     unbiased: bool,
+    act: int = 0,
+    act_param: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge the gathered rows, update the running statistics, normalize.
+    """Merge the gathered rows, update the running statistics, normalize (and apply the
+    activation ``act``, see :data:`ACTIVATIONS`, before rounding to the input's dtype).
 
     Returns ``(output, mean, invstd, var, info)`` with ``info = [count, samples, order_ok,
     finite]``. On CPU tensors a call-order mismatch raises (message starting with
@@ -223,6 +260,7 @@ def merge_normalize(
     is empty; ``num_batches_tracked`` advances unless they are not finite, ``nonfinite`` counts the
     skips.
     """
+    check_activation(act, act_param)
     channels = input.shape[1]
     table = rows.view(-1, ROW_HEADER + 2 * channels)
     tags = table[:, 2:ROW_HEADER]
@@ -255,7 +293,8 @@ def merge_normalize(
                 num_batches_tracked,
             )
     info = torch.stack([total, table[:, 1].sum(), order_ok.to(mean.dtype), finite.to(mean.dtype)])
-    return normalize(input, mean, invstd, weight, bias), mean, invstd, var, info
+    output = activate(_affine(input, mean, invstd, weight, bias), act, act_param).to(input.dtype)
+    return output, mean, invstd, var, info
 
 
 def _check_cpu_merge(
@@ -310,11 +349,17 @@ def grad_sums(
     mean: torch.Tensor,
     invstd: torch.Tensor,
     weight: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    act: int = 0,
+    act_param: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sums, grad_weight, grad_bias)``: the local ``[sum_dy[C], sum_dy_xmu[C]]`` packed for the
-    collective, and the local parameter gradients (weight dtype, acc dtype without weight)."""
+    collective, and the local parameter gradients (weight dtype, acc dtype without weight). With
+    an activation, ``dy * act'(z)`` stands for ``dy`` (``z`` recomputed with ``bias``)."""
+    check_activation(act, act_param)
+    dz = _activation_input_grad(grad_out, input, mean, invstd, weight, bias, act, act_param)
     sum_dy, sum_dy_xmu, grad_weight, grad_bias = backward_reduce(
-        grad_out, input, mean, invstd, weight, True, True
+        dz, input, mean, invstd, weight, True, True
     )
     assert grad_weight is not None and grad_bias is not None
     return torch.cat([sum_dy, sum_dy_xmu]), grad_weight, grad_bias
@@ -328,11 +373,17 @@ def grad_input(
     weight: torch.Tensor | None,
     sums: torch.Tensor,
     info: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: int = 0,
+    act_param: float = 0.0,
 ) -> torch.Tensor:
     """The input gradient from ``R`` rows of sums (``[R * 2C]``, summed in row order) and the
-    group count ``info[0]``."""
+    group count ``info[0]`` (``dy * act'(z)`` for ``dy`` with an activation, as in
+    :func:`grad_sums`)."""
+    check_activation(act, act_param)
     channels = input.shape[1]
     total = sums.view(-1, 2 * channels).sum(0)
+    dz = _activation_input_grad(grad_out, input, mean, invstd, weight, bias, act, act_param)
     return backward_elemt(
-        grad_out, input, mean, invstd, weight, total[:channels], total[channels:], info[:1]
+        dz, input, mean, invstd, weight, total[:channels], total[channels:], info[:1]
     )

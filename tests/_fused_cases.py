@@ -53,8 +53,12 @@ def run_fused(
     affine: bool = True,
     layer_tag: int = 11,
     calls_start: int = 2,
+    act: int = 0,
+    act_param: float = 0.0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Every rank's results of one forward + backward through ``ops``' fused steps."""
+    """Every rank's results of one forward + backward through ``ops``' fused steps (with the
+    activation ``act``, ``act_param`` fused, see :mod:`syncbn_lightning.activation`)."""
+    fused = (act, act_param) if act else ()  # none: the calls the plain layer makes
     channels = xs[0].shape[1]
     gen = torch.Generator().manual_seed(3)
     weight = (torch.rand(channels, generator=gen) + 0.5) if affine else None
@@ -76,6 +80,7 @@ def run_fused(
             momentum,
             1e-5,
             True,
+            *fused,
         )
         merged.append((out, state))
     results = []
@@ -84,11 +89,12 @@ def run_fused(
     for x, ((_output, mean, invstd, _var, _info), _) in zip(xs, merged, strict=True):
         dy = torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64))
         grads.append(dy)
-        sums.append(ops.grad_sums(dy, x, mean, invstd, weight))
+        sums.append(ops.grad_sums(dy, x, mean, invstd, weight, *((bias, *fused) if act else ())))
     gathered = torch.cat([s[0] for s in sums])
     for r, x in enumerate(xs):
         (output, mean, invstd, var, info), state = merged[r]
-        grad_in = ops.grad_input(grads[r], x, mean, invstd, weight, gathered, info)
+        extra = (bias, *fused) if act else ()
+        grad_in = ops.grad_input(grads[r], x, mean, invstd, weight, gathered, info, *extra)
         results.append(
             {
                 "calls": counters[r],

@@ -14,9 +14,12 @@ from _fused_cases import FUSED_SHAPES, channels_last, compare, rank_inputs, run_
 
 from syncbn_lightning import reference
 from syncbn_lightning._backend import load_extension
+from syncbn_lightning.activation import ACTIVATIONS
 from syncbn_lightning.ops import uses_extension
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# Every fused activation, leaky_relu with a slope of its own.
+ACTS = [(code, 0.2 if name == "leaky_relu" else 0.0) for name, code in ACTIVATIONS.items() if code]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +35,37 @@ def test_operators_match_reference(ops, sizes, channels, spatial, dtype) -> None
     xs = rank_inputs(sizes, channels, spatial, dtype, seed=len(sizes) * 100 + channels)
     for layout in (xs, channels_last(xs)):
         compare(run_fused(ops, layout), run_fused(reference, layout), TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("act", "act_param"), ACTS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("sizes", "channels", "spatial"), [FUSED_SHAPES[1], FUSED_SHAPES[3]])
+def test_fused_activations_match_reference(
+    ops, sizes, channels, spatial, dtype, act, act_param
+) -> None:
+    xs = rank_inputs(sizes, channels, spatial, dtype, seed=act)
+    for layout in (xs, channels_last(xs)):
+        fused = {"act": act, "act_param": act_param}
+        for affine in (True, False):
+            compare(
+                run_fused(ops, layout, affine=affine, **fused),
+                run_fused(reference, layout, affine=affine, **fused),
+                TOLERANCE[dtype],
+            )
+
+
+def test_unknown_activation_is_refused_before_any_update(ops) -> None:
+    x = torch.randn(3, 2, 4)
+    rows = ops.stats_row(x, 1, torch.zeros(1, dtype=torch.long))
+    mean, invstd = torch.zeros(2), torch.ones(2)
+    for impl in (ops, reference):
+        tracked = torch.zeros((), dtype=torch.long)
+        args = (x, rows, None, None, torch.zeros(2), torch.ones(2), tracked, None, 0.1, 1e-5, True)
+        with pytest.raises(RuntimeError, match="`act` must be an activation code in"):
+            impl.merge_normalize(*args, len(ACTIVATIONS), 0.0)
+        assert int(tracked) == 0
+        with pytest.raises(RuntimeError, match="`act_param` must be finite"):
+            impl.grad_sums(x, x, mean, invstd, None, None, 2, float("nan"))
 
 
 @pytest.mark.parametrize(
@@ -110,3 +144,11 @@ def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
         torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w))
         sums = torch.cat([ops.grad_sums(dy, x, mean, invstd, w)[0]] * 2)
         torch.library.opcheck(ops.grad_input.default, (dy, x, mean, invstd, w, sums, info))
+        # With a fused activation (silu): the same outputs, the extra arguments traced too.
+        torch.library.opcheck(
+            ops.merge_normalize.default, (x, rows, w, b, *state, None, 1e-5, True, 3, 0.0)
+        )
+        torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w, b, 3, 0.0))
+        torch.library.opcheck(
+            ops.grad_input.default, (dy, x, mean, invstd, w, sums, info, b, 3, 0.0)
+        )

@@ -72,26 +72,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased) {
+    bool unbiased, int64_t act, double act_param) {
   const PoisonScope poison;
   return syncbn::merge_normalize_cuda(
       input, rows, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased);
+      momentum, eps, unbiased, act, act_param);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight) {
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   const PoisonScope poison;
-  return syncbn::grad_sums_cuda(grad_out, input, mean, invstd, weight);
+  return syncbn::grad_sums_cuda(grad_out, input, mean, invstd, weight, bias, act, act_param);
 }
 
 at::Tensor grad_input(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info) {
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
   const PoisonScope poison;
-  return syncbn::grad_input_cuda(grad_out, input, mean, invstd, weight, sums, info);
+  return syncbn::grad_input_cuda(
+      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param);
 }
 
 void set_schedule(const std::string& order, uint64_t seed) {
@@ -166,11 +168,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_normalize", &merge_normalize, py::arg("input"), py::arg("rows"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
         py::arg("num_batches_tracked"), py::arg("nonfinite"), py::arg("momentum"),
-        py::arg("eps"), py::arg("unbiased"));
+        py::arg("eps"), py::arg("unbiased"), py::arg("act") = 0, py::arg("act_param") = 0.0);
   m.def("grad_sums", &grad_sums, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
-        py::arg("invstd"), py::arg("weight"));
+        py::arg("invstd"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0,
+        py::arg("act_param") = 0.0);
   m.def("grad_input", &grad_input, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
-        py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"));
+        py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"),
+        py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("act_param") = 0.0);
   m.def("set_schedule", &set_schedule, "Thread and block order: forward, reverse or random",
         py::arg("order"), py::arg("seed") = 0);
   m.def("take_diagnostics", &simt::take_diagnostics, "Diagnostics since the last call");

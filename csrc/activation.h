@@ -1,0 +1,134 @@
+// The activations fused into the normalize and input-gradient kernels, for host and device code.
+//
+// A fused layer computes y = act(z) with z = (x - mean) * invstd * weight + bias in the acc dtype
+// and rounds once to the storage dtype. Its backward recomputes z from the saved input (no
+// activation input is stored) and uses dz = dy * act'(z) where plain BatchNorm uses dy.
+//
+// The kinds are numbered as ACTIVATIONS in syncbn_lightning/activation.py; `param` is the negative
+// slope of leaky_relu and unused by the others. Derivatives at the kinks follow torch's backward
+// kernels (relu and leaky_relu take the z <= 0 side at 0, hardswish the outer pieces at +-3, relu6
+// 0 at 0 and 6).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define SYNCBN_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define SYNCBN_HOST_DEVICE inline
+#endif
+
+namespace syncbn {
+
+enum class ActKind : int64_t {
+  kIdentity = 0,
+  kRelu = 1,
+  kLeakyRelu = 2,
+  kSilu = 3,
+  kHardswish = 4,
+  kGelu = 5,  // exact (erf) form, torch's approximate="none"
+  kRelu6 = 6,
+};
+constexpr int64_t kActKinds = 7;
+
+// The activation of a fused layer, as the operators receive it.
+struct Activation {
+  int64_t kind = 0;
+  double param = 0;
+  bool identity() const { return kind == static_cast<int64_t>(ActKind::kIdentity); }
+};
+
+// No activation: the plain BatchNorm kernels, which the compiler keeps free of activation code.
+struct IdentityAct {
+  static constexpr bool kIdentity = true;
+  template <typename T>
+  SYNCBN_HOST_DEVICE T forward(T z) const {
+    return z;
+  }
+  template <typename T>
+  SYNCBN_HOST_DEVICE T grad(T) const {
+    return T(1);
+  }
+};
+
+// Any other kind, chosen at run time: one kernel per dtype serves every activation (the branch is
+// uniform across a launch, so it costs a few instructions per element, not divergence).
+template <typename acc_t>
+struct FusedAct {
+  static constexpr bool kIdentity = false;
+  int64_t kind;
+  acc_t slope;
+
+  SYNCBN_HOST_DEVICE acc_t forward(acc_t z) const {
+    switch (static_cast<ActKind>(kind)) {
+      case ActKind::kRelu:
+        return z > acc_t(0) ? z : acc_t(0);
+      case ActKind::kLeakyRelu:
+        return z > acc_t(0) ? z : z * slope;
+      case ActKind::kSilu:
+        return z / (acc_t(1) + std::exp(-z));
+      case ActKind::kHardswish: {
+        const acc_t r = z + acc_t(3);
+        const acc_t clamped = r < acc_t(0) ? acc_t(0) : (r > acc_t(6) ? acc_t(6) : r);
+        return z * clamped / acc_t(6);
+      }
+      case ActKind::kGelu:
+        return acc_t(0.5) * z * (acc_t(1) + std::erf(z * acc_t(0.70710678118654752440)));
+      case ActKind::kRelu6:
+        return z > acc_t(0) ? (z < acc_t(6) ? z : acc_t(6)) : acc_t(0);
+      default:
+        return z;
+    }
+  }
+
+  // d act / dz at z.
+  SYNCBN_HOST_DEVICE acc_t grad(acc_t z) const {
+    switch (static_cast<ActKind>(kind)) {
+      case ActKind::kRelu:
+        return z > acc_t(0) ? acc_t(1) : acc_t(0);
+      case ActKind::kLeakyRelu:
+        return z > acc_t(0) ? acc_t(1) : slope;
+      case ActKind::kSilu: {
+        const acc_t s = acc_t(1) / (acc_t(1) + std::exp(-z));
+        return s * (acc_t(1) + z * (acc_t(1) - s));
+      }
+      case ActKind::kHardswish:
+        return z <= acc_t(-3) ? acc_t(0) : (z < acc_t(3) ? z / acc_t(3) + acc_t(0.5) : acc_t(1));
+      case ActKind::kGelu: {
+        const acc_t cdf = acc_t(0.5) * (acc_t(1) + std::erf(z * acc_t(0.70710678118654752440)));
+        const acc_t pdf = std::exp(acc_t(-0.5) * z * z) * acc_t(0.39894228040143267794);
+        return cdf + z * pdf;
+      }
+      case ActKind::kRelu6:
+        return z > acc_t(0) && z < acc_t(6) ? acc_t(1) : acc_t(0);
+      default:
+        return acc_t(1);
+    }
+  }
+};
+
+// dy * act'(z) with z = xmu * scale + shift: the gradient at the activation's input, which the
+// backward kernels use wherever plain BatchNorm uses dy (dy itself without an activation, where
+// scale and shift are never read).
+template <typename Act, typename T>
+SYNCBN_HOST_DEVICE T act_input_grad(const Act& act, T dy, T xmu, T scale, T shift) {
+  if constexpr (Act::kIdentity) {
+    return dy;
+  } else {
+    return dy * static_cast<T>(act.grad(xmu * scale + shift));
+  }
+}
+
+// Calls fn(IdentityAct{}) or fn(FusedAct<acc_t>{...}): the two instantiations every kernel with a
+// fused activation has.
+template <typename acc_t, typename Fn>
+void with_activation(const Activation& act, Fn&& fn) {
+  if (act.identity()) {
+    fn(IdentityAct{});
+  } else {
+    fn(FusedAct<acc_t>{act.kind, static_cast<acc_t>(act.param)});
+  }
+}
+
+}  // namespace syncbn
