@@ -50,10 +50,17 @@ struct IdentityAct {
   SYNCBN_HOST_DEVICE T grad(T) const {
     return T(1);
   }
+  template <int N, typename T>
+  SYNCBN_HOST_DEVICE void forward_n(T*) const {}
+  template <int N, typename T>
+  SYNCBN_HOST_DEVICE void grad_n(T* z) const {
+    for (int i = 0; i < N; ++i) z[i] = T(1);
+  }
 };
 
-// Any other kind, chosen at run time: one kernel per dtype serves every activation (the branch is
-// uniform across a launch, so it costs a few instructions per element, not divergence).
+// Any other kind, chosen at run time: one kernel per dtype serves every activation. The branch is
+// uniform across a launch (no divergence); vectorized kernels take it once per vector of values
+// (forward_n, grad_n), so that the unrolled loops around it keep their loads in flight.
 template <typename acc_t>
 struct FusedAct {
   static constexpr bool kIdentity = false;
@@ -61,13 +68,58 @@ struct FusedAct {
   acc_t slope;
 
   SYNCBN_HOST_DEVICE acc_t forward(acc_t z) const {
+    return forward_as(static_cast<ActKind>(kind), z);
+  }
+  // d act / dz at z.
+  SYNCBN_HOST_DEVICE acc_t grad(acc_t z) const { return grad_as(static_cast<ActKind>(kind), z); }
+
+  // forward / grad of N values in place, branching on the kind once for all of them: a branch per
+  // value would cut the unrolled loops of the vectorized kernels into short serial pieces.
+  template <int N>
+  SYNCBN_HOST_DEVICE void forward_n(acc_t* z) const {
     switch (static_cast<ActKind>(kind)) {
+      case ActKind::kRelu: return map_n<N, ActKind::kRelu, true>(z);
+      case ActKind::kLeakyRelu: return map_n<N, ActKind::kLeakyRelu, true>(z);
+      case ActKind::kSilu: return map_n<N, ActKind::kSilu, true>(z);
+      case ActKind::kHardswish: return map_n<N, ActKind::kHardswish, true>(z);
+      case ActKind::kGelu: return map_n<N, ActKind::kGelu, true>(z);
+      case ActKind::kRelu6: return map_n<N, ActKind::kRelu6, true>(z);
+      default: return;
+    }
+  }
+  template <int N>
+  SYNCBN_HOST_DEVICE void grad_n(acc_t* z) const {
+    switch (static_cast<ActKind>(kind)) {
+      case ActKind::kRelu: return map_n<N, ActKind::kRelu, false>(z);
+      case ActKind::kLeakyRelu: return map_n<N, ActKind::kLeakyRelu, false>(z);
+      case ActKind::kSilu: return map_n<N, ActKind::kSilu, false>(z);
+      case ActKind::kHardswish: return map_n<N, ActKind::kHardswish, false>(z);
+      case ActKind::kGelu: return map_n<N, ActKind::kGelu, false>(z);
+      case ActKind::kRelu6: return map_n<N, ActKind::kRelu6, false>(z);
+      default:
+        for (int i = 0; i < N; ++i) z[i] = acc_t(1);
+    }
+  }
+
+ private:
+  template <int N, ActKind K, bool kForward>
+  SYNCBN_HOST_DEVICE void map_n(acc_t* z) const {
+#ifdef __CUDACC__
+#pragma unroll
+#endif
+    for (int i = 0; i < N; ++i) z[i] = kForward ? forward_as(K, z[i]) : grad_as(K, z[i]);
+  }
+
+  SYNCBN_HOST_DEVICE static acc_t sigmoid(acc_t z) { return acc_t(1) / (acc_t(1) + std::exp(-z)); }
+
+  SYNCBN_HOST_DEVICE acc_t forward_as(ActKind k, acc_t z) const {
+    switch (k) {
       case ActKind::kRelu:
         return z > acc_t(0) ? z : acc_t(0);
       case ActKind::kLeakyRelu:
         return z > acc_t(0) ? z : z * slope;
       case ActKind::kSilu:
-        return z / (acc_t(1) + std::exp(-z));
+        return z * sigmoid(z);
       case ActKind::kHardswish: {
         const acc_t r = z + acc_t(3);
         const acc_t clamped = r < acc_t(0) ? acc_t(0) : (r > acc_t(6) ? acc_t(6) : r);
@@ -82,15 +134,14 @@ struct FusedAct {
     }
   }
 
-  // d act / dz at z.
-  SYNCBN_HOST_DEVICE acc_t grad(acc_t z) const {
-    switch (static_cast<ActKind>(kind)) {
+  SYNCBN_HOST_DEVICE acc_t grad_as(ActKind k, acc_t z) const {
+    switch (k) {
       case ActKind::kRelu:
         return z > acc_t(0) ? acc_t(1) : acc_t(0);
       case ActKind::kLeakyRelu:
         return z > acc_t(0) ? acc_t(1) : slope;
       case ActKind::kSilu: {
-        const acc_t s = acc_t(1) / (acc_t(1) + std::exp(-z));
+        const acc_t s = sigmoid(z);
         return s * (acc_t(1) + z * (acc_t(1) - s));
       }
       case ActKind::kHardswish:

@@ -64,6 +64,13 @@ constexpr int64_t kMinPerThread = 16;
 // float32 (2^24) with room to spare.
 constexpr int64_t kMaxPerBlock = int64_t(1) << 22;
 // Loads issued before their values are folded in: independent loads in flight per thread.
+// Blocks per SM the channels-last kernels are compiled for (register caps: 128 for 2, 85 for 3).
+// With 16-byte vectors of 8 half-precision values a thread holds 8 channels' constants and several
+// rows of loads, and with a fused activation (every kind's code in one kernel) ptxas wanted 161-168
+// registers for the backward kernels and 94 for normalize: one block per SM, and the bf16 layer
+// with silu ran 2.5x slower than without it (H100). Normalize, with one input, keeps 3 blocks.
+constexpr int kChannelsLastMinBlocks = 2;
+constexpr int kNormalizeMinBlocks = 3;
 constexpr int kUnroll = 4;
 // Rows of one channel vector a thread of the channels-last elementwise kernel handles per step.
 constexpr int kRowsPerThread = 4;
@@ -133,6 +140,14 @@ struct WelfordOp {
     const acc_t d = v - s[1];
     s[1] += d / s[0];
     s[2] += d * (v - s[1]);
+  }
+  // The first `count` of N items of one channel, in order.
+  template <int N>
+  __device__ __forceinline__ void push_run(acc_t* s, const Item* v, int count, Channel ch) const {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      if (u < count) push(s, v[u], ch);
+    }
   }
   // VEC channels that have seen the same rows share their count: one division per row.
   template <int VEC>
@@ -204,17 +219,48 @@ struct GradSumOp {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) v[e] = {to_acc<acc_t>(rdy.v[e]), to_acc<acc_t>(rx.v[e])};
   }
+  // dy * act'(z) (dy without an activation) for N items, the activation's branch taken once.
+  template <int N>
+  __device__ __forceinline__ void input_grads(
+      const Item* v, const Channel* ch, int ch_step, acc_t* dz, acc_t* xm) const {
+    acc_t g[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const Channel& c = ch[i * ch_step];
+      xm[i] = v[i].x - c.mean;
+      g[i] = xm[i] * c.scale + c.shift;
+    }
+    if constexpr (!Act::kIdentity) act.template grad_n<N>(g);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dz[i] = Act::kIdentity ? v[i].dy : v[i].dy * g[i];
+  }
   __device__ __forceinline__ void push(acc_t* s, Item v, const Channel& ch) const {
-    const acc_t xm = v.x - ch.mean;
-    const acc_t dz = act_input_grad(act, v.dy, xm, ch.scale, ch.shift);
-    s[0] += dz;
-    s[1] += dz * xm;
+    push_run<1>(s, &v, 1, ch);
+  }
+  // The first `count` of N items of one channel.
+  template <int N>
+  __device__ __forceinline__ void push_run(
+      acc_t* s, const Item* v, int count, const Channel& ch) const {
+    acc_t dz[N], xm[N];
+    input_grads<N>(v, &ch, 0, dz, xm);
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      if (u < count) {
+        s[0] += dz[u];
+        s[1] += dz[u] * xm[u];
+      }
+    }
   }
   template <int VEC>
   __device__ __forceinline__ void push_vec(
-      acc_t (*s)[kFields], const Item* v, const Channel* m) const {
+      acc_t (*s)[kFields], const Item* v, const Channel* ch) const {
+    acc_t dz[VEC], xm[VEC];
+    input_grads<VEC>(v, ch, 1, dz, xm);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) push(s[e], v[e], m[e]);
+    for (int e = 0; e < VEC; ++e) {
+      s[e][0] += dz[e];
+      s[e][1] += dz[e] * xm[e];
+    }
   }
   template <typename T>
   __device__ __forceinline__ static void combine(T* a, const T* b) {
@@ -302,8 +348,16 @@ struct NormalizeOp {
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
     return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
   }
-  __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
-    return act.forward((in[0] - k.mean) * k.scale + k.shift);
+  // out[e] = op of element e of every input (in[t][e]), with the coefficients coeff_of(e).
+  template <int VEC, typename CoeffOf>
+  __device__ __forceinline__ void apply_vec(
+      CoeffOf coeff_of, const acc_t (*in)[VEC], acc_t* out) const {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const Coeff k = coeff_of(e);
+      out[e] = (in[0][e] - k.mean) * k.scale + k.shift;
+    }
+    act.template forward_n<VEC>(out);
   }
 };
 
@@ -339,9 +393,23 @@ struct BackwardElemtOp {
     const acc_t shift = !Act::kIdentity && bias ? bias[c] : acc_t(0);
     return {mean[c], iw, sum_dy[c] * inv_n, sum_dy_xmu[c] * inv_n * is * is, shift};
   }
-  __device__ __forceinline__ acc_t apply(const Coeff& k, const acc_t* in) const {
-    const acc_t xm = in[1] - k.mean;
-    return (act_input_grad(act, in[0], xm, k.iw, k.shift) - k.mean_dy - xm * k.k) * k.iw;
+  template <int VEC, typename CoeffOf>
+  __device__ __forceinline__ void apply_vec(
+      CoeffOf coeff_of, const acc_t (*in)[VEC], acc_t* out) const {
+    acc_t xm[VEC], g[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const Coeff k = coeff_of(e);
+      xm[e] = in[1][e] - k.mean;
+      g[e] = xm[e] * k.iw + k.shift;
+    }
+    if constexpr (!Act::kIdentity) act.template grad_n<VEC>(g);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const Coeff k = coeff_of(e);
+      const acc_t dz = Act::kIdentity ? in[0][e] : in[0][e] * g[e];
+      out[e] = (dz - k.mean_dy - xm[e] * k.k) * k.iw;
+    }
   }
 };
 
@@ -372,7 +440,7 @@ __global__ void reduce_channels_first_kernel(
   int64_t j = j0 + threadIdx.y;
   int64_t n = j / S, i = j - n * S;
   while (j < j1) {
-    typename Op::Item v[kUnroll];
+    typename Op::Item v[kUnroll] = {};
     int loaded = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -388,10 +456,7 @@ __global__ void reduce_channels_first_kernel(
         }
       }
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (u < loaded) op.push(s[0], v[u], ch);
-    }
+    op.template push_run<kUnroll>(s[0], v, loaded, ch);
   }
   block_fold<Op, 1>(s);
   if (threadIdx.y == 0) store_fold(op, s[0], ch, c, C, partial, out0, out1);
@@ -401,7 +466,7 @@ __global__ void reduce_channels_first_kernel(
 // (one 16-byte load per row when VEC > 1). Block (TX, TY): channels [cv * VEC, cv * VEC + VEC) with
 // cv = blockIdx.x * TX + threadIdx.x, rows [r0, r1) of split blockIdx.y strided by TY.
 template <typename Op, int VEC, typename acc_t>
-__global__ void reduce_channels_last_kernel(
+__global__ void __launch_bounds__(kThreads, kChannelsLastMinBlocks) reduce_channels_last_kernel(
     Op op, int64_t M, int64_t C, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
     acc_t* __restrict__ out1) {
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
@@ -488,14 +553,16 @@ __global__ void chan_merge_kernel(
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename CoeffOf>
 __device__ __forceinline__ Vec<scalar_t, VEC> compute_vector(
     const Op& op, const Vec<scalar_t, VEC>* in, CoeffOf coeff_of) {
+  acc_t a[Op::kInputs][VEC], r[VEC];
+#pragma unroll
+  for (int t = 0; t < Op::kInputs; ++t) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) a[t][e] = to_acc<acc_t>(in[t].v[e]);
+  }
+  op.template apply_vec<VEC>(coeff_of, a, r);
   Vec<scalar_t, VEC> out;
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) {
-    acc_t a[Op::kInputs];
-#pragma unroll
-    for (int t = 0; t < Op::kInputs; ++t) a[t] = to_acc<acc_t>(in[t].v[e]);
-    out.v[e] = static_cast<scalar_t>(op.apply(coeff_of(e), a));
-  }
+  for (int e = 0; e < VEC; ++e) out.v[e] = static_cast<scalar_t>(r[e]);
   return out;
 }
 
@@ -523,7 +590,9 @@ __global__ void elemt_channels_first_kernel(
 // registers; rows strided by gridDim.y * TY, kRowsPerThread of them loaded before any is written
 // (independent loads in flight amortize the coefficient loads).
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
-__global__ void elemt_channels_last_kernel(
+__global__ void __launch_bounds__(
+    kThreads, Op::kInputs == 1 ? kNormalizeMinBlocks : kChannelsLastMinBlocks)
+    elemt_channels_last_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t M, index_t c_vec) {
   using V = Vec<scalar_t, VEC>;
   const index_t cv = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -285,3 +285,35 @@ def test_revert_after_cast_keeps_current_buffers(
         if m.weight is not None:
             assert m.weight.dtype == torch.float64, name
     assert net(make_input().double()).dtype == torch.float64
+
+
+class _ScaledBatchNorm2d(nn.BatchNorm2d):
+    """A BatchNorm with a forward of its own, which a SyncBatchNorm would not reproduce."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 2
+
+
+def _custom_net() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, C, 1), _ScaledBatchNorm2d(C), nn.BatchNorm2d(C))
+
+
+def test_layer_with_its_own_forward_is_refused_by_name_and_nothing_changes() -> None:
+    net = _custom_net()
+    before = [type(m) for m in net]
+    with pytest.raises(ValueError, match=r"cannot convert '1'.*_ScaledBatchNorm2d.*custom_forward"):
+        convert_sync_batchnorm(net)
+    assert [type(m) for m in net] == before
+
+
+@pytest.mark.parametrize("mode", ["convert", "skip"])
+def test_custom_forward_convert_or_skip(mode: str) -> None:
+    net = convert_sync_batchnorm(_custom_net(), custom_forward=mode)
+    assert type(net[2]) is SyncBatchNorm
+    assert type(net[1]) is (SyncBatchNorm if mode == "convert" else _ScaledBatchNorm2d)
+    assert type(revert_sync_batchnorm(net)[1]) is _ScaledBatchNorm2d
+
+
+def test_custom_forward_must_be_a_known_mode() -> None:
+    with pytest.raises(ValueError, match=r"custom_forward must be one of \('error', 'convert', 'skip'\)"):
+        convert_sync_batchnorm(_custom_net(), custom_forward="yes")

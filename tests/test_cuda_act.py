@@ -90,23 +90,25 @@ def test_cuda_fused_activation_matches_float64_reference(
         assert rel_err(g.cpu().double(), t) < TOL[dtype] * 4, what
 
 
-def test_cuda_unknown_activation_is_refused(ops) -> None:
-    x = torch.randn(3, 2, 4, device="cuda")
-    rows = ops.stats_row(x, 1, torch.zeros(1, dtype=torch.long, device="cuda"))
-    with pytest.raises(RuntimeError, match="`act` must be an activation code in"):
-        ops.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True, 99, 0.0)
+# The CUDA path's refusal of an unknown activation code is not tested here: on the GPU image any
+# extension's error message that formats an integer crashes in its static libstdc++ (RESULTS.md,
+# "Known defects of the GPU image"); the same check is tested on the CPU in test_ops.py.
 
 
 @pytest.mark.parametrize("name", ["relu", "silu", "hardswish"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
-def test_cuda_sync_batchnorm_act_matches_batchnorm_then_activation(
+def test_cuda_sync_batchnorm_act_matches_batchnorm_then_activation_in_float64(
     ops, name: str, dtype: torch.dtype, channels_last: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The layer against BatchNorm2d then the activation module in float64 on the same (rounded)
+    inputs. Not against that pair in bfloat16: it rounds z before the activation's derivative,
+    which near hardswish's jumps at +-3 cost it 0.15 relative error in grad_input on an H100
+    (ours, computing z in float32: within the tolerance)."""
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
     torch.manual_seed(5)
     ours = SyncBatchNormAct(32, act=name, force_sync=True).cuda()
-    bn, act = nn.BatchNorm2d(32).cuda(), ACT_MODULES[name]
+    bn, act = nn.BatchNorm2d(32).cuda().double(), ACT_MODULES[name]
     with torch.no_grad():
         for layer in (ours, bn):
             layer.weight.copy_(torch.linspace(0.5, 1.5, 32))
@@ -115,12 +117,13 @@ def test_cuda_sync_batchnorm_act_matches_batchnorm_then_activation(
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     assert ours.fused_activation is not None
-    x1, x2 = (x.detach().clone().requires_grad_(True) for _ in range(2))
+    x1, x2 = x.detach().clone().requires_grad_(True), x.double().requires_grad_(True)
     y1, y2 = ours(x1), act(bn(x2))
     dy = torch.randn_like(y1)
     y1.backward(dy)
-    y2.backward(dy)
+    y2.backward(dy.double())
     tol = TOL[dtype] * 4
+    assert y1.dtype == dtype and x1.grad.stride() == x1.stride()
     assert rel_err(y1, y2) < tol and rel_err(x1.grad, x2.grad) < tol
     assert rel_err(ours.weight.grad, bn.weight.grad) < tol
     assert rel_err(ours.bias.grad, bn.bias.grad) < tol
