@@ -315,5 +315,6 @@ def test_custom_forward_convert_or_skip(mode: str) -> None:
 
 
 def test_custom_forward_must_be_a_known_mode() -> None:
-    with pytest.raises(ValueError, match=r"custom_forward must be one of \('error', 'convert', 'skip'\)"):
+    expected = r"custom_forward must be one of \('error', 'convert', 'skip'\)"
+    with pytest.raises(ValueError, match=expected):
         convert_sync_batchnorm(_custom_net(), custom_forward="yes")

@@ -6,8 +6,8 @@ the unconverted timm model in float64 in one process on the whole batch; each of
 converted model in float32 on half of it (the reference kernels, whose arithmetic the C++ and
 CUDA kernels share). The outputs, the gradients summed over the ranks and the running statistics
 after one training step must match within 1e-4 relative (norm of the difference over the norm of
-the oracle, per tensor; see _relative_errors for tensors that are zero in exact arithmetic). Inputs are smooth (a random image blurred), no dropout; untrained timm
-weights.
+the oracle, per tensor; see _relative_errors for tensors that are zero in exact arithmetic).
+Inputs are smooth (a random image blurred), no dropout; untrained timm weights.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def _family(key: str) -> str:
     return key.split(":")[0] + ":" + key.rsplit(".", 1)[-1] if ":" in key else key
 
 
-def _relative_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+def _relative_errors(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> dict[str, float]:
     """|got - want| / max(|want|, FLOOR * the largest |want| of its family), per tensor (norms).
 
     The floor is for tensors that are zero in exact arithmetic, where the float64 oracle holds
