@@ -125,3 +125,26 @@ def test_reference_activation_and_derivative_match_torch(name: str) -> None:
     (grad,) = torch.autograd.grad(out.sum(), z)
     torch.testing.assert_close(activate(z.detach(), code, param), out.detach())
     torch.testing.assert_close(activation_grad(z.detach(), code, param), grad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["ext", "reference"])
+def test_compiles_to_one_graph_and_matches_eager(impl: str) -> None:
+    """The fused layer's operators carry the activation as arguments: dynamo traces it whole."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 6, 3), SyncBatchNormAct(6, act="silu", force_sync=True, impl=impl)
+    )
+    x = torch.randn(4, 3, 8, 8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(net)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+    results = []
+    for model in (net, compiled):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
