@@ -375,6 +375,8 @@ def test_wandb_only_job_writes_the_history_the_report_draws(
     series = read_history(out / "metrics.jsonl")
     assert series["bn/norm_batch_size"][-1][1] == metrics["bn/norm_batch_size"]
     assert "val/mAP" in series and "train/loss" in series
+    steps = [s for s, _ in series["train/loss"]]
+    assert cfg.trainer.devices == 2 and steps == sorted(set(steps))  # one writer: global rank 0
     written = [p.stem for p in render(out)]
     assert {"batch_size", "drift", "gap", "map", "loss"} <= set(written)
     (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
