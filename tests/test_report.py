@@ -1,17 +1,23 @@
-"""The PNG report: metrics.csv files written by Lightning's real CSVLogger, read and drawn."""
+"""The PNG report: the service's metrics history (``metrics.jsonl``, written by the real
+:class:`MetricsHistory` logger, also under a real Trainer and a real ``train(cfg)`` job with
+``logger=wandb`` alone) and metrics.csv files of Lightning's real CSVLogger, read and drawn."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _lightning import BNNet, quiet_trainer
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
+from syncbn_lightning import SyncBNCallback
 from syncbn_lightning.app import report
+from syncbn_lightning.app.loggers import MetricsHistory
 from syncbn_lightning.app.report import (
     PANELS,
     Panel,
@@ -19,6 +25,7 @@ from syncbn_lightning.app.report import (
     main,
     panel_lines,
     panel_series,
+    read_history,
     read_metrics,
     read_run,
     render,
@@ -26,6 +33,7 @@ from syncbn_lightning.app.report import (
 
 REPO = Path(__file__).resolve().parents[1]
 PANEL = {p.name: p for p in PANELS}
+WITH_DATA = ["batch_size", "drift", "divergence", "map", "loss"]  # the panels _log_job feeds
 
 
 def _log_job(job_dir: Path, offset: float = 0.0, version: int | None = None) -> Path:
@@ -132,8 +140,18 @@ def test_find_metrics_files_natural_order(tmp_path: Path) -> None:
 
 
 def test_panel_definitions_and_globs() -> None:
-    assert [p.name for p in PANELS] == ["batch_size", "drift", "gap", "map", "loss"]
+    assert [p.name for p in PANELS] == [
+        "batch_size",
+        "samples_seen",
+        "drift",
+        "divergence",
+        "nonfinite",
+        "gap",
+        "map",
+        "loss",
+    ]
     assert PANEL["drift"].log_y and PANEL["gap"].log_y and not PANEL["map"].log_y
+    assert PANEL["divergence"].log_y and PANEL["batch_size"].from_zero
     metrics = {
         "train/loss_cls": [(0, 2.0)],
         "train/loss": [(0, 1.0)],
@@ -150,11 +168,15 @@ def test_panel_definitions_and_globs() -> None:
         Panel("lr", "Learning rate", "lr")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="file name"):
         Panel("a/b", "t", ("lr",))
+    with pytest.raises(ValueError, match="kind='bar'"):
+        Panel("lr", "t", ("lr",), kind="bar")
+    with pytest.raises(ValueError, match="one W&B table"):
+        Panel("t", "t", ("a", "b"), kind="table")
 
 
 def test_render_writes_pngs_only_for_panels_with_data(job: Path) -> None:
     paths = render(job)
-    assert [p.name for p in paths] == ["batch_size.png", "drift.png", "map.png", "loss.png"]
+    assert [p.name for p in paths] == [f"{n}.png" for n in WITH_DATA]
     assert all(p.parent == job / "report" for p in paths)
     for p in paths:
         _assert_png(p)
@@ -165,13 +187,13 @@ def test_log_panel_keeps_zeros_with_symlog() -> None:
     assert report._y_scale([0.1, 1.0]) == ("log", {})
     assert report._y_scale([0.0, 1e-3, 0.5]) == ("symlog", {"linthresh": 1e-3})
     assert report._y_scale([0.0, 0.0]) == ("linear", {})
-    runs = {"": {"bn/drift_mean_max": [(0, 0.5)], "bn/divergence_max": [(0, 0.0)]}}
-    fig = report._figure(PANEL["drift"], report._lines(PANEL["drift"], runs))
+    runs = {"": {"bn/divergence_avg": [(0, 0.5)], "bn/divergence_max": [(0, 0.0)]}}
+    fig = report._figure(PANEL["divergence"], report._lines(PANEL["divergence"], runs))
     (ax,) = fig.axes
     assert ax.get_yscale() == "symlog"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "bn/drift_mean_max",
         "bn/divergence_max",
+        "bn/divergence_avg",
     ]
 
 
@@ -189,7 +211,7 @@ def test_sweep_labels_lines_per_job(sweep: Path, tmp_path: Path) -> None:
     assert colors[0] == colors[1] != colors[2] == colors[3]  # one colour per job
 
     paths = render(sweep, tmp_path / "out")
-    assert [p.name for p in paths] == ["batch_size.png", "drift.png", "map.png", "loss.png"]
+    assert [p.name for p in paths] == [f"{n}.png" for n in WITH_DATA]
     for p in paths:
         _assert_png(p)
 
@@ -225,7 +247,7 @@ def test_job_labels_stay_unique_for_versions(tmp_path: Path) -> None:
 def test_missing_or_empty_run_dir_names_run_dir(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"RUN_DIR .* does not exist"):
         render(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match=r"holds no metrics\.csv.*logger=csv"):
+    with pytest.raises(FileNotFoundError, match=r"holds no metrics\.jsonl or metrics\.csv"):
         render(tmp_path)
 
 
@@ -233,7 +255,7 @@ def test_cli_prints_written_paths(job: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "figs"
     assert main([str(job), "--out", str(out)]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed == [str(out / f"{n}.png") for n in ("batch_size", "drift", "map", "loss")]
+    assert printed == [str(out / f"{n}.png") for n in WITH_DATA]
     for p in printed:
         _assert_png(Path(p))
 
@@ -264,3 +286,98 @@ def test_import_is_cheap() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# ----------------------------------------------------------------------------- metrics history
+
+
+def test_history_of_a_real_trainer_equals_its_csv_and_is_drawn(tmp_path: Path) -> None:
+    """The history holds what Lightning logged, at the same steps as the CSVLogger's rows."""
+    csv_logger = CSVLogger(str(tmp_path / "csv_only"), name="csv")
+    history = MetricsHistory(tmp_path / "job")
+    cb = SyncBNCallback(single_process="monitor", impl="ref")
+    quiet_trainer(
+        callbacks=[cb],
+        logger=[csv_logger, history],
+        default_root_dir=str(tmp_path),
+        max_epochs=2,
+        limit_val_batches=2,
+        log_every_n_steps=2,
+    ).fit(BNNet(batch_size=4, n=16))
+    csv_series = read_metrics(find_metrics_files(tmp_path / "csv_only")[0])
+    series = read_history(history.path)
+    assert series == csv_series
+    assert [s for s, _ in series["bn/global_batch_size"]] == [1, 3, 5, 7]
+    assert series["bn/samples_seen"][-1] == (7, 32.0)
+    assert "val_loss" in series and "epoch" not in series
+    lines = history.path.read_text().splitlines()
+    assert all(json.loads(line)["step"] >= 0 for line in lines)
+
+    paths = render(tmp_path / "job")  # only the history below it
+    names = ["batch_size", "samples_seen", "drift", "divergence", "nonfinite", "gap"]
+    assert [p.name for p in paths] == [f"{n}.png" for n in names]
+    for path in paths:
+        _assert_png(path)
+
+
+def test_history_is_read_before_csv_and_keeps_non_finite_values(tmp_path: Path) -> None:
+    history = MetricsHistory(tmp_path)
+    history.log_metrics({"bn/drift_mean_max": float("nan"), "epoch": 0.0}, step=2)
+    history.log_metrics({"bn/drift_mean_max": float("inf"), "train/loss": 1.5}, step=1)
+    history.log_metrics({"bn/drift_mean_max": 0.25}, step=3)
+    with history.path.open("a") as f:
+        f.write('{"step": 4, "note": "text"}\n{"step": 5, "bn/drift_mea')  # a job killed mid-line
+    _log_job(tmp_path)  # a CSVLogger metrics.csv beside it
+    series = read_history(history.path)
+    drift = series["bn/drift_mean_max"]
+    assert [s for s, _ in drift] == [1, 2, 3]
+    assert drift[0][1] == math.inf and math.isnan(drift[1][1]) and drift[2][1] == 0.25
+    assert "note" not in series and series["train/loss"] == [(1, 1.5)]
+    runs = read_run(tmp_path)  # metrics.jsonl wins over metrics.csv beside it
+    assert list(runs) == [""] and set(runs[""]) == {"bn/drift_mean_max", "train/loss"}
+    assert [p.name for p in render(tmp_path)] == ["drift.png", "loss.png"]
+
+
+@pytest.mark.slow
+def test_wandb_only_job_writes_the_history_the_report_draws(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train(cfg)`` with ``logger=wandb`` alone (no CSV): the report and the W&B charts."""
+    from hydra import compose, initialize_config_dir
+
+    import syncbn_lightning.app.train as app
+
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")
+    for var in ("WANDB_API_KEY", *rendezvous):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "out"
+    overrides = [
+        f"paths.output_dir={out}",
+        f"paths.data_dir={tmp_path / 'data'}",
+        "logger=wandb",
+        "data.synthetic.num_train=16",
+        "data.synthetic.num_val=8",
+        "data.synthetic.progress=false",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "bn.implementation=ref",
+        "launch.timeout_s=60",
+    ]
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    metrics = app.train(cfg)
+    assert not list(out.rglob("metrics.csv"))
+    series = read_history(out / "metrics.jsonl")
+    assert series["bn/norm_batch_size"][-1][1] == metrics["bn/norm_batch_size"]
+    assert "val/mAP" in series and "train/loss" in series
+    steps = [s for s, _ in series["train/loss"]]
+    assert cfg.trainer.devices == 2 and steps == sorted(set(steps))  # one writer: global rank 0
+    written = [p.stem for p in render(out)]
+    assert {"batch_size", "drift", "gap", "map", "loss"} <= set(written)
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    assert b"charts/batch_size" in run_file.read_bytes()

@@ -1,4 +1,5 @@
 """The service's loggers: W&B (offline unless a login exists) and CSV, built from ``cfg.logger``,
+the metrics history every job writes whatever loggers are configured (:class:`MetricsHistory`),
 and what rank 0 adds to a W&B run (config, step axes, report charts, final summary).
 
 ``logger.wandb`` instantiates as it stands through :func:`wandb_logger`; its run is named after the
@@ -9,10 +10,9 @@ and a job that resumes a checkpoint continues the W&B run whose id is stored nex
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import netrc
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -22,16 +22,22 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
+from .metrics_csv import HISTORY_FILE, read_history
+from .wandb_auth import LOGIN_HINT, has_wandb_credentials, wandb_mode_offline
+
 __all__ = [
+    "HISTORY_FILE",
     "WANDB_RUN_FILE",
+    "MetricsHistory",
     "build_loggers",
     "check_wandb",
-    "csv_file",
     "finish_wandb",
+    "metrics_history",
     "setup_wandb",
     "wandb_logger",
 ]
@@ -72,21 +78,21 @@ OmegaConf.register_new_resolver("syncbn.launch_dir", launch_dir, replace=True)
 
 
 def _wandb_offline(setting: Any) -> bool:
-    """``auto``: offline when ``WANDB_MODE`` says so, or unless ``WANDB_API_KEY`` is set or
-    ``~/.netrc`` has a W&B login."""
+    """``auto``: offline when ``WANDB_MODE`` says so, or unless W&B credentials exist
+    (``WANDB_API_KEY``, a ``wandb login``; see :func:`.wandb_auth.has_wandb_credentials`)."""
     if setting != "auto":
         return bool(setting)
     if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
         return True
-    if os.environ.get("WANDB_API_KEY"):
-        return False
-    with contextlib.suppress(FileNotFoundError, netrc.NetrcParseError, OSError):
-        return netrc.netrc().authenticators("api.wandb.ai") is None
-    return True
+    return not has_wandb_credentials()
 
 
 def check_wandb(offline: Any, log_model: Any) -> bool:
     """Check ``offline`` and ``log_model`` of ``logger.wandb``; returns whether the run is offline.
+
+    Needs no network: an online run (``offline=false``) without W&B credentials on this machine
+    is refused here, before any rank starts, instead of failing in ``wandb.init`` on rank 0
+    (``WANDB_MODE=offline`` or ``disabled`` need none).
 
     Raises:
         ValueError: the message starts with the offending argument's name.
@@ -96,6 +102,11 @@ def check_wandb(offline: Any, log_model: Any) -> bool:
     if log_model not in (True, False, "all"):
         raise ValueError(f"log_model={log_model!r}: use false, true (at the end) or all")
     is_offline = _wandb_offline(offline)
+    if not is_offline and not wandb_mode_offline() and not has_wandb_credentials():
+        raise ValueError(
+            f"offline=false: this machine has no W&B API key for an online run; {LOGIN_HINT}, "
+            f"or log offline with offline=auto (or true) and upload later with `wandb sync`"
+        )
     if log_model and is_offline:
         cause = (
             "offline=true"
@@ -184,6 +195,93 @@ def wandb_logger(
     return JobWandbLogger(offline=is_offline, log_model=log_model, **logger_args)
 
 
+# ----------------------------------------------------------------------------- metrics history
+
+
+class MetricsHistory(Logger):
+    """Every metric Lightning logs, appended to ``<save_dir>/metrics.jsonl`` by global rank 0.
+
+    The service adds it to every job whatever ``cfg.logger`` holds, so that the PNG report
+    (``syncbn-report``) and the W&B run's charts read the same history with any logger. Each
+    time Lightning logs (``log_every_n_steps``, validation ends) one JSON line is appended and
+    flushed: ``{"step": 12, "epoch": 0, "train/loss": 0.71, "bn/norm_batch_size": 16.0, ...}``,
+    non-finite values as the strings ``"nan"``, ``"inf"``, ``"-inf"``. A job that resumes in the
+    same directory appends to the file. Read it with :func:`.metrics_csv.read_history`.
+
+    Args:
+        save_dir: The job's output directory; created when the first line is written.
+
+    Example:
+        >>> import tempfile
+        >>> history = MetricsHistory(tempfile.mkdtemp())
+        >>> history.log_metrics({"train/loss": 0.5, "epoch": 0.0}, step=3)
+        >>> history.path.read_text()
+        '{"step": 3, "epoch": 0, "train/loss": 0.5}\\n'
+    """
+
+    def __init__(self, save_dir: str | Path) -> None:
+        super().__init__()
+        self._save_dir = Path(save_dir)
+
+    @property
+    @override
+    def name(self) -> str:
+        return "history"
+
+    @property
+    @override
+    def version(self) -> str:
+        return ""
+
+    @property
+    @override
+    def save_dir(self) -> str:
+        return str(self._save_dir)
+
+    @property
+    def path(self) -> Path:
+        """The history file, ``<save_dir>/metrics.jsonl``."""
+        return self._save_dir / HISTORY_FILE
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the job's config is in ``.hydra/`` (and in the W&B run)."""
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Append one line with ``step`` and ``metrics`` (``epoch`` first when present)."""
+        row: dict[str, Any] = {"step": int(step) if step is not None else None}
+        if "epoch" in metrics:
+            row["epoch"] = int(float(metrics["epoch"]))
+        for key, value in metrics.items():
+            if key != "epoch":
+                row[key] = _json_number(value)
+        self._save_dir.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _json_number(value: Any) -> float | str:
+    number = float(value)
+    return number if math.isfinite(number) else str(number)
+
+
+def metrics_history(trainer: pl.Trainer) -> Path | None:
+    """Flush the trainer's loggers (a ``CSVLogger`` buffers its rows) and return its
+    :class:`MetricsHistory` file; None without one (or before any line)."""
+    for lg in trainer.loggers:
+        lg.save()
+    for lg in trainer.loggers:
+        if isinstance(lg, MetricsHistory) and lg.path.is_file():
+            return lg.path
+    return None
+
+
+# ----------------------------------------------------------------------------- building, W&B
+
+
 def _finish_stale_wandb_run() -> None:
     """One W&B run per job: WandbLogger would silently reuse a run left open in this process."""
     import wandb
@@ -194,10 +292,13 @@ def _finish_stale_wandb_run() -> None:
 
 
 def build_loggers(cfg: DictConfig) -> list[Any]:
-    """Every node of ``cfg.logger``, instantiated as it stands."""
+    """Every node of ``cfg.logger``, instantiated as it stands, then the job's
+    :class:`MetricsHistory` (``<paths.output_dir>/metrics.jsonl``), last so that Lightning's
+    ``trainer.logger`` stays the configured one."""
     if "wandb" in cfg.logger:
         _finish_stale_wandb_run()
-    return [instantiate(node, _convert_="all") for node in cfg.logger.values()]
+    loggers = [instantiate(node, _convert_="all") for node in cfg.logger.values()]
+    return [*loggers, MetricsHistory(cfg.paths.output_dir)]
 
 
 def setup_wandb(trainer: pl.Trainer, cfg: DictConfig) -> None:
@@ -216,28 +317,19 @@ def _wandb_loggers(trainer: pl.Trainer) -> list[Any]:
     return [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
 
 
-def csv_file(trainer: pl.Trainer) -> Path | None:
-    from lightning.pytorch.loggers import CSVLogger
-
-    for lg in trainer.loggers:
-        if isinstance(lg, CSVLogger):
-            lg.save()
-            return Path(lg.log_dir) / "metrics.csv"
-    return None
-
-
-def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], csv: Path | None) -> list[str]:
-    """Rank 0: custom line charts of the report panels (from the CSV metrics file ``csv``), the
-    final metrics in the run summary, ``finish()``. Returns the run directories."""
-    from .report import PANELS, panel_series, read_metrics
+def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], history: Path | None) -> list[str]:
+    """Rank 0: custom line charts of the report panels (``charts/<panel>``, from the job's
+    metrics history file ``history``, see :func:`metrics_history`), the final metrics in the run
+    summary, ``finish()``. Returns the run directories."""
+    from .report import PANELS, panel_series
 
     dirs = []
     for lg in _wandb_loggers(trainer):
         import wandb
 
         run = lg.experiment
-        if csv is not None and csv.is_file():
-            series = read_metrics(csv)
+        if history is not None and history.is_file():
+            series = read_history(history)
             for panel in PANELS:
                 lines = panel_series(panel, series)
                 if not lines:

@@ -1,10 +1,10 @@
-"""PNG report of a training run (or a Hydra multirun sweep) from its ``CSVLogger`` metrics.
+"""PNG report of a training run (or a Hydra multirun sweep) from its metrics history.
 
-Lightning's ``CSVLogger`` writes ``<save_dir>/<name>/version_<n>/metrics.csv``: a ``step`` column,
-an ``epoch`` column and one column per metric, with empty cells where a metric was not logged at
-that row. This module reads every ``metrics.csv`` below a run directory and draws one figure per
-panel, step on the x axis. Runs need the ``csv`` logger (``logger=csv``, or the default
-``logger=wandb_csv``); a W&B-only run has no ``metrics.csv`` to read.
+Every job of ``syncbn-train`` writes ``<output_dir>/metrics.jsonl`` (every metric Lightning logged,
+with its step), whatever loggers are configured: ``logger=wandb`` alone, ``csv`` or ``none``. This
+module reads every such file below a run directory and draws one figure per panel, step on the x
+axis. Directories without any ``metrics.jsonl`` (older runs) are read from Lightning's
+``CSVLogger`` ``metrics.csv`` files instead (:mod:`.metrics_csv`).
 
 Usage::
 
@@ -12,21 +12,25 @@ Usage::
 
 or from Python ``render(run_dir, out_dir=None)``. ``RUN_DIR`` is a job's output directory or a
 Hydra multirun sweep directory (``multirun/<date>/<time>/`` holding ``0/``, ``1/``, ...). With
-several ``metrics.csv`` files every line's label starts with the job's label: the overrides that
-set the jobs of a Hydra sweep apart (``bn.group_size=2: val/mAP``, read from each job's
-``.hydra/overrides.yaml``), else its directory (``0: val/mAP``). The jobs of a sweep overlay in
-one figure: one colour per job, one line style per metric.
-Figures go to ``DIR`` (default ``RUN_DIR/report/``); a panel with no data writes no file.
+several jobs every line's label starts with the job's label: the overrides that set the jobs of a
+Hydra sweep apart (``bn.group_size=2: val/mAP``, read from each job's ``.hydra/overrides.yaml``),
+else its directory (``0: val/mAP``). The jobs of a sweep overlay in one figure: one colour per job,
+one line style per metric. Figures go to ``DIR`` (default ``RUN_DIR/report/``); a panel with no
+data writes no file.
 
-PNGs:
+PNGs (the line panels of :data:`~.panels.SECTIONS`, also the W&B dashboard's; see
+``docs/dashboards.md``):
     * ``batch_size.png``: ``bn/global_batch_size`` (samples normalized together per optimizer step,
       summed over ranks) and ``bn/norm_batch_size`` (the smallest group any BatchNorm normalized
       over): the effective batch sizes that SyncBatchNorm produced.
-    * ``drift.png`` (log y): ``bn/drift_mean_max``, ``bn/drift_var_max`` (how far the running
-      statistics moved since the previous measurement, worst layer) and ``bn/divergence_max`` (how
-      far the ranks' running means are apart; exactly 0 when every rank syncs with every other).
-    * ``gap.png`` (log y): ``bn/gap_mean_max`` and ``bn/gap_std_max``, the train/test inconsistency
-      between the last synchronized batch statistics and the running statistics, worst layer.
+    * ``samples_seen.png``: ``bn/samples_seen``, samples trained on so far.
+    * ``drift.png`` (log y): ``bn/drift_mean_*``, ``bn/drift_var_*``: how far the running
+      statistics moved since the previous measurement, worst layer (``_max``) and mean (``_avg``).
+    * ``divergence.png`` (log y): ``bn/divergence_*``, how far the ranks' running means are apart
+      (exactly 0 when every rank syncs with every other).
+    * ``nonfinite.png``: ``bn/nonfinite_skipped``, running-stat updates skipped for NaN/inf.
+    * ``gap.png`` (log y): ``bn/gap_mean_*`` and ``bn/gap_std_*``, the train/test inconsistency
+      between the last synchronized batch statistics and the running statistics.
     * ``map.png``: validation quality, ``val/mAP``, ``val/mAP50`` and ``val/acc``.
     * ``loss.png``: every ``train/*`` metric (the training losses).
 
@@ -36,7 +40,7 @@ exactly 0) are kept: the axis becomes ``symlog`` with its linear range below the
 value, so zeros sit at the bottom instead of vanishing. Non-finite values (``inf``, ``nan``) are not
 drawn.
 
-:data:`PANELS` and :func:`panel_series` are public so that other front ends (the W&B dashboard)
+:data:`PANELS` and :func:`panel_series` are public so that other front ends (the W&B run charts)
 draw the same panels. Importing this module is cheap: it imports neither Lightning nor Hydra, and
 matplotlib only when a figure is drawn.
 """
@@ -44,7 +48,6 @@ matplotlib only when a figure is drawn.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import logging
 import math
 import sys
@@ -53,7 +56,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .metrics_csv import Series, find_metrics_files, read_metrics, read_run
+from .metrics_csv import Series, find_metrics_files, read_history, read_metrics, read_run
+from .panels import PANELS, Panel, panel_metrics
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -66,6 +70,7 @@ __all__ = [
     "main",
     "panel_lines",
     "panel_series",
+    "read_history",
     "read_metrics",
     "read_run",
     "render",
@@ -75,79 +80,6 @@ log = logging.getLogger(__name__)
 
 _MARKER_MAX_POINTS = 40  # draw point markers on sparse lines (e.g. one val/mAP per epoch)
 _LINE_STYLES = ("-", "--", ":", "-.")
-
-
-@dataclass(frozen=True)
-class Panel:
-    """One figure of the report: which metrics it overlays and how its y axis looks.
-
-    Args:
-        name: File stem of the figure (``<name>.png``) and a short key for other front ends.
-        title: Figure title.
-        metrics: Metric names or :mod:`fnmatch` patterns (``"train/*"``), drawn in this order;
-            the metrics a pattern matches are drawn in sorted order.
-        ylabel: Label of the y axis (with the unit).
-        log_y: Logarithmic y axis (``symlog`` when some values are not positive).
-        from_zero: Linear y axis starting at 0 (sizes: a constant 4 is drawn on 0..4, not on an
-            autoscaled 3.8..4.2).
-
-    Raises:
-        TypeError: ``metrics`` is a single string instead of a tuple of strings.
-        ValueError: ``name`` is empty or is not usable as a file name.
-
-    Example:
-        >>> lr = Panel("lr", "Learning rate", ("lr",), ylabel="lr", log_y=True)
-        >>> panel_series(lr, {"lr": [(0, 0.1)], "val/mAP": [(0, 0.5)]})
-        {'lr': [(0, 0.1)]}
-    """
-
-    name: str
-    title: str
-    metrics: tuple[str, ...]
-    ylabel: str = ""
-    log_y: bool = False
-    from_zero: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.metrics, str) or not all(isinstance(m, str) for m in self.metrics):
-            raise TypeError(
-                f"Panel {self.name!r}: metrics must be a tuple of metric names or patterns, got "
-                f"{self.metrics!r}; write metrics=({self.metrics!r},) for a single one"
-            )
-        object.__setattr__(self, "metrics", tuple(self.metrics))
-        if not self.name or any(c in self.name for c in "/\\") or self.name in {".", ".."}:
-            raise ValueError(
-                f"Panel name {self.name!r} is used as a file name (<name>.png); "
-                "use a non-empty name without path separators, e.g. 'batch_size'"
-            )
-
-
-PANELS: tuple[Panel, ...] = (
-    Panel(
-        "batch_size",
-        "BatchNorm batch size",
-        ("bn/global_batch_size", "bn/norm_batch_size"),
-        ylabel="samples",
-        from_zero=True,
-    ),
-    Panel(
-        "drift",
-        "Running-statistics drift and rank divergence (max over layers)",
-        ("bn/drift_mean_max", "bn/drift_var_max", "bn/divergence_max"),
-        ylabel="running stds (mean, divergence); relative (var)",
-        log_y=True,
-    ),
-    Panel(
-        "gap",
-        "Train/test gap: batch vs running statistics (max over layers)",
-        ("bn/gap_mean_max", "bn/gap_std_max"),
-        ylabel="running stds (mean); relative (std)",
-        log_y=True,
-    ),
-    Panel("map", "Validation", ("val/mAP", "val/mAP50", "val/acc"), ylabel="score"),
-    Panel("loss", "Training losses", ("train/*",), ylabel="loss"),
-)
-"""The report's panels, in the order they are drawn."""
 
 
 def panel_series(panel: Panel, metrics: Mapping[str, Sequence[tuple[int, float]]]) -> Series:
@@ -171,17 +103,11 @@ def panel_series(panel: Panel, metrics: Mapping[str, Sequence[tuple[int, float]]
         >>> panel_series(loss, {"val/mAP": [(0, 0.5)], "train/loss": [(0, 1.0)]})
         {'train/loss': [(0, 1.0)]}
     """
-    out: Series = {}
-    for pattern in panel.metrics:
-        if pattern in metrics:
-            names = [pattern]
-        else:
-            names = sorted(n for n in metrics if fnmatch.fnmatchcase(n, pattern))
-        for name in names:
-            points = metrics[name]
-            if name not in out and len(points) > 0:
-                out[name] = [(int(s), float(v)) for s, v in points]
-    return out
+    return {
+        name: [(int(s), float(v)) for s, v in metrics[name]]
+        for name in panel_metrics(panel, metrics)
+        if len(metrics[name]) > 0
+    }
 
 
 @dataclass(frozen=True)
@@ -304,8 +230,9 @@ def render(
     """Write one PNG per panel that has data for the run (or sweep) in ``run_dir``.
 
     Args:
-        run_dir: A job's output directory or a multirun sweep directory; every ``metrics.csv``
-            below it is read (see :func:`read_run` for how jobs are labelled).
+        run_dir: A job's output directory or a multirun sweep directory; every
+            ``metrics.jsonl`` below it is read, else every ``metrics.csv`` (see :func:`read_run`
+            for how jobs are labelled).
         out_dir: Where the figures go, created if needed. Defaults to ``<run_dir>/report/``.
         panels: The panels to draw. Defaults to :data:`PANELS`.
 
@@ -314,7 +241,7 @@ def render(
         with only non-finite values) are skipped and write nothing.
 
     Raises:
-        FileNotFoundError: ``run_dir`` does not exist or holds no ``metrics.csv``.
+        FileNotFoundError: ``run_dir`` does not exist or holds no metrics file.
         ValueError: A ``metrics.csv`` is malformed.
 
     Example:
@@ -358,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(
         prog="syncbn-report",
-        description="Draw PNG figures of a run's (or a Hydra sweep's) CSVLogger metrics.",
+        description="Draw PNG figures of a run's (or a Hydra sweep's) metrics (metrics.jsonl, "
+        "else CSVLogger metrics.csv).",
     )
     parser.add_argument(
         "run_dir",
         metavar="RUN_DIR",
-        help="a job output directory or a multirun sweep directory with metrics.csv below it",
+        help="a job output directory or a multirun sweep directory (metrics.jsonl below it)",
     )
     parser.add_argument(
         "--out", metavar="DIR", default=None, help="output directory (default: RUN_DIR/report)"

@@ -35,7 +35,7 @@ from .launch import (
     launched_externally,
     restored_environ,
 )
-from .loggers import build_loggers, csv_file, finish_wandb, setup_wandb
+from .loggers import build_loggers, finish_wandb, metrics_history, setup_wandb
 
 __all__ = ["RESULTS_FILE", "ConfigError", "entry", "main", "train", "validate"]
 
@@ -159,7 +159,7 @@ def _fit_and_evaluate(
     for cb in callbacks:
         metrics.update(_scalars(getattr(cb, "last_metrics", None) or {}))
     if trainer.is_global_zero:
-        csv = csv_file(trainer)  # flushes the CSV logger once, after the closing evaluation
+        csv = metrics_history(trainer)  # <output_dir>/metrics.jsonl, whatever the loggers
         runs = finish_wandb(trainer, metrics, csv)
         _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
         _report(trainer, metrics, out, runs, csv)
