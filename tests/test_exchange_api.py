@@ -19,6 +19,7 @@ from syncbn_lightning import (
     CallOrderError,
     SyncBatchNorm,
     SyncBNCallback,
+    check_call_order,
     convert_sync_batchnorm,
 )
 from syncbn_lightning.exchange import AUTO_REDUCE_ABOVE, resolve_exchange
@@ -157,3 +158,21 @@ def test_compiled_reduce_exchange_is_one_graph_and_matches_eager() -> None:
         for step, diffs in enumerate(result["steps"]):
             worst = max(diffs, key=diffs.get)
             assert diffs[worst] <= 1e-5, (rank, step, worst, diffs[worst])
+
+
+@pytest.mark.parametrize("order_ok", [0.0, 1.0])
+def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(order_ok: float) -> None:
+    """The deferred check CUDA layers queue (``[order_ok, shift_ok, layer, call]``, flag in
+    ``status[2]``), run here on CPU tensors: a tag mismatch names this rank's layer and call, a
+    shift mismatch the running means."""
+    from syncbn_lightning.call_order import REDUCE_ROWS, queue_order_check, register_layer_name
+
+    register_layer_name(77, "trunk.bn7")
+    status = torch.tensor([order_ok, 1.0 - order_ok, 0.0], dtype=torch.float64)
+    tags = torch.tensor([order_ok, 1.0 - order_ok, 77.0, 4.0], dtype=torch.float64)
+    queue_order_check(status, tags, REDUCE_ROWS, None)
+    expected = CallOrderError if not order_ok else RuntimeError
+    match = r"this rank ran 'trunk.bn7' \(call #5\)" if not order_ok else "different running_mean"
+    with pytest.raises(expected, match=match):
+        check_call_order()
+    check_call_order()  # the queue is empty again
