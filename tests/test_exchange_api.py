@@ -176,3 +176,22 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(order_o
     with pytest.raises(expected, match=match):
         check_call_order()
     check_call_order()  # the queue is empty again
+
+
+# Eager dispatcher ops of one reduce-exchange layer, forward + backward, without its collectives:
+# 157 today (plain torch operations; the gather exchange's fused operators take 12). A ceiling,
+# so that the eager host cost does not creep up unnoticed (docs/scaling.md, "Cost on the device").
+MAX_REDUCE_OPS_PER_LAYER = 160
+
+
+def test_reduce_exchange_dispatcher_ops_per_layer() -> None:
+    from benchmarks._common import OpCounter
+
+    layer = SyncBatchNorm(8, force_sync=True, exchange="reduce")
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    grad = torch.ones_like(x)
+    layer(x).backward(grad)  # creates .grad
+    with OpCounter() as counter:
+        layer(x).backward(grad)
+    assert sum(counter.ops.values()) <= MAX_REDUCE_OPS_PER_LAYER, counter.ops
+    assert counter.namespaces() == {"aten"}, counter.ops  # no syncbn:: kernel on this path
