@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .call_order import register_layer_name
+from .exchange import ReduceSyncBatchNormFunction, check_exchange, resolve_exchange
 from .function import TAG_LIMIT, SyncBatchNormFunction, check_stats_mode
 from .groups import group_name_of, sync_group_size
 from .impl import check_impl
@@ -92,6 +93,14 @@ class SyncBatchNorm(_BatchNorm):
             ``"default"`` gives every rank with a non-empty batch the same weight, whatever its
             batch size (the same result when batches are equal; the gradient follows the same
             weights). Default: ``"N"``.
+        exchange: how the ranks' statistics travel in the forward: ``"gather"`` (one all-gather
+            of every rank's ``[count, mean, M2]`` row: ``P * (2C + 4)`` values received per rank),
+            ``"reduce"`` (one all-reduce of per-channel float64 sums shifted by the running mean:
+            ``2C + 15`` values whatever the group size ``P``; plain torch operations, see
+            :mod:`syncbn_lightning.exchange`) or ``"auto"`` (reduce in groups of more than 8
+            ranks, gather up to 8). Both give the same statistics (the reduce exchange keeps the
+            float64 mean, so it also stays accurate when ``|mean| / std`` is large); the backward
+            is the same. DataParallel replicas always gather. Default: ``"auto"``.
 
     Shape:
         - Input: ``(N, C, *)``; Output: same shape, dtype and memory format.
@@ -142,6 +151,8 @@ class SyncBatchNorm(_BatchNorm):
     impl: str | None = None
     #: How ranks are weighed in the group statistics: ``"N"`` (by sample count) or ``"default"``.
     stats_mode: str = "N"
+    #: The forward's statistics exchange: ``"auto"``, ``"gather"`` or ``"reduce"``.
+    exchange: str = "auto"
     #: Under :class:`~syncbn_lightning.SyncDataParallel`: this copy's exchange with the other
     #: replicas (set by ``join_replicas``; it replaces the process group).
     replica_group: Any = None
@@ -161,10 +172,12 @@ class SyncBatchNorm(_BatchNorm):
         unbiased_running_var: bool = True,
         impl: str | None = None,
         stats_mode: str = "N",
+        exchange: str = "auto",
     ) -> None:
         validate_hyperparameters(num_features, eps, momentum, process_group)
         impl = check_impl(impl)
         stats_mode = check_stats_mode(stats_mode)
+        exchange = check_exchange(exchange)
         # _BatchNorm's, not super(): in SyncBatchNormOnDevice the next class is nn.SyncBatchNorm,
         # whose sixth positional argument is process_group.
         _BatchNorm.__init__(
@@ -182,6 +195,7 @@ class SyncBatchNorm(_BatchNorm):
         self.unbiased_running_var = bool(unbiased_running_var)
         self.impl = impl
         self.stats_mode = stats_mode
+        self.exchange = exchange
         self._sync_serial = next(_SERIALS)
         self._match_torch_class()
 
@@ -314,7 +328,10 @@ class SyncBatchNorm(_BatchNorm):
         fused ``activation`` (code 0: none)."""
         calls, nonfinite = self._counters(input.device)
         track = self.track_running_stats and running_mean is not None
-        output, mean, var, info = SyncBatchNormFunction.apply(
+        group = self.replica_group or group_name_of(self.process_group)
+        reduce = resolve_exchange(self.exchange, world_size, group) == "reduce"
+        function = ReduceSyncBatchNormFunction if reduce else SyncBatchNormFunction
+        output, mean, var, info = function.apply(
             input,
             weight,
             bias,
@@ -325,7 +342,7 @@ class SyncBatchNorm(_BatchNorm):
             calls,
             self.momentum,
             float(self.eps),
-            self.replica_group or group_name_of(self.process_group),
+            group,
             world_size,
             self.unbiased_running_var,
             self.layer_tag,
@@ -410,6 +427,8 @@ class SyncBatchNorm(_BatchNorm):
             text += f", impl={self.impl!r}"
         if self.stats_mode != "N":
             text += f", stats_mode={self.stats_mode!r}"
+        if self.exchange != "auto":
+            text += f", exchange={self.exchange!r}"
         return text
 
 

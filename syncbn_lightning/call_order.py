@@ -24,6 +24,8 @@ import torch.distributed as dist
 from .reference import ROW_HEADER
 
 __all__ = [
+    "REDUCE_ROWS",
+    "SHIFT_MISMATCH",
     "CallOrderError",
     "check_call_order",
     "queue_order_check",
@@ -32,6 +34,16 @@ __all__ = [
     "row_tags",
 ]
 
+#: ``channels`` of a queued check from the reduce exchange (:mod:`.exchange`): its "rows" are this
+#: rank's ``[order_ok, shift_ok, layer_tag, call_tag]``, since no rank sees the others' tags.
+REDUCE_ROWS = -1
+#: The error when the ranks of a group shifted their sums by different running means.
+SHIFT_MISMATCH = (
+    "syncbn call order: the ranks of one sync group hold different running_mean buffers in a "
+    "layer with exchange='reduce', which shifts every rank's sums by its running mean and needs "
+    "the same one on every rank (as it is after every synchronized update). Load the same "
+    "checkpoint on every rank, keep the buffers in sync, or use exchange='gather'."
+)
 # Queued CUDA call-order checks before one is forced (bounds memory; one host sync per this many).
 _MAX_PENDING = 1024
 
@@ -97,8 +109,29 @@ def check_call_order() -> None:
     _pending.clear()
     flags = torch.stack([info[2] for info, _, _, _ in queued]).cpu()
     for ok, (_, rows, channels, group_name) in zip(flags.tolist(), queued, strict=True):
-        if not ok:
-            raise_if_out_of_order(row_tags(rows, channels).cpu(), group_name)
+        if ok:
+            continue
+        if channels == REDUCE_ROWS:
+            _raise_reduce_mismatch(rows.cpu(), group_name)
+        raise_if_out_of_order(row_tags(rows, channels).cpu(), group_name)
+
+
+def _raise_reduce_mismatch(status: torch.Tensor, group_name: str | None) -> None:
+    """A failed check of the reduce exchange: ``status = [order_ok, shift_ok, layer, call]`` of
+    this rank (the other ranks' tags were summed, not gathered)."""
+    order_ok, _, layer, call = status.tolist()
+    if order_ok:
+        raise RuntimeError(SHIFT_MISMATCH)
+    ranks = _group_ranks(group_name, 1) if isinstance(group_name, str) else []
+    raise CallOrderError(
+        f"SyncBatchNorm layers were called in a different order on the ranks of one sync group "
+        f"(global ranks {ranks}): this rank ran {_layer_text(layer)} (call #{int(call) + 1}) "
+        f"while another rank ran a different layer or call (exchange='reduce' sums the tags, so "
+        f"it cannot name the other ranks' layers; exchange='gather' does). Every rank must run "
+        f"every SyncBatchNorm layer of the group in the same order and the same number of times "
+        f"per training forward; make the forward identical on all ranks, or put layers that "
+        f"only some ranks run in eval mode."
+    )
 
 
 def queue_order_check(

@@ -30,6 +30,7 @@ from .ddp_setup import (
     refuse_buffer_broadcast,
     validate_overrides,
 )
+from .exchange import check_exchange
 from .function import check_stats_mode
 from .groups import GroupSize, new_sync_group, resolve_group_size, validate_group_size
 from .impl import check_impl
@@ -117,6 +118,10 @@ class SyncBNCallback(BatchNormMonitor):
             sample count; ``"default"``: every non-empty rank the same, see
             :class:`~syncbn_lightning.SyncBatchNorm`); ``None`` keeps each layer's own (``"N"``
             for converted layers). Default: None.
+        exchange: if not None, every layer's statistics exchange: ``"gather"``, ``"reduce"``
+            (one all-reduce of O(C) values whatever the group size) or ``"auto"`` (reduce in
+            groups of more than 8 ranks); ``None`` keeps each layer's own (``"auto"`` for
+            converted layers). See ``docs/scaling.md``. Default: None.
         impl: the layers' kernels: ``"auto"``, ``"ext"``, ``"reference"``, or ``None`` (the
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
@@ -209,6 +214,7 @@ class SyncBNCallback(BatchNormMonitor):
         on_nonfinite: Literal["warn", "raise", "ignore"] = "warn",
         single_process: Literal["leave", "monitor"] = "leave",
         stats_mode: Literal["N", "default"] | None = None,
+        exchange: Literal["auto", "gather", "reduce"] | None = None,
     ) -> None:
         validate_group_size(group_size)
         if on_nonfinite not in _NONFINITE_ACTIONS:
@@ -234,6 +240,7 @@ class SyncBNCallback(BatchNormMonitor):
         self.eps = eps
         self.impl = check_impl(impl)
         self.stats_mode = None if stats_mode is None else check_stats_mode(stats_mode)
+        self.exchange = None if exchange is None else check_exchange(exchange)
         self.target_norm_batch = target_norm_batch
         self.log_every_n_steps = log_every_n_steps
         self.drift = bool(drift)
@@ -273,6 +280,7 @@ class SyncBNCallback(BatchNormMonitor):
                 self.impl,
                 force_sync=True,
                 stats_mode=self.stats_mode,
+                exchange=self.exchange,
             )
             self._active = bool(self._layers)
             self.resolved_group_size = 1
@@ -301,7 +309,13 @@ class SyncBNCallback(BatchNormMonitor):
             self.resolved_group_size = size
         group = new_sync_group(size) if size is not None and size < world else None
         self._layers = convert_layers(
-            pl_module, group, self.momentum, self.eps, self.impl, stats_mode=self.stats_mode
+            pl_module,
+            group,
+            self.momentum,
+            self.eps,
+            self.impl,
+            stats_mode=self.stats_mode,
+            exchange=self.exchange,
         )
         if size is None or size < world:
             refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later

@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from .batchnorm import SyncBatchNorm
 from .batchnorm_act import BatchNormActXd, SyncBatchNormAct
+from .exchange import check_exchange
 from .function import check_stats_mode
 from .impl import check_impl
 from .validation import validate_hyperparameters
@@ -87,6 +88,7 @@ def convert_sync_batchnorm(
     force_sync: bool = False,
     unbiased_running_var: bool = True,
     stats_mode: str = "N",
+    exchange: str = "auto",
     custom_forward: str = "error",
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
@@ -112,6 +114,9 @@ def convert_sync_batchnorm(
         unbiased_running_var: passed to every :class:`SyncBatchNorm`.
         stats_mode: passed to every :class:`SyncBatchNorm`: ``"N"`` (ranks weighed by their
             number of samples) or ``"default"`` (every non-empty rank weighs the same).
+        exchange: passed to every :class:`SyncBatchNorm`: ``"gather"``, ``"reduce"`` (one
+            all-reduce of O(C) values per layer, for large groups) or ``"auto"`` (reduce above 8
+            ranks). Default: ``"auto"``.
         custom_forward: what to do with any other ``_BatchNorm`` subclass, one with a
             ``forward`` of its own that a SyncBatchNorm would not reproduce: ``"error"`` (raise,
             naming the layer and its class), ``"convert"`` (convert it anyway: its forward is
@@ -140,6 +145,7 @@ def convert_sync_batchnorm(
     settings = _settings(process_group, momentum, eps, impl, force_sync)
     settings["unbiased_running_var"] = bool(unbiased_running_var)
     settings["stats_mode"] = check_stats_mode(stats_mode)
+    settings["exchange"] = check_exchange(exchange)
     if custom_forward not in CUSTOM_FORWARD:
         raise ValueError(
             f"custom_forward must be one of {CUSTOM_FORWARD} (what to do with a BatchNorm "
@@ -182,13 +188,16 @@ def configure_sync_layers(
     impl: str | None = None,
     force_sync: bool = False,
     stats_mode: str | None = None,
+    exchange: str | None = None,
 ) -> list[SyncBatchNorm]:
     """Give every :class:`SyncBatchNorm` of ``module`` (converted or built as one) these settings,
-    the converter's arguments of the same names (``stats_mode=None`` keeps each layer's own);
-    returns the layers."""
+    the converter's arguments of the same names (``stats_mode=None``, ``exchange=None`` keep each
+    layer's own); returns the layers."""
     settings = _settings(process_group, momentum, eps, impl, force_sync)
     if stats_mode is not None:
         settings["stats_mode"] = check_stats_mode(stats_mode)
+    if exchange is not None:
+        settings["exchange"] = check_exchange(exchange)
     layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm)]
     for layer in layers:
         for name, value in settings.items():

@@ -30,9 +30,10 @@ def convert_layers(
     impl: str | None,
     force_sync: bool = False,
     stats_mode: str | None = None,
+    exchange: str | None = None,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
-    ``group`` with the overrides (``None`` keeps a layer's momentum/eps/stats_mode)."""
+    ``group`` with the overrides (``None`` keeps a layer's momentum/eps/stats_mode/exchange)."""
     convert_sync_batchnorm(model, process_group=group)
     return configure_sync_layers(
         model,
@@ -42,6 +43,7 @@ def convert_layers(
         impl=impl,
         force_sync=force_sync,
         stats_mode=stats_mode,
+        exchange=exchange,
     )
 
 

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from .convert import revert_sync_batchnorm
 from .ddp_setup import convert_layers, keep_group_buffers, validate_overrides
+from .exchange import check_exchange
 from .function import check_stats_mode
 from .groups import new_sync_group, resolve_group_size, validate_group_size
 from .impl import check_impl
@@ -34,6 +35,7 @@ class SyncBNLayerSync(LayerSync):
         eps: if not None, replaces every layer's eps. Default: None.
         impl: the layers' kernels (see :class:`SyncBNCallback`). Default: None.
         stats_mode: the layers' ``stats_mode`` (see :class:`SyncBNCallback`). Default: None.
+        exchange: the layers' ``exchange`` (see :class:`SyncBNCallback`). Default: None.
 
     Note:
         With ``group_size`` smaller than the world the plugin switches DDP's per-forward buffer
@@ -53,6 +55,7 @@ class SyncBNLayerSync(LayerSync):
         eps: float | None = None,
         impl: str | None = None,
         stats_mode: Literal["N", "default"] | None = None,
+        exchange: Literal["auto", "gather", "reduce"] | None = None,
     ) -> None:
         validate_group_size(group_size, allow_auto=False)
         validate_overrides(momentum, eps)
@@ -61,6 +64,7 @@ class SyncBNLayerSync(LayerSync):
         self.eps = eps
         self.impl = check_impl(impl)
         self.stats_mode = None if stats_mode is None else check_stats_mode(stats_mode)
+        self.exchange = None if exchange is None else check_exchange(exchange)
 
     @override
     def apply(self, model: nn.Module) -> nn.Module:
@@ -73,7 +77,15 @@ class SyncBNLayerSync(LayerSync):
             per_node = self._processes_per_node(trainer) if self.group_size == "node" else 0
             size = resolve_group_size(self.group_size, world, per_node)
         group = new_sync_group(size) if size < world else None
-        convert_layers(model, group, self.momentum, self.eps, self.impl, stats_mode=self.stats_mode)
+        convert_layers(
+            model,
+            group,
+            self.momentum,
+            self.eps,
+            self.impl,
+            stats_mode=self.stats_mode,
+            exchange=self.exchange,
+        )
         if size < world and trainer is not None:
             keep_group_buffers(trainer.strategy)
         return model

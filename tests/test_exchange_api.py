@@ -1,0 +1,197 @@
+"""The ``exchange`` setting: validation, plumbing (layer, converter, callback, bn config), the
+``"auto"`` rule, call-order and running-mean checks of the reduce exchange, and torch.compile of
+it (one graph, compiled == eager on two gloo ranks with an empty batch)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from omegaconf import OmegaConf
+from test_compile import _explain, _train_side_by_side, bn_stack, resnet_style
+from torch import nn
+
+from syncbn_lightning import (
+    CallOrderError,
+    SyncBatchNorm,
+    SyncBNCallback,
+    check_call_order,
+    convert_sync_batchnorm,
+)
+from syncbn_lightning.exchange import AUTO_REDUCE_ABOVE, resolve_exchange
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda value: SyncBatchNorm(4, exchange=value),
+        lambda value: convert_sync_batchnorm(nn.BatchNorm1d(4), exchange=value),
+        lambda value: SyncBNCallback(exchange=value),
+    ],
+    ids=["layer", "converter", "callback"],
+)
+def test_invalid_exchange_names_the_argument_and_the_choices(build: Any) -> None:
+    with pytest.raises(ValueError, match=r"exchange must be 'gather'.*'reduce'.*'auto'"):
+        build("allreduce")
+
+
+def test_exchange_reaches_the_layers() -> None:
+    model = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), exchange="reduce")
+    assert model[0].exchange == "reduce" and "exchange='reduce'" in repr(model[0])
+    assert convert_sync_batchnorm(nn.BatchNorm2d(3)).exchange == "auto"
+    assert SyncBatchNorm(3).exchange == "auto" and "exchange" not in repr(SyncBatchNorm(3))
+    assert SyncBNCallback().exchange is None and SyncBNCallback(exchange="gather").exchange == (
+        "gather"
+    )
+
+
+def test_auto_reduces_above_eight_ranks_and_replicas_always_gather() -> None:
+    assert AUTO_REDUCE_ABOVE == 8
+    assert [resolve_exchange("auto", p, "g") for p in (2, 8, 9, 4096)] == [
+        "gather",
+        "gather",
+        "reduce",
+        "reduce",
+    ]
+    assert resolve_exchange("reduce", 2, "g") == "reduce"
+    assert resolve_exchange("gather", 64, "g") == "gather"
+    assert resolve_exchange("reduce", 64, object()) == "gather"  # DataParallel replicas
+
+
+def test_bn_config_passes_exchange_to_the_callback() -> None:
+    from syncbn_lightning.app.config import bn_callback
+
+    cfg = OmegaConf.load(ROOT / "conf" / "bn" / "sync.yaml")
+    assert cfg.exchange == "auto"
+    args = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "_target_"}
+    assert bn_callback(**args).exchange == "auto"
+    args["exchange"] = "reduce"
+    assert bn_callback(**args).exchange == "reduce"
+
+
+def test_reduce_without_a_group_is_plain_batch_norm() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4) * 3 + 7
+    bn = SyncBatchNorm(3, force_sync=True, exchange="reduce")
+    plain = nn.BatchNorm1d(3)
+    for _ in range(2):
+        torch.testing.assert_close(bn(x), plain(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bn.running_mean, plain.running_mean)
+    torch.testing.assert_close(bn.running_var, plain.running_var)
+    assert int(bn.num_batches_tracked) == 2
+
+
+def _order_worker(rank: int, world: int, compiled: bool) -> str:
+    layers = nn.ModuleDict({name: SyncBatchNorm(4, exchange="reduce") for name in ("stem", "head")})
+    for name, layer in layers.items():
+        layer.set_sync_name(name)
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # rank 1 skips the stem's layer
+        return layers["head"](layers["stem"](x) if rank == 0 else x)
+
+    if compiled:
+        run = torch.compile(run, backend="aot_eager", fullgraph=True)
+    try:
+        run(torch.randn(2, 4, 3))
+    except CallOrderError as exc:
+        return f"CallOrderError: {exc}"
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_reduce_call_order_mismatch_raises_on_every_rank_naming_both_layers() -> None:
+    for rank, message in enumerate(run_distributed(_order_worker, 2, False)):
+        assert message.startswith("CallOrderError"), (rank, message)
+        assert "rank 0 ran 'stem' (call #1)" in message, message
+        assert "rank 1 ran 'head' (call #1)" in message, message
+
+
+@pytest.mark.distributed
+def test_compiled_reduce_call_order_mismatch_raises_on_every_rank() -> None:
+    for message in run_distributed(_order_worker, 2, True, timeout=300):
+        assert message.startswith("RuntimeError") and "syncbn call order" in message, message
+
+
+def _shift_worker(rank: int, world: int) -> str:
+    bn = SyncBatchNorm(4, exchange="reduce")
+    with torch.no_grad():
+        bn.running_mean.add_(rank)  # e.g. each rank loaded another checkpoint
+    try:
+        bn(torch.randn(2, 4, 3))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_reduce_refuses_running_means_that_differ_across_ranks() -> None:
+    for message in run_distributed(_shift_worker, 2):
+        assert "different running_mean" in message and "exchange='gather'" in message, message
+
+
+def _compile_worker(rank: int, world: int, sizes: list[int]) -> dict[str, Any]:
+    """explain of a ResNet-style model and eager vs compiled (aot_eager) training of a BN stack,
+    every layer on the reduce exchange."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    model = convert_sync_batchnorm(resnet_style(), exchange="reduce")
+    out: dict[str, Any] = {"explain": _explain(copy.deepcopy(model), torch.randn(2, 3, 6, 6))}
+    x = torch.randn(sizes[rank], 3, 6, 6, generator=gen) * 2 + 1
+    stack = convert_sync_batchnorm(bn_stack(), exchange="reduce")
+    out["steps"] = _train_side_by_side(stack, x, 3, "aot_eager")
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_reduce_exchange_is_one_graph_and_matches_eager() -> None:
+    for rank, result in enumerate(run_distributed(_compile_worker, 2, [3, 0], timeout=600)):
+        graphs, breaks, reasons = result["explain"]
+        assert (graphs, breaks) == (1, 0), (rank, reasons)
+        for step, diffs in enumerate(result["steps"]):
+            worst = max(diffs, key=diffs.get)
+            assert diffs[worst] <= 1e-5, (rank, step, worst, diffs[worst])
+
+
+@pytest.mark.parametrize("order_ok", [0.0, 1.0])
+def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(order_ok: float) -> None:
+    """The deferred check CUDA layers queue (``[order_ok, shift_ok, layer, call]``, flag in
+    ``status[2]``), run here on CPU tensors: a tag mismatch names this rank's layer and call, a
+    shift mismatch the running means."""
+    from syncbn_lightning.call_order import REDUCE_ROWS, queue_order_check, register_layer_name
+
+    register_layer_name(77, "trunk.bn7")
+    status = torch.tensor([order_ok, 1.0 - order_ok, 0.0], dtype=torch.float64)
+    tags = torch.tensor([order_ok, 1.0 - order_ok, 77.0, 4.0], dtype=torch.float64)
+    queue_order_check(status, tags, REDUCE_ROWS, None)
+    expected = CallOrderError if not order_ok else RuntimeError
+    match = r"this rank ran 'trunk.bn7' \(call #5\)" if not order_ok else "different running_mean"
+    with pytest.raises(expected, match=match):
+        check_call_order()
+    check_call_order()  # the queue is empty again
+
+
+# Eager dispatcher ops of one reduce-exchange layer, forward + backward, without its collectives:
+# 157 today (plain torch operations; the gather exchange's fused operators take 12). A ceiling,
+# so that the eager host cost does not creep up unnoticed (docs/scaling.md, "Cost on the device").
+MAX_REDUCE_OPS_PER_LAYER = 160
+
+
+def test_reduce_exchange_dispatcher_ops_per_layer() -> None:
+    from benchmarks._common import OpCounter
+
+    layer = SyncBatchNorm(8, force_sync=True, exchange="reduce")
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    grad = torch.ones_like(x)
+    layer(x).backward(grad)  # creates .grad
+    with OpCounter() as counter:
+        layer(x).backward(grad)
+    assert sum(counter.ops.values()) <= MAX_REDUCE_OPS_PER_LAYER, counter.ops
+    assert counter.namespaces() == {"aten"}, counter.ops  # no syncbn:: kernel on this path
