@@ -10,6 +10,7 @@ raises, dies, or does not finish within ``timeout`` seconds, and never leaves pr
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -22,6 +23,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
+
+
+def _serialize(value: Any) -> bytes:
+    """``value`` as torch.save bytes. Tensors put on a torch.multiprocessing queue as they are
+    travel as file descriptors that the parent fetches from the worker's resource sharer, which
+    is gone once the worker exits (FileNotFoundError under load); bytes need no worker."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _deserialize(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def _worker(
@@ -46,7 +60,7 @@ def _worker(
         )
         try:
             out = fn(rank, world_size, *args)
-            results.put((rank, "ok", out))
+            results.put((rank, "ok", _serialize(out)))
             dist.barrier()
         finally:
             dist.destroy_process_group()
@@ -104,7 +118,10 @@ def run_distributed(
                             f"{[(procs.index(p), p.exitcode) for p in dead]}; errors: {errors}"
                         ) from None
                     continue
-                (collected if status == "ok" else errors)[rank] = payload
+                if status == "ok":
+                    collected[rank] = _deserialize(payload)
+                else:
+                    errors[rank] = payload
                 if status != "ok" and len(errors) == 1:
                     first_error = datetime.datetime.now()
             for p in procs:

@@ -12,17 +12,15 @@ Inputs are smooth (a random image blurred), no dropout; untrained timm weights.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _dist import run_distributed
+from _timm import import_timm
 from torch import nn
 
 from syncbn_lightning import SyncBatchNormAct, convert_sync_batchnorm, revert_sync_batchnorm
-from tests._dist import run_distributed
-from tests._timm import import_timm
 
 MODELS = ("efficientnet_b0", "regnetx_002", "mobilenetv3_small_050", "cspresnet50")
 CLASSES, BATCH, SIZE, WORLD = 10, 4, 64, 2
@@ -63,10 +61,8 @@ def _oracle(name: str) -> dict[str, torch.Tensor]:
     return _step(_model(name).double(), images, weights)
 
 
-def _rank(rank: int, world: int, name: str) -> bytes:
-    """The rank's _step, gradients summed over the ranks; as torch.save bytes (hundreds of
-    tensors through the result queue would be shared by file descriptor, which dies with the
-    worker)."""
+def _rank(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
+    """The rank's _step, gradients summed over the ranks."""
     model = convert_sync_batchnorm(_model(name), impl="reference")
     images, weights = _data()
     part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -74,9 +70,7 @@ def _rank(rank: int, world: int, name: str) -> bytes:
     for key, value in result.items():
         if key.startswith("grad:"):
             dist.all_reduce(value)
-    buffer = io.BytesIO()
-    torch.save(result, buffer)
-    return buffer.getvalue()
+    return result
 
 
 def _family(key: str) -> str:
@@ -108,7 +102,7 @@ def _relative_errors(
 @pytest.mark.parametrize("name", MODELS)
 def test_converted_timm_model_on_two_ranks_matches_float64_one_process(name: str) -> None:
     want = _oracle(name)
-    ranks = [torch.load(io.BytesIO(b)) for b in run_distributed(_rank, WORLD, name, timeout=240.0)]
+    ranks = run_distributed(_rank, WORLD, name, timeout=240.0)
     got = {"output": torch.cat([r.pop("output") for r in ranks])}
     got.update(ranks[0])
     assert sorted(got) == sorted(want)
