@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -27,7 +28,15 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
+from .config import (
+    CONF_DIR,
+    ConfigError,
+    build,
+    check_command_line,
+    exit_on_config_error,
+    validate,
+    world,
+)
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -233,6 +242,8 @@ def entry() -> None:
     if os.environ.get(RANK_CONFIG_ENV):
         _run_rank(os.environ[RANK_CONFIG_ENV])
     else:
+        with exit_on_config_error():  # unknown keys: one line, before Hydra's own message
+            check_command_line(sys.argv[1:])
         main()
 
 
