@@ -65,6 +65,7 @@ def shape_keys() -> dict[str, set[str]]:
 
 def test_recipes_are_found() -> None:
     assert RECIPES == [
+        "classifier_sanity",
         "detection_group2",
         "detection_large_batch",
         "detection_local_bn",
