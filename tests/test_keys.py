@@ -30,7 +30,9 @@ CONF = ROOT / "conf"
     ("override", "bad", "closest"),
     [
         ("bn.grup_size=2", "bn.grup_size", "bn.group_size"),
-        ("+trainer.device=4", "trainer.device", "trainer.devices"),
+        pytest.param(
+            "+trainer.device=4", "trainer.device", "trainer.devices", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_cli_unknown_key_exits_2_before_any_rank(

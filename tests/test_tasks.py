@@ -399,6 +399,7 @@ def _ddp_detector_worker(rank: int, world: int) -> list[np.ndarray]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_ddp_loss_gradient_equals_one_process_on_the_whole_batch() -> None:
     """With SyncBN and the object count averaged over ranks, 2 ranks x 2 images train exactly
     like 1 process x 4 images (the premise of the small-batch experiment's reference run)."""
