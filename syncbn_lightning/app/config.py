@@ -143,7 +143,7 @@ def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
         if missing:
             raise ConfigError(
                 f"trainer.num_nodes={nodes} needs torchrun/SLURM, or {', '.join(missing)} set on "
-                f"every node (NODE_RANK=0 on the node at MASTER_ADDR); see the README"
+                f"every node (NODE_RANK=0 on the node at MASTER_ADDR); see docs/service.md"
             )
 
 
