@@ -1,7 +1,9 @@
 """A small BatchNorm classifier on detection data: the class of each image's largest object.
 
-Useful as a fast sanity run of the service (``model=classifier``): same datamodule, same SyncBN
-callback, a metric (``val/acc``) that moves within a few epochs.
+The service's one-minute sanity run (``recipe=classifier_sanity``: one shape per image, 16 images
+per process): same datamodule, same SyncBN callback, a metric (``val/acc``) that reaches about 0.9
+in 14 epochs. On the default detection data (1-3 objects, 2 images per process) it stays near
+chance: telling the largest of several objects apart needs more data and larger batches.
 """
 
 from __future__ import annotations
