@@ -59,6 +59,7 @@ def test_cache_directory_is_private_and_keyed(
         assert p.stat().st_mode & 0o077 == 0, f"{p} must not be accessible to group/others"
 
 
+@pytest.mark.slow
 def test_import_and_plain_use_build_nothing(tmp_path: Path) -> None:
     result = _python(
         """
@@ -74,6 +75,7 @@ def test_import_and_plain_use_build_nothing(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_failed_build_falls_back_once_with_the_cause(tmp_path: Path) -> None:
     code = """
         import torch, syncbn_lightning as s
@@ -113,6 +115,7 @@ def test_build_announcement_quotes_the_last_build_in_this_cache(
     ]
 
 
+@pytest.mark.slow
 def test_stale_lock_from_a_killed_build_is_removed() -> None:
     _backend.load_extension()  # built (or loaded) under the default cache
     lock = _backend.build_dir() / "lock"
@@ -145,6 +148,7 @@ def test_cache_key_follows_cuda_architectures_and_the_interpreter(
     assert _backend._build_spec(cuda=False)["key"] != cpu
 
 
+@pytest.mark.slow
 def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() -> None:
     """The CUDA part of the build fails (here: made to); the CPU kernels still build and serve."""
     result = _python(

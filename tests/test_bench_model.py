@@ -30,6 +30,7 @@ def test_bench_model_prints_a_table_for_each_configuration() -> None:
     assert "device: " in done.stdout and "command: " in done.stdout
 
 
+@pytest.mark.slow
 def test_bench_model_refuses_cuda_only_choices_on_cpu() -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_model.py", "--device", "cpu", "--modes", "graph"],
@@ -38,6 +39,7 @@ def test_bench_model_refuses_cuda_only_choices_on_cpu() -> None:
     assert done.returncode == 2 and "--modes graph needs --device cuda" in done.stderr
 
 
+@pytest.mark.slow
 def test_bench_layer_needs_a_gpu_and_says_so() -> None:
     """benchmarks/bench_layer.py times by CUDA-graph replay: on a CPU it refuses in its parser,
     naming the CPU benchmark to use instead (its GPU figures are in benchmarks/RESULTS.md)."""
@@ -49,6 +51,7 @@ def test_bench_layer_needs_a_gpu_and_says_so() -> None:
     assert "needs a CUDA GPU (CUDA-graph replay); on CPU use bench_kernels.py" in done.stderr
 
 
+@pytest.mark.slow
 def test_bench_layer_names_a_bad_shape() -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_layer.py", "--shapes", "32x256xa"],

@@ -31,7 +31,8 @@ from torch import nn
 from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
 from syncbn_lightning.callback import resolve_group_size
 
-pytestmark = pytest.mark.distributed
+# Real Trainers on several gloo processes (20-80 s each on 2 cores): outside the fast check.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 # ----------------------------------------------------------------------------- parity

@@ -29,7 +29,8 @@ from torch import nn
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback
 from syncbn_lightning.app.report import find_metrics_files, read_metrics
 
-pytestmark = pytest.mark.distributed
+# Real Trainers on several gloo processes: outside the fast check.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _csv_rows(save_dir: str, key: str = "bn/global_batch_size") -> list[dict[str, str]]:

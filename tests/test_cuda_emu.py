@@ -29,7 +29,8 @@ import torch
 from _kernel_matrix import DTYPES, SHAPES, base_input, check_primitives, layouts
 from cuda_emu.build import load_emulator
 
-pytestmark = pytest.mark.cuda_emu
+# The emulation build takes minutes on 2 cores: outside the fast check (`-m cuda_emu` runs it).
+pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
 
 FULL = os.environ.get("SYNCBN_EMU_FULL") == "1"
 SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 1)]

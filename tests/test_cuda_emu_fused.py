@@ -14,7 +14,8 @@ from cuda_emu.build import load_emulator
 from syncbn_lightning._backend import load_extension
 from syncbn_lightning.activation import ACTIVATIONS
 
-pytestmark = pytest.mark.cuda_emu
+# Needs the emulation build (minutes on 2 cores): outside the fast check.
+pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from cuda_emu.build import RewriteError, load_emulator, rewrite_cuda_source
 
-pytestmark = pytest.mark.cuda_emu
+# Needs the emulation build (minutes on 2 cores): outside the fast check.
+pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
 
 SCHEDULES = [("forward", 0), ("reverse", 0), ("random", 5)]
 

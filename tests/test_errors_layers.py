@@ -163,6 +163,7 @@ def _skipping_rank(rank: int, world: int) -> BaseException | None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_bn_call_order_differs_across_ranks() -> None:
     errors = run_distributed(_skipping_rank, 2, timeout=60, pg_timeout_s=30)
     assert errors[0] is not None and str(errors[0]) == str(errors[1])  # every rank raises

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import syncbn_lightning.app.train as app
+from syncbn_lightning.app.config import check_command_line
 from syncbn_lightning.app.tasks.coco import CocoDetection
 
 CONF = ROOT / "conf"
@@ -153,6 +154,21 @@ def test_config_synthetic_photometric_out_of_range(tmp_path: Path) -> None:
 def test_config_data_unknown_key(tmp_path: Path) -> None:
     with expect_row():
         _validate(tmp_path, "+data.foo=1")
+
+
+def test_config_key_misspelt() -> None:
+    with expect_row():
+        check_command_line(["bn.grup_size=2"])
+
+
+def test_config_key_added_unknown(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "+trainer.device=4")
+
+
+def test_config_key_needs_plus() -> None:
+    with expect_row():
+        check_command_line(["trainer.profiler=simple"])
 
 
 def test_config_model_optimizer_unknown(tmp_path: Path) -> None:

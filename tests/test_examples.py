@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_demo_runs_and_finds_the_ranks_synchronized(tmp_path: Path) -> None:
     """From another folder, as the README's command does from a clone (2 gloo processes)."""
     proc = subprocess.run(

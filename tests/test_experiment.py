@@ -185,6 +185,7 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_unknown_variant_is_refused_by_name() -> None:
     proc = _run("--variants", "syncbn", "batchnorm", timeout=120)
     assert proc.returncode != 0

@@ -139,6 +139,7 @@ def _backward_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_handwritten_backward_equals_autograd_through_all_reduce(world: int) -> None:
     for rank, per_case in enumerate(run_distributed(_backward_worker, world)):
         for case, errors in per_case.items():

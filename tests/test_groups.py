@@ -43,6 +43,7 @@ def _split_worker(rank: int, world: int) -> dict[str, object]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_splits_the_world_into_consecutive_blocks() -> None:
     results = run_distributed(_split_worker, 4)
     for rank, r in enumerate(results):

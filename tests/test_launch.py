@@ -76,6 +76,7 @@ def _pids(tmp_path: Path, local_ranks, timeout: float = 10.0) -> list[int]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_failing_child_stops_the_others_and_is_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FAIL_RANK", "2")
     start = time.monotonic()
@@ -98,6 +99,7 @@ def test_failing_child_stops_the_others_and_is_reported(tmp_path, monkeypatch) -
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_child_killed_by_a_signal_is_reported_with_the_signal_name(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KILL_RANK", "2")
     launcher = RankLauncher(
@@ -113,6 +115,7 @@ def test_child_killed_by_a_signal_is_reported_with_the_signal_name(tmp_path, mon
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_parent_failing_because_a_child_died_reports_the_child(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KILL_RANK", "1")
     launcher = RankLauncher(_pid_child(tmp_path), tmp_path / "cfg", devices=3, log_dir=tmp_path)
@@ -141,6 +144,7 @@ STUCK_PARENT = """
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_parent_stuck_after_a_child_died_is_ended_after_abort_after_s(
     tmp_path, monkeypatch
 ) -> None:
@@ -166,6 +170,7 @@ def test_parent_stuck_after_a_child_died_is_ended_after_abort_after_s(
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_children_die_with_a_killed_parent(tmp_path) -> None:
     root = str(Path(__file__).resolve().parents[1])
     script = STUCK_PARENT.format(
@@ -200,6 +205,7 @@ def _is_zombie(pid: int) -> bool:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_parent_error_kills_children_and_propagates(tmp_path) -> None:
     launcher = RankLauncher(_pid_child(tmp_path), tmp_path / "cfg", devices=3, log_dir=tmp_path)
     start = time.monotonic()
@@ -214,6 +220,7 @@ def test_parent_error_kills_children_and_propagates(tmp_path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_child_outliving_grace_is_killed(tmp_path) -> None:
     launcher = RankLauncher(
         _pid_child(tmp_path), tmp_path / "cfg", devices=2, log_dir=tmp_path, grace_s=0.5
@@ -230,6 +237,7 @@ def test_child_outliving_grace_is_killed(tmp_path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_child_failing_after_parent_finished_is_reported(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FAIL_RANK", "1")
     launcher = RankLauncher(_pid_child(tmp_path), tmp_path / "cfg", devices=2, log_dir=tmp_path)
@@ -241,6 +249,7 @@ def test_child_failing_after_parent_finished_is_reported(tmp_path, monkeypatch) 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_clean_exit_of_all_ranks(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SLEEP_S", "0.3")
     launcher = RankLauncher(_pid_child(tmp_path), tmp_path / "cfg", devices=3, log_dir=tmp_path)
@@ -251,6 +260,7 @@ def test_clean_exit_of_all_ranks(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_failed_start_restores_environment_and_stops_started_children(tmp_path) -> None:
     (tmp_path / "rank2.log").mkdir()  # the second child's log cannot be opened
     before = dict(os.environ)

@@ -49,6 +49,7 @@ ENV_CHILD = """
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("devices", "num_nodes", "node_rank"), [(3, 1, None), (2, 2, 1)])
+@pytest.mark.slow
 def test_children_get_the_documented_environment(
     tmp_path, monkeypatch, devices: int, num_nodes: int, node_rank: int | None
 ) -> None:
@@ -164,6 +165,7 @@ GLOO_CHILD = """
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_gloo_rendezvous_through_the_launcher(tmp_path) -> None:
     assert not dist.is_initialized()
     devices = 2
@@ -204,6 +206,7 @@ BARRIER_CHILD = """
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_single_node_rendezvous_listens_on_loopback_only(tmp_path) -> None:
     command = write_script(tmp_path, "barrier_child.py", BARRIER_CHILD)
     launcher = RankLauncher(command, tmp_path / "cfg", devices=2, log_dir=tmp_path)

@@ -181,6 +181,7 @@ def _parity_results(world: int) -> dict[str, list[dict[str, float]]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.slow
 def test_parity_with_batchnorm_on_concatenated_batch(case: Case) -> None:
     tol = HALF_TOL.get(case.dtype, FP32_TOL)
     per_rank = _parity_results(len(case.batches))[case.name]
@@ -206,6 +207,7 @@ def _seed_example_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_seed_example_ones_and_twos() -> None:
     """Two ranks holding ones and twos: mean 1.5, biased var 0.25 -> outputs -1 and +1."""
     results = run_distributed(_seed_example_worker, 2)
@@ -244,6 +246,7 @@ def _large_mean_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_variance_of_large_mean_data_split_unevenly_over_3_ranks() -> None:
     """Mean 1e4, std 0.1 in float32 over 3 uneven ranks: variance within 1e-4 of float64."""
     results = run_distributed(_large_mean_worker, 3)
@@ -275,6 +278,7 @@ def _eval_worker(rank: int, world: int) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_eval_mode_communicates_nothing_and_running_stats_agree() -> None:
     results = run_distributed(_eval_worker, 2, pg_timeout_s=20)
     assert results[0][0] == results[1][0] == 3.0
@@ -292,6 +296,7 @@ def _one_value_worker(rank: int, world: int) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_one_value_per_channel_in_the_whole_group_raises_on_every_rank() -> None:
     messages = run_distributed(_one_value_worker, 2)
     for message in messages:
@@ -310,6 +315,7 @@ def _all_empty_worker(rank: int, world: int) -> list[float]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_all_empty_group_behaves_like_torch_on_an_empty_batch() -> None:
     # torch: counts the batch, leaves the running stats untouched
     torch_bn = nn.BatchNorm1d(2)

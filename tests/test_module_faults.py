@@ -48,6 +48,7 @@ def _order_worker(rank: int, world: int, plan: dict[int, list[str]], channels: i
     ],
     ids=["skipped-layer", "other-order", "extra-call"],
 )
+@pytest.mark.slow
 def test_ranks_calling_layers_out_of_order_all_raise_the_named_error(
     plan: dict[int, list[str]], rank_0_ran: str, rank_1_ran: str
 ) -> None:
@@ -61,6 +62,7 @@ def test_ranks_calling_layers_out_of_order_all_raise_the_named_error(
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_skipped_layer_of_another_size_ends_in_an_error_not_a_hang() -> None:
     """The payload sizes differ, so the tags cannot be compared: gloo fails the collective."""
     started = time.monotonic()
@@ -95,6 +97,7 @@ def _nonfinite_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_nan_batch_on_one_rank_leaves_running_stats_unchanged_and_counted() -> None:
     for result in run_distributed(_nonfinite_worker, 2):
         assert result["unchanged"] and result["skips"] == 1

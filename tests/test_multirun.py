@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ],
     ids=["one_key", "combination"],
 )
+@pytest.mark.slow
 def test_bad_combination_fails_before_the_first_job(
     tmp_path: Path, sweep: list[str], bad: str
 ) -> None:

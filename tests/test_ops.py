@@ -121,6 +121,7 @@ def test_bad_arguments_name_the_argument(ops) -> None:
         ops.merge_normalize(x, row[:-1], None, None, None, None, None, None, 0.1, 1e-5, True)
 
 
+@pytest.mark.slow
 def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
     for layout in (torch.contiguous_format, torch.channels_last):
         x = torch.randn(3, 4, 5, 2).contiguous(memory_format=layout)

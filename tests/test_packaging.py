@@ -44,6 +44,7 @@ def _requirement_names(requirements: list[str]) -> set[str]:
     return {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}
 
 
+@pytest.mark.slow
 def test_library_imports_no_service_dependency() -> None:
     code = (
         "import sys\n"

@@ -65,6 +65,7 @@ def shape_keys() -> dict[str, set[str]]:
 
 def test_recipes_are_found() -> None:
     assert RECIPES == [
+        "classifier_sanity",
         "detection_group2",
         "detection_large_batch",
         "detection_local_bn",
@@ -74,6 +75,7 @@ def test_recipes_are_found() -> None:
 
 
 @pytest.mark.parametrize("recipe", [None, *RECIPES], ids=lambda r: r or "default")
+@pytest.mark.slow
 def test_chosen_options_survive_every_recipe(
     recipe: str | None, shape_keys: dict[str, set[str]]
 ) -> None:
@@ -155,6 +157,7 @@ def test_small_batches_nobody_chose_still_warn(overrides: list[str]) -> None:
     assert _norm_batch(cfg) < cfg.bn.target_norm_batch
 
 
+@pytest.mark.slow
 def test_cli_keeps_the_chosen_bn_option() -> None:
     """The issue's reproduction: ``python train.py bn=local --cfg job`` shows groups of one."""
     proc = subprocess.run(

@@ -260,6 +260,7 @@ def test_cli_prints_written_paths(job: Path, tmp_path: Path, capsys) -> None:
         _assert_png(Path(p))
 
 
+@pytest.mark.slow
 def test_cli_entry_point_missing_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = subprocess.run(
@@ -276,6 +277,7 @@ def test_cli_entry_point_missing_dir(tmp_path: Path) -> None:
     assert str(missing) in lines[0]
 
 
+@pytest.mark.slow
 def test_import_is_cheap() -> None:
     code = (
         "import sys, syncbn_lightning.app.report\n"

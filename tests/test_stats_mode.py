@@ -85,6 +85,7 @@ def _equal_weight_reference(sizes: list[int]) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("impl", ["ref", "ext"])
+@pytest.mark.slow
 def test_default_mode_weighs_every_nonempty_rank_the_same(impl: str) -> None:
     sizes = [1, 4, 0]
     both = run_distributed(_worker, 3, sizes, impl, timeout=180)
@@ -103,6 +104,7 @@ def test_default_mode_weighs_every_nonempty_rank_the_same(impl: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_equal_batches_give_the_same_result_in_both_modes() -> None:
     sizes = [2, 2]
     for rank in run_distributed(_worker, 2, sizes, "ext", timeout=180):

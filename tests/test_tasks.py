@@ -238,6 +238,7 @@ class _Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+@pytest.mark.slow
 def test_centernet_overfits_one_batch(shapes_root: Path) -> None:
     pl.seed_everything(0, verbose=False)
     dm = CocoDataModule(str(shapes_root), batch_size=2, hflip=False)
@@ -309,6 +310,7 @@ class _LRs(Callback):
         self.lrs.append(optimizer.param_groups[0]["lr"])
 
 
+@pytest.mark.slow
 def test_scaled_lr_peak_warmup_cosine_and_no_decay_groups(shapes_root: Path) -> None:
     base_lr, base_batch, warmup, steps = 0.01, 16, 3, 6
     dm = CocoDataModule(str(shapes_root), batch_size=2)
@@ -399,6 +401,7 @@ def _ddp_detector_worker(rank: int, world: int) -> list[np.ndarray]:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_ddp_loss_gradient_equals_one_process_on_the_whole_batch() -> None:
     """With SyncBN and the object count averaged over ranks, 2 ranks x 2 images train exactly
     like 1 process x 4 images (the premise of the small-batch experiment's reference run)."""

@@ -27,7 +27,8 @@ CLASSES, BATCH, SIZE, WORLD = 10, 4, 64, 2
 TOLERANCE = 1e-4
 FLOOR = 0.05  # see _relative_errors
 
-pytestmark = pytest.mark.timeout(300)
+# Whole timm networks on gloo processes: outside the fast check.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 def _model(name: str) -> nn.Module:

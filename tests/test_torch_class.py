@@ -81,6 +81,7 @@ def test_subclasses_keep_their_own_class() -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_on_cpu_still_accepts_the_layers() -> None:
     """DDP raises for CPU modules holding a torch SyncBatchNorm; ours stay out of that class on
     the CPU, so gloo training works (and DDP logs has_sync_bn as false there)."""

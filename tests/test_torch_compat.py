@@ -13,7 +13,8 @@ from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, SyncBNLayerSync, revert_sync_batchnorm
 
-pytestmark = pytest.mark.distributed
+# gloo processes and a Lightning Trainer: outside the fast check.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _net() -> nn.Sequential:

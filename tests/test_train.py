@@ -249,6 +249,7 @@ def test_bad_configs_raise_one_line_naming_the_key(
     ],
     ids=["group_size", "momentum", "data_root"],
 )
+@pytest.mark.slow
 def test_cli_rejects_bad_configs_fast_with_one_line(tmp_path: Path, overrides: list[str]) -> None:
     start = time.monotonic()
     proc = _run_cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)

@@ -71,6 +71,7 @@ def _hydra_job(cfg: DictConfig) -> Iterator[None]:
         HydraConfig.instance().cfg = saved
 
 
+@pytest.mark.slow
 def test_node_instantiates_as_it_stands(tmp_path: Path) -> None:
     cfg = _compose(tmp_path)
     logger = instantiate(cfg.logger.wandb)

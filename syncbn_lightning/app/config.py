@@ -28,6 +28,7 @@ from typing_extensions import override
 from syncbn_lightning.callback import SyncBNCallback
 from syncbn_lightning.groups import resolve_group_size
 
+from .keys import UnknownKeyError, check_keys, check_overrides
 from .launch import launched_externally, missing_rendezvous
 from .loggers import check_wandb
 
@@ -37,6 +38,7 @@ __all__ = [
     "ValidateSweep",
     "bn_callback",
     "build",
+    "check_command_line",
     "exit_on_config_error",
     "sweep_overrides",
     "validate",
@@ -117,6 +119,10 @@ def bn_callback(
     return SyncBNCallback(impl=implementation, **callback_args) if sync else None
 
 
+# The keys check (.keys.accepted_keys) follows bn_callback's **callback_args to these arguments.
+bn_callback.forwards_kwargs_to = SyncBNCallback  # type: ignore[attr-defined]
+
+
 def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
     strategy = cfg.trainer.strategy
     accelerator = str(cfg.trainer.accelerator)
@@ -137,7 +143,7 @@ def _check_trainer(cfg: DictConfig, devices: int, nodes: int) -> None:
         if missing:
             raise ConfigError(
                 f"trainer.num_nodes={nodes} needs torchrun/SLURM, or {', '.join(missing)} set on "
-                f"every node (NODE_RANK=0 on the node at MASTER_ADDR); see the README"
+                f"every node (NODE_RANK=0 on the node at MASTER_ADDR); see docs/service.md"
             )
 
 
@@ -206,6 +212,7 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: one line naming the offending key and how to fix it.
     """
     try:
+        check_keys(cfg)  # first: an unknown key would otherwise surface as another key's error
         devices, nodes = world(cfg)
         _check_trainer(cfg, devices, nodes)
         _check_bn(cfg, devices, nodes)
@@ -227,6 +234,19 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
     except (OmegaConfBaseException, ValueError, TypeError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Check the keys under ``bn``, ``trainer`` and ``data`` of a ``train.py`` command line
+    before Hydra composes it (see :func:`.keys.check_overrides`).
+
+    Raises:
+        ConfigError: ``unknown key bn.grup_size: did you mean bn.group_size?``
+    """
+    try:
+        check_overrides(argv, str(CONF_DIR))
+    except UnknownKeyError as e:
+        raise ConfigError(str(e)) from None
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ parent's next collective fails instead of waiting for the process-group timeout,
 parent after ``abort_after_s`` if it is busy elsewhere. Children die with the parent
 (``PR_SET_PDEATHSIG`` on Linux). They are plain ``subprocess`` children: torch.distributed.elastic's
 ``start_processes`` and its watch and kill do not fit a job whose rank 0 trains in this process
-(see ``RankLauncher._start``, ``RankLauncher._watch`` and the README).
+(see ``RankLauncher._start``, ``RankLauncher._watch`` and docs/service.md).
 
 Rendezvous: on a single node the launcher hosts the job's ``TCPStore`` itself, on a socket bound to
 ``127.0.0.1`` (torch's own store, started by rank 0, listens on every interface), and every rank,

@@ -12,6 +12,8 @@ import contextlib
 import json
 import logging
 import os
+import sys
+import time
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -27,7 +29,15 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
+from .config import (
+    CONF_DIR,
+    ConfigError,
+    build,
+    check_command_line,
+    exit_on_config_error,
+    validate,
+    world,
+)
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -37,7 +47,7 @@ from .launch import (
 )
 from .loggers import build_loggers, finish_wandb, metrics_history, setup_wandb
 
-__all__ = ["RESULTS_FILE", "ConfigError", "entry", "main", "train", "validate"]
+__all__ = ["RESULTS_FILE", "ConfigError", "entry", "main", "prepare_kernels", "train", "validate"]
 
 log = logging.getLogger("train")
 
@@ -122,6 +132,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule = build(cfg, "data")
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             datamodule.prepare_data()  # generate data before the other ranks start
+        prepare_kernels(cfg)  # before the other ranks start, which then load the cached build
         with _launch(cfg, out):
             try:
                 metrics = _fit_and_evaluate(cfg, datamodule, out)
@@ -130,6 +141,49 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 raise
             _destroy_process_group(barrier=True)
             return metrics
+
+
+def prepare_kernels(cfg: DictConfig) -> float | None:
+    """Build (first run) or load (cached) the C++ extension before training starts, so that the
+    build neither runs inside the first training step (whose time the progress bar's ETA extends
+    to the whole run) nor writes into the bar's line; says which, with its time, on a line of its
+    own.
+
+    Nothing is done with ``bn.sync=false`` or ``bn.implementation=ref``. With ``auto`` a failed
+    build is logged in one line and training goes on with the pure-PyTorch reference (the layers
+    warn once with the cause); with ``ext`` the :class:`~syncbn_lightning.ExtensionBuildError`
+    propagates.
+
+    Returns:
+        The seconds the build or load took, or ``None`` when nothing was loaded.
+    """
+    from syncbn_lightning._backend import ExtensionBuildError, build_dir, load_extension
+
+    if not cfg.bn.sync or cfg.bn.implementation == "ref":
+        return None
+    directory = build_dir()
+    cached = any(directory.glob("*.so"))
+    backend_log = logging.getLogger("syncbn_lightning._backend")
+    level = backend_log.level
+    backend_log.setLevel(max(logging.WARNING, backend_log.getEffectiveLevel()))  # one line: ours
+    started = time.perf_counter()
+    try:
+        load_extension()
+    except ExtensionBuildError as e:
+        if cfg.bn.implementation == "ext":
+            raise
+        log.warning(
+            "kernels: the C++ extension could not be built (%s); training uses the pure-PyTorch "
+            "reference (same results, slower)",
+            str(e).splitlines()[0][:300],
+        )
+        return None
+    finally:
+        backend_log.setLevel(level)
+    seconds = time.perf_counter() - started
+    how = "loaded from the cache" if cached else "compiled (once; later runs load it)"
+    log.info("kernels: C++ extension %s in %.1f s (%s)", how, seconds, directory)
+    return seconds
 
 
 def _fit_and_evaluate(
@@ -233,6 +287,8 @@ def entry() -> None:
     if os.environ.get(RANK_CONFIG_ENV):
         _run_rank(os.environ[RANK_CONFIG_ENV])
     else:
+        with exit_on_config_error():  # unknown keys: one line, before Hydra's own message
+            check_command_line(sys.argv[1:])
         main()
 
 

@@ -1,7 +1,9 @@
 """A small BatchNorm classifier on detection data: the class of each image's largest object.
 
-Useful as a fast sanity run of the service (``model=classifier``): same datamodule, same SyncBN
-callback, a metric (``val/acc``) that moves within a few epochs.
+The service's one-minute sanity run (``recipe=classifier_sanity``: one shape per image, 16 images
+per process): same datamodule, same SyncBN callback, a metric (``val/acc``) that reaches about 0.9
+in 14 epochs. On the default detection data (1-3 objects, 2 images per process) it stays near
+chance: telling the largest of several objects apart needs more data and larger batches.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ def largest_object_labels(targets: list[dict[str, Any]]) -> torch.Tensor:
 
 
 class ShapeClassifier(ScaledLRModule):
-    """Three ``Conv-BN-ReLU`` stages, global average pooling and a linear layer.
+    """Three stages of two ``Conv-BN-ReLU`` (the first of each with stride 2), global max pooling
+    and a linear layer.
+
+    Max pooling, not averaging: a shape's evidence (its corners and edges) sits in a few positions
+    of a background-dominated map; averaging dilutes it with the background, and the former
+    three-convolution, average-pooled version stayed near chance on the shapes data.
 
     Args:
         num_classes: classes (the datamodule's categories).
@@ -60,13 +67,16 @@ class ShapeClassifier(ScaledLRModule):
         w = width
         self.features = nn.Sequential(
             ConvBNReLU(3, w, stride=2),
+            ConvBNReLU(w, w),
             ConvBNReLU(w, 2 * w, stride=2),
+            ConvBNReLU(2 * w, 2 * w),
             ConvBNReLU(2 * w, 4 * w, stride=2),
+            ConvBNReLU(4 * w, 4 * w),
         )
         self.fc = nn.Linear(4 * w, num_classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.features(images).mean((2, 3)))
+        return self.fc(self.features(images).amax((2, 3)))
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
         images, targets = batch
