@@ -60,13 +60,19 @@ def import_timm() -> ModuleType:
 
     With ``SYNCBN_REQUIRE_TIMM=1`` (set by ``.ci/run``) a missing timm fails instead.
     """
-    if THIRD_PARTY.is_dir() and str(THIRD_PARTY) not in sys.path:
+    added = THIRD_PARTY.is_dir() and str(THIRD_PARTY) not in sys.path
+    if added:
         sys.path.append(str(THIRD_PARTY))
-    _declare_torchvision_ops()
     try:
+        _declare_torchvision_ops()
         import timm
     except ImportError as exc:
         if os.environ.get("SYNCBN_REQUIRE_TIMM") == "1":
             raise
         pytest.skip(f"timm is not importable ({exc}); see .ci/run for how CI installs it")
+    finally:
+        # Off the path again: processes spawned later inherit sys.path, and there an import of
+        # lightning would find this torchvision without the declared schemas.
+        if added:
+            sys.path.remove(str(THIRD_PARTY))
     return timm

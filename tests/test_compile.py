@@ -112,8 +112,13 @@ def _train_side_by_side(
         step_diff = {"output": rel_err(seen[0][0], seen[1][0]), "input_grad": 0.0}
         if x.shape[0] > 0:
             step_diff["input_grad"] = rel_err(seen[0][1], seen[1][1])
+        # Against at least 1 % of the step's largest gradient: the last BatchNorm's bias
+        # gradient, 2 * sum(output), is zero in exact arithmetic on a rank that holds its group's
+        # whole batch, and there both sides hold rounding noise of the (growing) outputs' scale.
+        floor = 1e-2 * max(float(p.grad.abs().max()) for p in compiled_inner.parameters())
         for (name, a), b in zip(eager.named_parameters(), compiled_inner.parameters(), strict=True):
-            step_diff[f"grad:{name}"] = rel_err(a.grad, b.grad)
+            scale = max(float(b.grad.abs().max()), floor, 1e-30)
+            step_diff[f"grad:{name}"] = float((a.grad - b.grad).abs().max()) / scale
         for (name, a), b in zip(eager.named_buffers(), compiled_inner.buffers(), strict=True):
             if a.is_floating_point():
                 step_diff[f"buffer:{name}"] = rel_err(a, b)

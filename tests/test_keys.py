@@ -100,10 +100,10 @@ def test_a_key_added_to_a_config_is_valid_at_once(tmp_path: Path) -> None:
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
     with open(conf / "bn" / "sync.yaml", "a") as f:
-        f.write("exchange: allgather\n")
-    check_overrides(["bn.exchange=tree"], str(conf))
-    with pytest.raises(UnknownKeyError, match=r"did you mean bn\.exchange\?$"):
-        check_overrides(["bn.exchnage=tree"], str(conf))
+        f.write("fold_every: 4\n")
+    check_overrides(["bn.fold_every=2"], str(conf))
+    with pytest.raises(UnknownKeyError, match=r"did you mean bn\.fold_every\?$"):
+        check_overrides(["bn.fold_evrey=2"], str(conf))
 
 
 def test_accepted_keys_follow_the_targets() -> None:

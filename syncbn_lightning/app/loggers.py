@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from .metrics_csv import HISTORY_FILE, read_history
-from .wandb_auth import LOGIN_HINT, has_wandb_credentials, wandb_mode_offline
+from .wandb_auth import LOGIN_HINT, has_wandb_credentials, netrc_login, wandb_mode_offline
 
 __all__ = [
     "HISTORY_FILE",
@@ -78,13 +78,16 @@ OmegaConf.register_new_resolver("syncbn.launch_dir", launch_dir, replace=True)
 
 
 def _wandb_offline(setting: Any) -> bool:
-    """``auto``: offline when ``WANDB_MODE`` says so, or unless W&B credentials exist
-    (``WANDB_API_KEY``, a ``wandb login``; see :func:`.wandb_auth.has_wandb_credentials`)."""
+    """``auto``: offline when ``WANDB_MODE`` says so, or unless ``WANDB_API_KEY`` is set or
+    ``~/.netrc`` has a W&B login (``wandb login`` writes it). Not W&B's full lookup
+    (:func:`.wandb_auth.has_wandb_credentials`, used to refuse ``offline=false``): in CI a
+    multirun's ranks went online with it and failed in ``wandb.init`` for want of a key."""
     if setting != "auto":
         return bool(setting)
     if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
         return True
-    return not has_wandb_credentials()
+    base_url = os.environ.get("WANDB_BASE_URL", "")
+    return not (os.environ.get("WANDB_API_KEY") or netrc_login(base_url))
 
 
 def check_wandb(offline: Any, log_model: Any) -> bool:

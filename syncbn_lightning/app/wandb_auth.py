@@ -19,7 +19,7 @@ import netrc
 import os
 from urllib.parse import urlparse
 
-__all__ = ["LOGIN_HINT", "has_wandb_credentials", "wandb_mode_offline"]
+__all__ = ["LOGIN_HINT", "has_wandb_credentials", "netrc_login", "wandb_mode_offline"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def has_wandb_credentials() -> bool:
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
     except ImportError:  # a W&B without wbauth (< 0.22): the sources it read back then
-        return _netrc_login(os.environ.get("WANDB_BASE_URL", ""))
+        return netrc_login(os.environ.get("WANDB_BASE_URL", ""))
     try:
         host = wandb_setup.singleton().settings.base_url
         auth = wbauth.authenticate_session(
@@ -63,7 +63,8 @@ def has_wandb_credentials() -> bool:
     return auth is not None
 
 
-def _netrc_login(base_url: str) -> bool:
+def netrc_login(base_url: str) -> bool:
+    """Whether ``~/.netrc`` (or ``$NETRC``) has a login for the W&B host of ``base_url``."""
     host = urlparse(base_url).hostname or _DEFAULT_HOST
     with contextlib.suppress(FileNotFoundError, netrc.NetrcParseError, OSError):
         return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
