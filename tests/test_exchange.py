@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct
 from syncbn_lightning.exchange import reduce_payload_numel
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # processes: outside the fast check
 # The gather layers run the reference twin (same collectives as the extension's kernels): these
 # tests are about the exchange, and 16 processes should not wait on a first build of the extension.
 ENV = {"SYNCBN_IMPL": "ref"}

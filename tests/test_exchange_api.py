@@ -107,6 +107,7 @@ def _order_worker(rank: int, world: int, compiled: bool) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_reduce_call_order_mismatch_raises_on_every_rank_naming_both_layers() -> None:
     for rank, message in enumerate(run_distributed(_order_worker, 2, False)):
         assert message.startswith("CallOrderError"), (rank, message)
@@ -115,6 +116,7 @@ def test_reduce_call_order_mismatch_raises_on_every_rank_naming_both_layers() ->
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_compiled_reduce_call_order_mismatch_raises_on_every_rank() -> None:
     for message in run_distributed(_order_worker, 2, True, timeout=300):
         assert message.startswith("RuntimeError") and "syncbn call order" in message, message
@@ -132,6 +134,7 @@ def _shift_worker(rank: int, world: int) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_reduce_refuses_running_means_that_differ_across_ranks() -> None:
     for message in run_distributed(_shift_worker, 2):
         assert "different running_mean" in message and "exchange='gather'" in message, message
