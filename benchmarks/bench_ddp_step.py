@@ -59,12 +59,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 try:
-    from syncbn_lightning import _backend
-    from syncbn_lightning import impl as syncbn_impl
+    from syncbn_lightning.ops import build as ops_build
+    from syncbn_lightning.ops import dispatch as syncbn_impl
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from syncbn_lightning import _backend
-    from syncbn_lightning import impl as syncbn_impl
+    from syncbn_lightning.ops import build as ops_build
+    from syncbn_lightning.ops import dispatch as syncbn_impl
 
 VARIANTS = ("local", "syncbn", "torch_plain", "syncbn_ref")
 CALLBACK_VARIANTS = ("syncbn", "syncbn_ref")
@@ -459,7 +459,7 @@ def _prepare_extension(variants: Sequence[str]) -> None:
     if "syncbn" not in variants or syncbn_impl.get_impl() == "ref":
         return
     try:
-        _backend.load_extension()
+        ops_build.load_extension()
     except Exception as exc:  # auto falls back to ref in the workers, with its own warning
         if syncbn_impl.get_impl() == "ext":
             raise

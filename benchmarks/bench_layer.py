@@ -57,9 +57,8 @@ from _common import (
 from torch import nn
 
 import syncbn_lightning
-from syncbn_lightning import impl as syncbn_impl
-from syncbn_lightning.activation import ACTIVATIONS
-from syncbn_lightning.batchnorm_act import make_activation
+from syncbn_lightning.ops import dispatch as syncbn_impl
+from syncbn_lightning.ops.activations import ACTIVATIONS, make_activation
 
 IMPLS = ("ours", "torch_sync", "plain")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -255,7 +254,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--profile", action="store_true", help="also list each impl's kernels")
     parser.add_argument(
-        "--act", choices=[a for a in ACTIVATIONS if a != "identity"], help="BatchNorm + this"
+        "--act",
+        choices=[a.name for a in ACTIVATIONS if a.name != "identity"],
+        help="BatchNorm + this",
     )
     args = parser.parse_args(argv)
     for name, allowed in (("dtypes", DTYPES), ("layouts", LAYOUTS), ("impls", IMPLS)):

@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     device = torch.device(args.device)
     results: Results = {}
-    with one_rank_group(device), env_var(syncbn_lightning.impl.IMPL_ENV, "ext"):
+    with one_rank_group(device), env_var(syncbn_lightning.ops.dispatch.IMPL_ENV, "ext"):
         for config in args.configs:
             for batch in args.batch:
                 for impl in args.impls:

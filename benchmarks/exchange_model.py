@@ -3,7 +3,7 @@
 Prints markdown tables (the ones in ``docs/scaling.md``): the time and the bytes each rank
 receives per layer and per ResNet-50 training step, for sync groups of P = 8 ... 4096 ranks.
 
-Payloads (see :mod:`syncbn_lightning.exchange`):
+Payloads (see :mod:`syncbn_lightning.functional.reduce`):
     gather: every rank contributes one float32 row of ``2C + 4`` values, so it receives
         ``m_g = 4 (2C + 4) P`` bytes;
     reduce: one float64 vector of ``2C + 15`` values, ``m_r = 8 (2C + 15)`` bytes, any P.

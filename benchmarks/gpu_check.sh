@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi -L; python -c "import torch; print(torch.__version__, torch.version.cuda)"; } 2>&1 |
   tee "$OUT/env.txt"
 t0=$(date +%s)
-python -c "from syncbn_lightning import _backend as b; print(b.load_extension())" >"$OUT/build.txt" 2>&1
+python -c "from syncbn_lightning.ops import build as b; print(b.load_extension())" >"$OUT/build.txt" 2>&1
 echo "build $(($(date +%s) - t0)) s" >>"$OUT/build.txt"
 tail -2 "$OUT/build.txt"
 failed=()

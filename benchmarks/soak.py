@@ -70,12 +70,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 try:
-    from syncbn_lightning import SyncBNCallback, _backend
-    from syncbn_lightning import impl as syncbn_impl
+    from syncbn_lightning import SyncBNCallback
+    from syncbn_lightning.ops import build as ops_build
+    from syncbn_lightning.ops import dispatch as syncbn_impl
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from syncbn_lightning import SyncBNCallback, _backend
-    from syncbn_lightning import impl as syncbn_impl
+    from syncbn_lightning import SyncBNCallback
+    from syncbn_lightning.ops import build as ops_build
+    from syncbn_lightning.ops import dispatch as syncbn_impl
 
 RUN_DIR_ENV = "SOAK_RUN_DIR"
 NUM_CLASSES = 10
@@ -796,7 +798,7 @@ def _prepare_extension() -> None:
     if syncbn_impl.get_impl() == "ref":
         return
     try:
-        _backend.load_extension()
+        ops_build.load_extension()
     except Exception as exc:  # auto falls back to ref in the ranks, with its own warning
         if syncbn_impl.get_impl() == "ext":
             raise

@@ -9,7 +9,7 @@
 
 TORCH_LIBRARY(syncbn, m) {
   // Fake (meta) implementations live in this Python module; torch imports it when it needs them.
-  m.set_python_module("syncbn_lightning.ops");
+  m.set_python_module("syncbn_lightning.ops.fakes");
   m.def("stats_row(Tensor input, int layer_tag, Tensor(a!) calls) -> Tensor");
   m.def(
       "merge_normalize(Tensor input, Tensor rows, Tensor? weight, Tensor? bias, "

@@ -33,7 +33,7 @@ DOC = ROOT / "docs" / "errors.md"
 EXCEPTION_MODULES = (
     "builtins",
     "syncbn_lightning",
-    "syncbn_lightning._backend",
+    "syncbn_lightning.ops.build",
     "syncbn_lightning.app.config",
     "torch",
     "hydra.errors",

@@ -3,7 +3,7 @@
 ``run_fused(ops, xs, ...)`` plays W ranks in one process: every rank's ``stats_row``, the
 gathered rows (concatenated, as the all-gather would), each rank's ``merge_normalize`` with its
 own copy of the running statistics, ``grad_sums``, the sums of all ranks, ``grad_input``. The
-implementations (``torch.ops.syncbn``, :mod:`syncbn_lightning.reference`, the CUDA kernels under
+implementations (``torch.ops.syncbn``, :mod:`syncbn_lightning.ops.reference`, the CUDA kernels under
 emulation) are compared on its results by ``tests/test_ops.py`` and
 ``tests/test_cuda_emu_fused.py``.
 """
@@ -57,7 +57,7 @@ def run_fused(
     act_param: float = 0.0,
 ) -> list[dict[str, torch.Tensor]]:
     """Every rank's results of one forward + backward through ``ops``' fused steps (with the
-    activation ``act``, ``act_param`` fused, see :mod:`syncbn_lightning.activation`)."""
+    activation ``act``, ``act_param`` fused, see :mod:`syncbn_lightning.ops.activations`)."""
     fused = (act, act_param) if act else ()  # none: the calls the plain layer makes
     channels = xs[0].shape[1]
     gen = torch.Generator().manual_seed(3)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from _numerics import rel_err, sum_err
 
-from syncbn_lightning import reference as R
+from syncbn_lightning.ops import reference as R
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [

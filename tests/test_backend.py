@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from syncbn_lightning import _backend
-from syncbn_lightning import impl as syncbn_impl
-from syncbn_lightning import reference as R
+from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import dispatch as syncbn_impl
+from syncbn_lightning.ops import reference as R
 
 
 def _python(code: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -44,7 +44,7 @@ def test_ref_selects_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_ext_on_cpu_selects_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
     ops = syncbn_impl.ops_for(torch.zeros(1))
-    assert ops is _backend.load_extension()
+    assert ops is ops_build.load_extension()
     assert ops.with_cuda is False or torch.cuda.is_available()
 
 
@@ -52,9 +52,9 @@ def test_cache_directory_is_private_and_keyed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SYNCBN_CACHE_DIR", str(tmp_path / "cache"))
-    path = _backend.build_dir()
+    path = ops_build.build_dir()
     assert path.parent == tmp_path / "cache"
-    assert len(path.name) == 16 and path.name in _backend._build_spec()["name"]
+    assert len(path.name) == 16 and path.name in ops_build._build_spec()["name"]
     for p in (path, path.parent):
         assert p.stat().st_mode & 0o077 == 0, f"{p} must not be accessible to group/others"
 
@@ -107,8 +107,8 @@ def test_build_announcement_quotes_the_last_build_in_this_cache(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "last_build_s.cuda=False").write_text("63\n")
-    with caplog.at_level("WARNING", logger=_backend.__name__):
-        _backend._announce_build("ext", tmp_path / "key", with_cuda=False)
+    with caplog.at_level("WARNING", logger=ops_build.__name__):
+        ops_build._announce_build("ext", tmp_path / "key", with_cuda=False)
     assert caplog.messages == [
         f"syncbn_lightning: compiling the C++ extension ext once (about 63 s, as the last build "
         f"in this cache); later runs load it from {tmp_path / 'key'}"
@@ -117,13 +117,14 @@ def test_build_announcement_quotes_the_last_build_in_this_cache(
 
 @pytest.mark.slow
 def test_stale_lock_from_a_killed_build_is_removed() -> None:
-    _backend.load_extension()  # built (or loaded) under the default cache
-    lock = _backend.build_dir() / "lock"
+    ops_build.load_extension()  # built (or loaded) under the default cache
+    lock = ops_build.build_dir() / "lock"
     lock.write_text("")  # what a build killed mid-way leaves behind
     result = _python(
         """
-        from syncbn_lightning import _backend, impl as syncbn_impl
-        _backend.load_extension()
+        from syncbn_lightning.ops import build as ops_build
+        from syncbn_lightning.ops import dispatch as syncbn_impl
+        ops_build.load_extension()
         print("LOADED")
         """,
         {},
@@ -139,13 +140,13 @@ def test_cache_key_follows_cuda_architectures_and_the_interpreter(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    hopper = _backend._build_spec(cuda=True)["key"]
-    cpu = _backend._build_spec(cuda=False)["key"]
+    hopper = ops_build._build_spec(cuda=True)["key"]
+    cpu = ops_build._build_spec(cuda=False)["key"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
-    assert _backend._build_spec(cuda=True)["key"] != hopper  # an sm_90 binary is not for an A100
-    assert _backend._build_spec(cuda=False)["key"] == cpu  # CPU builds do not depend on it
+    assert ops_build._build_spec(cuda=True)["key"] != hopper  # an sm_90 binary is not for an A100
+    assert ops_build._build_spec(cuda=False)["key"] == cpu  # CPU builds do not depend on it
     monkeypatch.setattr(sys, "prefix", sys.prefix + "-another-venv")
-    assert _backend._build_spec(cuda=False)["key"] != cpu
+    assert ops_build._build_spec(cuda=False)["key"] != cpu
 
 
 @pytest.mark.slow
@@ -155,7 +156,8 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
         """
         import warnings, torch
         from torch.utils import cpp_extension
-        from syncbn_lightning import _backend, impl as syncbn_impl
+        from syncbn_lightning.ops import build as ops_build
+        from syncbn_lightning.ops import dispatch as syncbn_impl
         real_load, calls = cpp_extension.load, []
         def load(**kwargs):
             calls.append(kwargs["with_cuda"])
@@ -163,10 +165,10 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
                 raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_99'")
             return real_load(**kwargs)
         cpp_extension.load = load
-        _backend._cuda_build_enabled = lambda csrc: True
+        ops_build._cuda_build_enabled = lambda csrc: True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ext = _backend.load_extension()
+            ext = ops_build.load_extension()
         assert calls == [True, False], calls
         assert ext.with_cuda is False
         messages = [str(w.message) for w in caught if "CUDA kernels failed" in str(w.message)]

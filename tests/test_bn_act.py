@@ -17,7 +17,13 @@ from syncbn_lightning import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
-from syncbn_lightning.activation import ACTIVATIONS, activate, activation_grad, fused_activation
+from syncbn_lightning.ops.activations import (
+    ACTIVATIONS,
+    activate,
+    activation_grad,
+    by_name,
+    fused_activation,
+)
 
 FUSABLE = {
     "identity": nn.Identity(),
@@ -114,10 +120,10 @@ def test_bad_act_and_drop_name_the_argument() -> None:
     assert type(SyncBatchNormAct(4, act=None).act) is nn.Identity
 
 
-@pytest.mark.parametrize("name", [n for n in ACTIVATIONS if n != "identity"])
+@pytest.mark.parametrize("name", [a.name for a in ACTIVATIONS if a.name != "identity"])
 def test_reference_activation_and_derivative_match_torch(name: str) -> None:
     """activate / activation_grad against the torch modules and their autograd, kinks included."""
-    module, code = FUSABLE[name], ACTIVATIONS[name]
+    module, code = FUSABLE[name], by_name(name).code
     param = 0.3 if name == "leaky_relu" else 0.0
     z = torch.cat([torch.linspace(-8, 8, 4001, dtype=torch.float64), torch.tensor([0.0, -3, 3, 6])])
     z.requires_grad_(True)

@@ -29,7 +29,7 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
-from syncbn_lightning.callback import resolve_group_size
+from syncbn_lightning.distributed.groups import resolve_group_size
 
 # Real Trainers on several gloo processes (20-80 s each on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

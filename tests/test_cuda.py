@@ -30,14 +30,15 @@ from _kernel_matrix import (
 from _numerics import rel_err
 from torch import nn
 
-from syncbn_lightning import SyncBatchNorm, _backend
+from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning.ops import build as ops_build
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def ext():
-    module = _backend.load_extension()
+    module = ops_build.load_extension()
     assert module.with_cuda, "the extension was built without its CUDA kernels"
     return module
 

@@ -15,8 +15,10 @@ import torch
 from _numerics import rel_err
 from torch import nn
 
-from syncbn_lightning import SyncBatchNormAct, _backend, reference
-from syncbn_lightning.activation import ACTIVATIONS
+from syncbn_lightning import SyncBatchNormAct
+from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import reference
+from syncbn_lightning.ops.activations import by_name
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +35,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module")
 def ops():
-    module = _backend.load_extension()
+    module = ops_build.load_extension()
     assert module.with_cuda, "the extension was built without its CUDA kernels"
     return torch.ops.syncbn
 
@@ -71,7 +73,7 @@ def _fused_step(impl, x, w, b, dy, act: int, param: float) -> list[torch.Tensor]
 def test_cuda_fused_activation_matches_float64_reference(
     ops, name: str, dtype: torch.dtype, shape: tuple[int, ...], channels_last: bool
 ) -> None:
-    code, param = ACTIVATIONS[name], 0.2 if name == "leaky_relu" else 0.0
+    code, param = by_name(name).code, 0.2 if name == "leaky_relu" else 0.0
     gen = torch.Generator().manual_seed(code * 31 + len(shape))
     x64 = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5
     dy64 = torch.randn(shape, generator=gen, dtype=torch.float64)

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from syncbn_lightning import _backend
+from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import compile_check
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def nvcc() -> str:
-    found = _backend._nvcc()
+    found = compile_check._nvcc()
     if found is None:
         if os.environ.get("SYNCBN_REQUIRE_NVCC") == "1":
             pytest.fail("SYNCBN_REQUIRE_NVCC=1 but nvcc is neither in CUDA_HOME nor on PATH")
@@ -30,7 +31,7 @@ def nvcc() -> str:
 
 
 def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
-    objects = _backend.cuda_compile_check(tmp_path)
+    objects = compile_check.cuda_compile_check(tmp_path)
     assert [o.name for o in objects] == ["fused_cuda.o", "syncbn_cuda.o"]
     symbols = "".join(
         subprocess.run(
@@ -52,13 +53,13 @@ def test_compile_check_reports_a_broken_source(
 ) -> None:
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    for header in _backend._csrc_dir().glob("*.h"):
+    for header in ops_build.csrc_dir().glob("*.h"):
         (csrc / header.name).write_text(header.read_text())
     (csrc / "broken.cu").write_text(
         '#include "syncbn.h"\n__global__ void k(float* x) { x[threadIdx.x] = undefined_name; }\n'
     )
-    monkeypatch.setattr(_backend, "_csrc_dir", lambda: csrc)
+    monkeypatch.setattr(ops_build, "csrc_dir", lambda: csrc)
     with pytest.raises(
-        _backend.ExtensionBuildError, match=r"(?s)compile check failed .*undefined_name"
+        ops_build.ExtensionBuildError, match=r"(?s)compile check failed .*undefined_name"
     ):
-        _backend.cuda_compile_check(tmp_path / "out")
+        compile_check.cuda_compile_check(tmp_path / "out")

@@ -11,8 +11,8 @@ import torch
 from _fused_cases import FUSED_SHAPES, channels_last, compare, rank_inputs, run_fused
 from cuda_emu.build import load_emulator
 
-from syncbn_lightning._backend import load_extension
-from syncbn_lightning.activation import ACTIVATIONS
+from syncbn_lightning.ops.activations import ACTIVATIONS
+from syncbn_lightning.ops.build import load_extension
 
 # Needs the emulation build (minutes on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
@@ -49,12 +49,12 @@ def test_fused_kernels_match_cpu_operators(clean, sizes, channels, spatial, dtyp
     assert clean.take_stats()["launches"] > 0
 
 
-@pytest.mark.parametrize("act", [code for code in ACTIVATIONS.values() if code])
+@pytest.mark.parametrize("act", [a.code for a in ACTIVATIONS if a.code])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fused_activation_kernels_match_cpu_operators(clean, act, dtype) -> None:
     """The normalize, reduction and elementwise kernels with each activation fused, both layouts,
     vectorized (C = 8) and not (C = 5), against the CPU operators."""
-    param = 0.2 if act == ACTIVATIONS["leaky_relu"] else 0.0
+    param = 0.2 if ACTIVATIONS[act].name == "leaky_relu" else 0.0
     for sizes, channels, spatial in (([2, 0, 3], 5, (3, 7)), ([3, 2], 8, (2, 8))):
         xs = rank_inputs(sizes, channels, spatial, dtype, seed=act)
         for layout in (xs, channels_last(xs)):

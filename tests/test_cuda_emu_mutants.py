@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from syncbn_lightning import _backend
+from syncbn_lightning.ops import build as ops_build
 
 pytestmark = [
     pytest.mark.cuda_emu,
@@ -70,7 +70,7 @@ def test_a_seeded_kernel_bug_fails_the_emulation_tests(
     mutate, cases: list[str], failure: str, tmp_path: Path
 ) -> None:
     csrc = tmp_path / "csrc"
-    shutil.copytree(_backend._csrc_dir(), csrc)
+    shutil.copytree(ops_build.csrc_dir(), csrc)
     cu = csrc / "syncbn_cuda.cu"
     cu.write_text(mutate(cu.read_text()))
     env = {**os.environ, "SYNCBN_EMU_CSRC": str(csrc), "SYNCBN_EMU_FULL": "0"}

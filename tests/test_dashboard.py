@@ -34,7 +34,7 @@ from syncbn_lightning.app.panels import (
     covering_panels,
     spec,
 )
-from syncbn_lightning.metrics import LAYER_METRICS, summarize
+from syncbn_lightning.nn.running_stats import LAYER_METRICS, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,7 +97,7 @@ def test_every_bn_metric_the_callback_logs_has_a_panel(logged: dict[str, set[str
 
 
 def test_panels_follow_the_library_metric_names() -> None:
-    """Every per-layer metric of syncbn_lightning.metrics: its summaries and histogram shown."""
+    """Every per-layer metric of the library: its summaries and histogram shown."""
     names = summarize({"layer": dict.fromkeys(LAYER_METRICS, 0.0)})
     names |= {f"bn/layers/{m}": 0.0 for m in LAYER_METRICS}
     assert {k: covering_panels(k) for k in names if not covering_panels(k)} == {}
@@ -176,9 +176,10 @@ def test_workspace_is_built_offline_as_wandb_stores_it() -> None:
 
 
 def test_group_by_none_and_other_keys() -> None:
-    view = dashboard.build_workspace("e", "p", group_by=[])._to_model()
+    view = dashboard.build_workspace("e", "p", dashboard.View(group_by=[]))._to_model()
     assert view.model_dump(by_alias=True)["spec"]["section"]["runSets"][0]["grouping"] == []
-    view = dashboard.build_workspace("e", "p", group_by=["trainer.devices"])._to_model()
+    by_devices = dashboard.View(group_by=["trainer.devices"])
+    view = dashboard.build_workspace("e", "p", by_devices)._to_model()
     grouping = view.model_dump(by_alias=True)["spec"]["section"]["runSets"][0]["grouping"]
     assert grouping == [{"section": "config", "name": "trainer.value.devices"}]
 

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from syncbn_lightning import SyncBNCallback, SyncBNLayerSync
-from syncbn_lightning.callback import resolve_group_size
+from syncbn_lightning.distributed.groups import resolve_group_size
 
 
 @pytest.fixture(autouse=True)

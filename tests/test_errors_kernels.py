@@ -14,8 +14,9 @@ import torch
 from _errors_doc import clean_environment, expect_row
 from torch import nn
 
-from syncbn_lightning import SyncBatchNorm, _backend, convert_sync_batchnorm
-from syncbn_lightning import ops as syncbn_ops
+from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
+from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import dispatch as syncbn_ops
 
 
 @pytest.fixture(autouse=True)
@@ -27,15 +28,15 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def ext():
     """The compiled kernels (built on first use, then loaded from the cache)."""
-    return _backend.load_extension()
+    return ops_build.load_extension()
 
 
 @pytest.fixture
 def fresh_extension(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``SYNCBN_IMPL=ext`` with an empty cache and no extension loaded or failed in this process
     (both restored afterwards)."""
-    monkeypatch.setattr(_backend, "_ext_module", None)
-    monkeypatch.setattr(_backend, "_ext_error", None)
+    monkeypatch.setattr(ops_build, "_ext_module", None)
+    monkeypatch.setattr(ops_build, "_ext_error", None)
     monkeypatch.setattr(syncbn_ops, "_choices", {})  # the layers' remembered choice of kernels
     monkeypatch.setenv("SYNCBN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
@@ -69,13 +70,13 @@ def test_impl_ext_without_kernels_for_the_device(monkeypatch: pytest.MonkeyPatch
 
 def test_impl_ext_build_fails(monkeypatch: pytest.MonkeyPatch, fresh_extension: None) -> None:
     monkeypatch.setenv("CXX", "/bin/false")
-    with expect_row(build=_backend.build_dir()):
+    with expect_row(build=ops_build.build_dir()):
         SyncBatchNorm(4, force_sync=True)(torch.randn(2, 4))
 
 
 def test_impl_ext_build_lock_held(monkeypatch: pytest.MonkeyPatch, fresh_extension: None) -> None:
     monkeypatch.setenv("SYNCBN_BUILD_TIMEOUT", "1")
-    build = _backend.build_dir()
+    build = ops_build.build_dir()
     with open(build / ".syncbn_build.flock", "w") as held:  # another build holds the lock
         fcntl.flock(held, fcntl.LOCK_EX)
         with expect_row(build=build):

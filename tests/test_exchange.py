@@ -24,7 +24,7 @@ from _numerics import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct
-from syncbn_lightning.exchange import reduce_payload_numel
+from syncbn_lightning.functional.reduce import reduce_payload_numel
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # processes: outside the fast check
 # The gather layers run the reference twin (same collectives as the extension's kernels): these

@@ -22,7 +22,7 @@ from syncbn_lightning import (
     check_call_order,
     convert_sync_batchnorm,
 )
-from syncbn_lightning.exchange import AUTO_REDUCE_ABOVE, resolve_exchange
+from syncbn_lightning.functional import AUTO_REDUCE_ABOVE, resolve_exchange
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,15 +53,15 @@ def test_exchange_reaches_the_layers() -> None:
 
 def test_auto_reduces_above_eight_ranks_and_replicas_always_gather() -> None:
     assert AUTO_REDUCE_ABOVE == 8
-    assert [resolve_exchange("auto", p, "g") for p in (2, 8, 9, 4096)] == [
+    assert [resolve_exchange("auto", p, "g").name for p in (2, 8, 9, 4096)] == [
         "gather",
         "gather",
         "reduce",
         "reduce",
     ]
-    assert resolve_exchange("reduce", 2, "g") == "reduce"
-    assert resolve_exchange("gather", 64, "g") == "gather"
-    assert resolve_exchange("reduce", 64, object()) == "gather"  # DataParallel replicas
+    assert resolve_exchange("reduce", 2, "g").name == "reduce"
+    assert resolve_exchange("gather", 64, "g").name == "gather"
+    assert resolve_exchange("reduce", 64, object()).name == "gather"  # DataParallel replicas
 
 
 def test_bn_config_passes_exchange_to_the_callback() -> None:
@@ -168,12 +168,13 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(order_o
     """The deferred check CUDA layers queue (``[order_ok, shift_ok, layer, call]``, flag in
     ``status[2]``), run here on CPU tensors: a tag mismatch names this rank's layer and call, a
     shift mismatch the running means."""
-    from syncbn_lightning.call_order import REDUCE_ROWS, queue_order_check, register_layer_name
+    from syncbn_lightning.distributed.call_order import queue_order_check, register_layer_name
+    from syncbn_lightning.functional.reduce import _report_mismatch
 
     register_layer_name(77, "trunk.bn7")
     status = torch.tensor([order_ok, 1.0 - order_ok, 0.0], dtype=torch.float64)
     tags = torch.tensor([order_ok, 1.0 - order_ok, 77.0, 4.0], dtype=torch.float64)
-    queue_order_check(status, tags, REDUCE_ROWS, None)
+    queue_order_check(status, 2, _report_mismatch, tags, None)
     expected = CallOrderError if not order_ok else RuntimeError
     match = r"this rank ran 'trunk.bn7' \(call #5\)" if not order_ok else "different running_mean"
     with pytest.raises(expected, match=match):

@@ -17,8 +17,8 @@ import pytest
 from _service import RENDEZVOUS_VARS
 from hydra import compose, initialize_config_dir
 
-from syncbn_lightning import _backend
 from syncbn_lightning.app.train import prepare_kernels, train
+from syncbn_lightning.ops import build as ops_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,10 +32,10 @@ def test_prepare_kernels_loads_the_extension_and_says_so(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO):
         seconds = prepare_kernels(_cfg())
     assert seconds is not None and seconds >= 0
-    assert _backend._ext_module is not None  # training step 1 finds it loaded
+    assert ops_build._ext_module is not None  # training step 1 finds it loaded
     ours = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: ")]
     assert len(ours) == 1, caplog.text
-    assert "C++ extension" in ours[0] and f"{_backend.build_dir()}" in ours[0]
+    assert "C++ extension" in ours[0] and f"{ops_build.build_dir()}" in ours[0]
     # the backend's own "ready in" line is folded into ours
     assert not [r for r in caplog.records if "ready in" in r.getMessage()]
 
@@ -47,7 +47,7 @@ def test_prepare_kernels_does_nothing_without_the_extension(
     def fail() -> None:
         raise AssertionError("load_extension must not be called")
 
-    monkeypatch.setattr(_backend, "load_extension", fail)
+    monkeypatch.setattr(ops_build, "load_extension", fail)
     assert prepare_kernels(_cfg(*overrides)) is None
 
 

@@ -16,7 +16,7 @@ import torch.distributed.nn.functional as dist_fn
 from _dist import run_distributed
 from _numerics import rel_err
 
-from syncbn_lightning.function import SyncBatchNormFunction, sync_batch_norm
+from syncbn_lightning.functional import sync_batch_norm
 
 
 @pytest.mark.parametrize("impl", ["ext", "ref"])
@@ -35,23 +35,7 @@ def test_gradcheck_float64(
     b = torch.randn(4, dtype=torch.float64).requires_grad_(affine)
 
     def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        calls = torch.zeros(1, dtype=torch.long)
-        return SyncBatchNormFunction.apply(
-            x,
-            w if affine else None,
-            b if affine else None,
-            None,
-            None,
-            None,
-            None,
-            calls,
-            None,
-            1e-5,
-            None,
-            1,
-            True,
-            0,
-        )[0]
+        return sync_batch_norm(x, w if affine else None, b if affine else None, 1e-5, None, 1)[0]
 
     assert torch.autograd.gradcheck(fn, (x, w, b), eps=1e-6, atol=1e-7)
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from _dist import run_distributed
 
 from syncbn_lightning import new_sync_group
-from syncbn_lightning.groups import sync_group_size
+from syncbn_lightning.distributed.groups import sync_group_size
 
 
 def test_requires_an_initialized_process_group() -> None:

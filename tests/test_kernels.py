@@ -13,8 +13,8 @@ import torch
 from _kernel_matrix import dense_layouts
 from _numerics import rel_err, sum_err
 
-from syncbn_lightning import _backend
-from syncbn_lightning import reference as R
+from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import reference as R
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [
@@ -34,7 +34,7 @@ OUT_TOL = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2, torc
 
 @pytest.fixture(scope="module")
 def ext():
-    return _backend.load_extension()
+    return ops_build.load_extension()
 
 
 def _layouts(x: torch.Tensor) -> list[torch.Tensor]:

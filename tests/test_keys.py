@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from syncbn_lightning import SyncBNCallback
 from syncbn_lightning.app.config import ConfigError, check_command_line, validate
 from syncbn_lightning.app.keys import UnknownKeyError, accepted_keys, check_overrides
-from syncbn_lightning.callback import SyncBNCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -21,11 +21,11 @@ from syncbn_lightning import (
     SyncBNCallback,
     SyncBNLayerSync,
     convert_sync_batchnorm,
-    precise_bn,
 )
-from syncbn_lightning.convert import KEEP, configure_sync_layers
-from syncbn_lightning.function import sync_batch_norm
-from syncbn_lightning.precise_bn import update_bn_stats
+from syncbn_lightning.functional import KEEP, SyncOptions, sync_batch_norm
+from syncbn_lightning.nn import precise_bn
+from syncbn_lightning.nn.convert import configure_sync_layers
+from syncbn_lightning.nn.precise_bn import update_bn_stats
 
 
 def _namespaces(step: Any) -> set[str]:
@@ -110,7 +110,16 @@ def test_converter_leaves_existing_sync_layers_alone() -> None:
     convert_sync_batchnorm(net, momentum=0.01, impl="ext")
     assert (net[0].momentum, net[0].impl) == (0.3, None)
     assert (net[1].momentum, net[1].impl) == (0.01, "ext")
-    layers = configure_sync_layers(net, None, eps=1e-2, impl="reference", force_sync=True)
+    overrides = SyncOptions(
+        momentum=KEEP,
+        eps=1e-2,
+        impl="reference",
+        force_sync=True,
+        stats_mode=KEEP,
+        exchange=KEEP,
+        unbiased_running_var=KEEP,
+    )
+    layers = configure_sync_layers(net, None, overrides)
     assert layers == [net[0], net[1]]
     assert all(bn.eps == 1e-2 and bn.impl == "ref" and bn.force_sync for bn in layers)
     assert (net[0].momentum, net[1].momentum) == (0.3, 0.01)  # KEEP

@@ -22,7 +22,7 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, new_sync_group
-from syncbn_lightning.function import sync_batch_norm
+from syncbn_lightning.functional import sync_batch_norm
 
 FP32_TOL = 1e-5
 # bfloat16 keeps 8 mantissa bits (relative rounding 2^-9), float16 11: the outputs are rounded to

@@ -15,7 +15,7 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
-from syncbn_lightning.function import sync_batch_norm
+from syncbn_lightning.functional import sync_batch_norm
 
 # ------------------------------------------------------------------------------------------------
 # Single process: exactly nn.BatchNorm, dtype handling

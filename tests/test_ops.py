@@ -12,14 +12,14 @@ import pytest
 import torch
 from _fused_cases import FUSED_SHAPES, channels_last, compare, rank_inputs, run_fused
 
-from syncbn_lightning import reference
-from syncbn_lightning._backend import load_extension
-from syncbn_lightning.activation import ACTIVATIONS
-from syncbn_lightning.ops import uses_extension
+from syncbn_lightning.ops import reference
+from syncbn_lightning.ops.activations import ACTIVATIONS
+from syncbn_lightning.ops.build import load_extension
+from syncbn_lightning.ops.dispatch import uses_extension
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # Every fused activation, leaky_relu with a slope of its own.
-ACTS = [(code, 0.2 if name == "leaky_relu" else 0.0) for name, code in ACTIVATIONS.items() if code]
+ACTS = [(a.code, 0.2 if a.name == "leaky_relu" else 0.0) for a in ACTIVATIONS if a.code]
 
 
 @pytest.fixture(scope="module")

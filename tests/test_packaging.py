@@ -1,7 +1,7 @@
 """The two houses: the library installs and imports with torch alone; the service is an extra.
 
-* ``import syncbn_lightning`` (and every library module but the callback) imports neither
-  Lightning nor Hydra, OmegaConf or W&B.
+* ``import syncbn_lightning`` (and every module of ``ops``, ``distributed``, ``functional`` and
+  ``nn``) imports neither Lightning nor Hydra, OmegaConf or W&B.
 * pyproject's dependencies: torch and ninja; Lightning in ``[lightning]``; the service's packages
   in ``[app]``; the console scripts point at functions that exist.
 * ``conf/`` ships in the wheel: every config group is listed as a package, and (slow) a wheel
@@ -25,20 +25,17 @@ from _service import RENDEZVOUS_VARS
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SERVICE_DEPS = ("lightning", "hydra", "omegaconf", "wandb", "matplotlib", "PIL", "pycocotools")
+# The torch-only library: the root package and every module of its four lower layers. The import
+# contracts (pyproject.toml, tests/test_architecture.py) check the import statements; this checks
+# what importing them actually loads, the root's lazily loaded Lightning names included.
 LIBRARY_MODULES = (
     "syncbn_lightning",
-    "syncbn_lightning.batchnorm",
-    "syncbn_lightning.convert",
-    "syncbn_lightning.function",
-    "syncbn_lightning.groups",
-    "syncbn_lightning.impl",
-    "syncbn_lightning._backend",
-    "syncbn_lightning.metrics",
-    "syncbn_lightning.ops",
-    "syncbn_lightning.precise_bn",
-    "syncbn_lightning.reference",
+    *(
+        ".".join(("syncbn_lightning", layer, path.stem)).removesuffix(".__init__")
+        for layer in ("ops", "distributed", "functional", "nn")
+        for path in sorted((ROOT / "syncbn_lightning" / layer).glob("*.py"))
+    ),
 )
-
 
 def _requirement_names(requirements: list[str]) -> set[str]:
     return {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}

@@ -20,7 +20,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from syncbn_lightning.groups import resolve_group_size
+from syncbn_lightning.distributed.groups import resolve_group_size
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

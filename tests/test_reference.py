@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from _numerics import rel_err
 
-from syncbn_lightning import reference as R
+from syncbn_lightning.ops import reference as R
 
 
 def _stats_against_float64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.torch_class import SyncBatchNormOnDevice
+from syncbn_lightning.nn.batchnorm import SyncBatchNormOnDevice
 
 
 def test_a_layer_is_a_torch_syncbatchnorm_exactly_off_the_cpu() -> None:

@@ -25,8 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from typing_extensions import override
 
-from syncbn_lightning.callback import SyncBNCallback
-from syncbn_lightning.groups import resolve_group_size
+from syncbn_lightning._files import shipped_dir
+from syncbn_lightning.distributed.groups import resolve_group_size
+from syncbn_lightning.lightning.callback import SyncBNCallback
 
 from .keys import UnknownKeyError, check_keys, check_overrides
 from .launch import launched_externally, missing_rendezvous
@@ -50,14 +51,8 @@ log = logging.getLogger(__name__)
 
 def _conf_dir() -> Path:
     """The configs: a source checkout's ``conf/`` or the copy installed in the package."""
-    package = Path(__file__).resolve().parent.parent
-    for candidate in (package.parent / "conf", package / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"the service's configs (train.yaml) are neither in {package.parent / 'conf'} nor in "
-        f"{package / 'conf'}; reinstall syncbn_lightning[app]"
-    )
+    hint = "reinstall syncbn_lightning[app] (the service's configs)"
+    return shipped_dir("conf", "conf", "train.yaml", FileNotFoundError, hint)
 
 
 #: The directory ``train.yaml`` and the config groups are composed from.

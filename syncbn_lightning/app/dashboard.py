@@ -22,12 +22,13 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .panels import GROUP_BY, SECTIONS, STEP_METRIC, Panel, Section, spec
 from .wandb_auth import LOGIN_HINT, has_wandb_credentials
 
-__all__ = ["build_report", "build_workspace", "main"]
+__all__ = ["View", "build_report", "build_workspace", "main"]
 
 _INSTALL_HINT = "pip install 'syncbn_lightning[app]' (or pip install wandb-workspaces)"
 
@@ -69,22 +70,28 @@ def _panel(panel: Panel) -> Any:
     return wr.LinePlot(**options)
 
 
-def build_workspace(
-    entity: str,
-    project: str,
-    *,
-    name: str = "SyncBatchNorm",
-    group_by: Sequence[str] = GROUP_BY,
-    sections: Sequence[Section] = SECTIONS,
-) -> Any:
+@dataclass(frozen=True)
+class View:
+    """What a dashboard shows.
+
+    Attributes:
+        name: The workspace view's (or report's) name.
+        group_by: Run config keys (dotted) to group the runs by; empty: no grouping.
+        sections: The sections to show. Defaults to :data:`~.panels.SECTIONS`.
+    """
+
+    name: str = "SyncBatchNorm"
+    group_by: Sequence[str] = GROUP_BY
+    sections: Sequence[Section] = SECTIONS
+
+
+def build_workspace(entity: str, project: str, view: View = View()) -> Any:
     """The dashboard as a ``wandb_workspaces.workspaces.Workspace`` (not saved; no network).
 
     Args:
         entity: W&B user or team that owns ``project``.
         project: W&B project of the runs.
-        name: The workspace view's name.
-        group_by: Run config keys (dotted) to group the runs by; empty: no grouping.
-        sections: The sections to show. Defaults to :data:`~.panels.SECTIONS`.
+        view: Its name, run grouping and sections.
 
     Returns:
         The workspace; ``.save()`` creates it in W&B.
@@ -94,6 +101,7 @@ def build_workspace(
     """
     import wandb_workspaces.workspaces as ws
 
+    name, group_by, sections = view.name, view.group_by, view.sections
     return ws.Workspace(
         entity=entity,
         project=project,
@@ -112,31 +120,23 @@ def build_workspace(
     )
 
 
-def build_report(
-    entity: str,
-    project: str,
-    *,
-    name: str = "SyncBatchNorm",
-    group_by: Sequence[str] = GROUP_BY,
-    sections: Sequence[Section] = SECTIONS,
-) -> Any:
+def build_report(entity: str, project: str, view: View = View()) -> Any:
     """The dashboard as a ``wandb_workspaces.reports.v2.Report``: one heading and panel grid per
-    section, each over the project's runs grouped by ``group_by`` (arguments as
+    section, each over the project's runs grouped by ``view.group_by`` (arguments as
     :func:`build_workspace`). Building its run sets looks the project up: it needs a W&B login
     and the network."""
     import wandb_workspaces.reports.v2 as wr
 
     blocks: list[Any] = []
-    for section in sections:
-        runset = wr.Runset(
-            entity=entity, project=project, groupby=[f"config.{key}" for key in group_by]
-        )
+    groupby = [f"config.{key}" for key in view.group_by]
+    for section in view.sections:
+        runset = wr.Runset(entity=entity, project=project, groupby=groupby)
         panels = [_panel(p) for p in section.panels]
         blocks += [wr.H2(text=section.name), wr.PanelGrid(runsets=[runset], panels=panels)]
     return wr.Report(
         entity=entity,
         project=project,
-        title=name,
+        title=view.name,
         description="SyncBatchNorm batch sizes, running-statistics health, train/test gap, "
         "loss and mAP (syncbn-dashboard)",
         blocks=blocks,
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     build = build_report if args.report else build_workspace
     try:
-        dashboard = build(args.entity, args.project, name=args.name, group_by=group_by)
+        dashboard = build(args.entity, args.project, View(args.name, group_by))
     except ImportError:
         return _fail(f"syncbn-dashboard needs wandb-workspaces: {_INSTALL_HINT}")
     try:

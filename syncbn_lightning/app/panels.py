@@ -7,12 +7,12 @@ per group). :data:`PANELS`, the line panels of those sections, are the figures o
 (:mod:`.report`) and the custom charts logged into each W&B run.
 
 The ``bn/*`` metrics are the ones :class:`~syncbn_lightning.SyncBNCallback` logs (module
-``syncbn_lightning.monitoring``): batch sizes, samples seen, skipped non-finite updates, and for
-each per-layer metric of ``syncbn_lightning.metrics.LAYER_METRICS`` its max and mean over layers
-(``bn/<metric>_max``, ``_avg``); with a W&B logger also their per-layer histograms
-(``bn/layers/<metric>``) and, at the end, the table of the last values per layer
-(``bn/layers``). ``tests/test_dashboard.py`` checks this list against what a real run logs, both
-ways. All ``bn/*`` statistics are dimensionless (units of the running standard deviation).
+``syncbn_lightning.lightning.monitoring``): batch sizes, samples seen, skipped non-finite updates,
+and for each per-layer metric of ``syncbn_lightning.nn.running_stats.LAYER_METRICS`` its max and
+mean over layers (``bn/<metric>_max``, ``_avg``); with a W&B logger also their per-layer histograms
+(``bn/layers/<metric>``) and, at the end, the table of the last values per layer (``bn/layers``).
+``tests/test_dashboard.py`` checks this list against what a real run logs, both ways. All ``bn/*``
+statistics are dimensionless (units of the running standard deviation).
 
 The per-layer names come from the library (``LAYER_METRICS``, ``summarize``); the four
 batch-size/skip names are spelled here as ``monitoring.py`` logs them. Importing this module
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from syncbn_lightning.metrics import LAYER_METRICS, summarize
+from syncbn_lightning.nn.running_stats import LAYER_METRICS, summarize
 
 __all__ = [
     "GROUP_BY",
@@ -58,7 +58,7 @@ _GAP = tuple(m for m in LAYER_METRICS if m.startswith("gap"))
 
 def _summaries(metrics: Sequence[str]) -> tuple[str, ...]:
     """The names the callback logs for ``metrics`` (``bn/<m>_max``, ``bn/<m>_avg``), from the
-    library's own :func:`syncbn_lightning.metrics.summarize`."""
+    library's own :func:`syncbn_lightning.nn.running_stats.summarize`."""
     return tuple(summarize({"layer": dict.fromkeys(metrics, 0.0)}))
 
 

@@ -35,10 +35,10 @@ PNGs (the line panels of :data:`~.panels.SECTIONS`, also the W&B dashboard's; se
     * ``loss.png``: every ``train/*`` metric (the training losses).
 
 All ``bn/*`` statistics are dimensionless (units of the running standard deviation, see
-:mod:`syncbn_lightning.metrics`). On log panels points that are not positive (a divergence of
-exactly 0) are kept: the axis becomes ``symlog`` with its linear range below the smallest positive
-value, so zeros sit at the bottom instead of vanishing. Non-finite values (``inf``, ``nan``) are not
-drawn.
+:mod:`syncbn_lightning.nn.running_stats`). On log panels points that are not positive (a divergence
+of exactly 0) are kept: the axis becomes ``symlog`` with its linear range below the smallest
+positive value, so zeros sit at the bottom instead of vanishing. Non-finite values (``inf``,
+``nan``) are not drawn.
 
 :data:`PANELS` and :func:`panel_series` are public so that other front ends (the W&B run charts)
 draw the same panels. Importing this module is cheap: it imports neither Lightning nor Hydra, and

@@ -157,13 +157,13 @@ def prepare_kernels(cfg: DictConfig) -> float | None:
     Returns:
         The seconds the build or load took, or ``None`` when nothing was loaded.
     """
-    from syncbn_lightning._backend import ExtensionBuildError, build_dir, load_extension
+    from syncbn_lightning.ops.build import ExtensionBuildError, build_dir, load_extension
 
     if not cfg.bn.sync or cfg.bn.implementation == "ref":
         return None
     directory = build_dir()
     cached = any(directory.glob("*.so"))
-    backend_log = logging.getLogger("syncbn_lightning._backend")
+    backend_log = logging.getLogger("syncbn_lightning.ops.build")
     level = backend_log.level
     backend_log.setLevel(max(logging.WARNING, backend_log.getEffectiveLevel()))  # one line: ours
     started = time.perf_counter()

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from syncbn_lightning import _backend
+from syncbn_lightning.ops import build as ops_build
 
 EMU_DIR = Path(__file__).resolve().parent
 INCLUDE_DIR = EMU_DIR / "include"
@@ -172,7 +172,7 @@ def rewrite_cuda_source(text: str, origin: str) -> str:
 
 def _csrc() -> Path:
     override = os.environ.get(CSRC_ENV)
-    return Path(override).resolve() if override else _backend._csrc_dir()
+    return Path(override).resolve() if override else ops_build.csrc_dir()
 
 
 def _cu_sources() -> list[Path]:
@@ -218,10 +218,10 @@ def _build() -> ModuleType:
     )
     cflags = _CFLAGS + (_ASAN_FLAGS if _asan() else [])
     ldflags = _ASAN_FLAGS if _asan() else []
-    key = _backend.source_key(
+    key = ops_build.source_key(
         [*cu_sources, *fixed_sources, *headers, Path(__file__)], (cflags, ldflags)
     )
-    directory = _backend.cache_root() / f"emu-{key}"
+    directory = ops_build.cache_root() / f"emu-{key}"
     generated = directory / "generated"
     generated.mkdir(mode=0o700, parents=True, exist_ok=True)
     sources = []
@@ -231,7 +231,7 @@ def _build() -> ModuleType:
         if not target.is_file() or target.read_text() != text:
             target.write_text(text)
         sources.append(str(target))
-    return _backend.build_locked(
+    return ops_build.build_locked(
         f"syncbn_emu_{key}",
         directory,
         sources=sources + [str(p) for p in fixed_sources],

@@ -1,0 +1,145 @@
+"""The exchange interface: how the ranks of a sync group combine their statistics.
+
+The one autograd Function (:mod:`.function`) runs every synchronized layer call the same way, and
+an :class:`Exchange` strategy fills in the steps that differ::
+
+    forward   sent = exchange.payload(inputs, call)        what travels forward (this rank's)
+              received = all_gather(sent)  if exchange.gathers  else  all_reduce(sent)
+              merged = exchange.merge(inputs, sent, received, call)   statistics, output
+    backward  local = exchange.local_grads(dy, saved, call)  what travels back (+ local dW, dB)
+              summed = sum_over_group(local.sums)          (only when the input needs a gradient)
+              grad_input = exchange.grad_input(dy, summed, local, call)
+
+Every collective is the Function's (:mod:`syncbn_lightning.distributed.collectives`), so a
+strategy computes, and never communicates except on an error path. A new strategy is one file
+with a subclass and one :func:`~.registry.register_exchange` line (``tests/test_exchange_toy.py``
+shows one that all-gathers float64 rows).
+
+Contract of every strategy: statistics of the group as one batch (count-weighted; ``stats_mode``
+as :class:`~syncbn_lightning.SyncBatchNorm` defines it); an empty local batch still takes part
+(its payload says it is empty); running statistics updated in place, skipped when the group
+statistics are not finite or the group is empty; the call-order tags checked (see
+:mod:`syncbn_lightning.distributed.call_order`); no host synchronization on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from ..distributed.collectives import Group
+from .options import SyncOptions
+
+__all__ = ["Exchange", "Inputs", "LayerState", "LocalGrads", "Merged", "Saved", "SyncCall"]
+
+#: The tensors a strategy's forward keeps for its backward (saved by the Function).
+Saved = tuple[torch.Tensor | None, ...]
+
+
+class LayerState(NamedTuple):
+    """The layer's tensors a synchronized call updates in place (``None``: the layer keeps none)."""
+
+    running_mean: torch.Tensor | None
+    running_var: torch.Tensor | None
+    num_batches_tracked: torch.Tensor | None
+    #: int64 counter of the running-stat updates skipped for non-finite statistics.
+    nonfinite: torch.Tensor | None
+    #: int64 counter of the layer's synchronized calls (the call-order tag); always given.
+    calls: torch.Tensor
+
+
+class SyncCall(NamedTuple):
+    """Where one layer call synchronizes, and with what."""
+
+    #: the group's name, a DataParallel replica group, or ``None`` (nothing to communicate).
+    group: Group
+    #: ranks in the group.
+    world_size: int
+    #: the layer's call-order tag (equal on every rank for the same layer).
+    layer_tag: int
+    #: the strategy (found by :func:`~.registry.resolve_exchange`).
+    exchange: Exchange
+    #: the layer's settings (momentum, eps, stats_mode...), validated when they were made.
+    options: SyncOptions
+    #: run the ``syncbn::`` operators (else the reference twin), see ``ops.dispatch``.
+    fused: bool
+    #: the activation fused after the normalization (``ops.activations``; 0: none).
+    act: int = 0
+    act_param: float = 0.0
+
+
+class Inputs(NamedTuple):
+    """The tensors of one layer call: the input, the affine parameters (``None`` without), and
+    the state the call updates in place."""
+
+    input: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    state: LayerState
+
+
+class Merged(NamedTuple):
+    """What :meth:`Exchange.merge` returns."""
+
+    output: torch.Tensor
+    #: the group's mean per channel (acc dtype).
+    mean: torch.Tensor
+    #: the group's variance as used for ``running_var`` (unbiased unless the options say not).
+    var: torch.Tensor
+    #: ``[count, samples, order_ok, finite]``: the group's values per channel and samples.
+    info: torch.Tensor
+    #: the tensors the strategy's backward needs.
+    saved: Saved
+
+
+class LocalGrads(NamedTuple):
+    """What :meth:`Exchange.local_grads` returns."""
+
+    #: this rank's part of the backward exchange, summed over the group by the Function.
+    sums: torch.Tensor
+    #: the local parameter gradients (not all-reduced: DDP averages them).
+    grad_weight: torch.Tensor
+    grad_bias: torch.Tensor
+    #: what the strategy's :meth:`Exchange.grad_input` needs: saved tensors, values computed
+    #: once for both steps.
+    carry: Any = None
+
+
+class Exchange(ABC):
+    """A strategy for exchanging a layer's statistics; see the module docstring."""
+
+    #: the ``exchange=`` name it is registered under.
+    name: ClassVar[str]
+    #: one line on what it sends, for error messages and docs.
+    summary: ClassVar[str]
+    #: ``True``: the payloads are all-gathered (every rank's, in rank order); ``False``: summed.
+    gathers: ClassVar[bool]
+    #: whether it runs the ``syncbn::`` operators when the extension is available (``impl=``).
+    uses_kernels: ClassVar[bool] = False
+
+    @abstractmethod
+    def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
+        """This rank's 1-D payload for the forward collective; advances ``inputs.state.calls``."""
+
+    @abstractmethod
+    def merge(
+        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
+    ) -> Merged:
+        """The group's statistics from ``received`` (gathered payloads or their sum; ``sent`` is
+        this rank's), the call-order check, the running-stat update and the normalized
+        (activated) output."""
+
+    @abstractmethod
+    def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
+        """This rank's backward sums (to be summed over the group) and parameter gradients."""
+
+    @abstractmethod
+    def grad_input(
+        self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> torch.Tensor:
+        """The input gradient from ``summed``: the group's sums (``[2C]``), or every rank's
+        (``[W * 2C]`` in rank order) when :func:`~syncbn_lightning.distributed.collectives
+        .sum_over_group` gathered them; ``local`` is what :meth:`local_grads` returned, its
+        ``carry`` holding what this step needs of the saved tensors."""

@@ -1,0 +1,146 @@
+"""The one synchronized BatchNorm autograd Function, and its functional form.
+
+Per layer call, ONE collective forward and ONE backward, whatever the exchange strategy
+(:mod:`.exchange` says which steps a strategy fills in)::
+
+    forward   payload -> all_gather or all_reduce -> merge (statistics, running stats, output)
+    backward  local sums -> sum over the group -> input gradient
+
+"Synchronized" means the group is normalized as one batch: with per-rank counts ``n_r`` the mean is
+``sum_r n_r mean_r / sum_r n_r``, so uneven batches are exact, and a rank with an empty batch
+(``N = 0``) contributes ``n_r = 0`` but still joins both collectives. Gradients of weight and bias
+are the local ones (DDP averages them like any other parameter's); the backward's collective runs
+only when the input needs a gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from ..distributed.collectives import all_gather, all_reduce, sum_over_group
+from ..distributed.groups import group_name_of
+from ..ops.dispatch import uses_extension
+from .exchange import Inputs, LayerState, SyncCall
+from .options import SyncOptions
+from .registry import get_exchange
+
+__all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """``apply(input, weight, bias, state, call) -> (output, mean, var, info)``.
+
+    Args:
+        input: ``(N, C, *)``, any layout; ``weight``, ``bias``: ``[C]`` or ``None``.
+        state: the :class:`~.exchange.LayerState` the call updates in place (running statistics,
+            counters).
+        call: the :class:`~.exchange.SyncCall`: the group, its size, the layer's tag, the
+            exchange strategy, the layer's :class:`~.options.SyncOptions` (momentum, eps,
+            stats_mode...), the kernels and the fused activation.
+
+    Returns:
+        ``output`` (differentiable), and, not differentiable, the group mean, the group variance
+        used for the running-stat update (unbiased unless ``options.unbiased_running_var`` is
+        false) and ``info = [count, samples, order_ok, finite]``: the group's element count per
+        channel and number of samples (the sum of every rank's ``N``; it rides in the same
+        collective, so batch-size tracking costs no communication).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        state: LayerState,
+        call: SyncCall,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        inputs, exchange = Inputs(input, weight, bias, state), call.exchange
+        sent = exchange.payload(inputs, call)
+        if exchange.gathers:
+            received = all_gather(sent, call.group, call.world_size)
+        else:
+            received = all_reduce(sent, call.group)  # type: ignore[arg-type]
+        merged = exchange.merge(inputs, sent, received, call)
+        ctx.save_for_backward(*merged.saved)
+        ctx.call = call
+        ctx.mark_non_differentiable(merged.mean, merged.var, merged.info)
+        return merged.output, merged.mean, merged.var, merged.info
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_output: torch.Tensor | None, *_unused: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            # create_graph=True: the result must refuse a second derivative rather than give a
+            # silently wrong one. Only then, as once_differentiable costs host time per call.
+            return _backward_once(ctx, grad_output)
+        return _backward(ctx, grad_output)
+
+
+_NO_GRADS: tuple[None, ...] = (None,) * 5  # one per argument of forward
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Local sums, ONE collective (only when the input needs a gradient), the input gradient."""
+    if grad_output is None:  # grads are not materialized: nothing flows back through output
+        return _NO_GRADS
+    call: SyncCall = ctx.call
+    saved = ctx.saved_tensors
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    local = call.exchange.local_grads(grad_output, saved, call)
+    grad_input = None
+    if need_input:
+        summed = sum_over_group(local.sums, call.group, call.world_size)
+        grad_input = call.exchange.grad_input(grad_output, summed, local, call)
+    return (
+        grad_input,
+        local.grad_weight if need_weight else None,
+        local.grad_bias if need_bias else None,
+        *_NO_GRADS[3:],
+    )
+
+
+_backward_once = once_differentiable(_backward)
+
+
+def sync_batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    process_group: dist.ProcessGroup | None,
+    world_size: int,
+    unbiased: bool = True,
+    layer_tag: int = 0,
+    calls: torch.Tensor | None = None,
+    impl: str | None = None,
+    stats_mode: str = "N",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Functional form of :class:`SyncBatchNormFunction` (gather exchange) without running
+    statistics.
+
+    ``layer_tag`` and ``calls`` (an int64 counter on the input's device, incremented per call)
+    identify the call for the call-order check; equal on all ranks for the same layer and call.
+    ``impl``: ``"auto"``, ``"ext"``, ``"reference"`` or ``None`` (the ``SYNCBN_IMPL`` default);
+    ``stats_mode``: ``"N"`` or ``"default"``, see :class:`~syncbn_lightning.SyncBatchNorm`.
+
+    Returns:
+        ``(output, mean, var, count, samples)``: ``count`` and ``samples`` are 0-d tensors.
+    """
+    options = SyncOptions(
+        eps=eps, impl=impl, stats_mode=stats_mode, exchange="gather", unbiased_running_var=unbiased
+    )
+    if calls is None:
+        calls = torch.zeros(1, dtype=torch.long, device=input.device)
+    exchange = get_exchange("gather")
+    fused = uses_extension(input.device.type, options.impl)
+    call = SyncCall(group_name_of(process_group), world_size, layer_tag, exchange, options, fused)
+    state = LayerState(None, None, None, None, calls)
+    output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
+    return output, mean, var, info[0], info[1]

@@ -1,0 +1,79 @@
+"""The exchange strategies, by name: ONE registry, and the one place ``"auto"`` is resolved.
+
+A strategy (:class:`~.exchange.Exchange`) is registered under its ``name`` with
+:func:`register_exchange`; the built-in ``gather`` and ``reduce`` are registered by
+:mod:`syncbn_lightning.functional` when it is imported. Layers name their strategy in
+``SyncOptions.exchange`` (checked against this registry) and find it per call with
+:func:`resolve_exchange`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = [
+    "AUTO_REDUCE_ABOVE",
+    "check_exchange",
+    "exchange_names",
+    "get_exchange",
+    "register_exchange",
+    "resolve_exchange",
+]
+
+#: ``exchange="auto"`` reduces in groups of more than this many ranks and gathers up to it.
+AUTO_REDUCE_ABOVE = 8
+
+
+class _Strategy(Protocol):
+    name: str
+    summary: str
+
+
+_STRATEGIES: dict[str, Any] = {}
+
+
+def register_exchange(strategy: _Strategy) -> _Strategy:
+    """Make ``strategy`` (an :class:`~.exchange.Exchange` instance) available as
+    ``exchange=strategy.name``; returns it. Registering a name again replaces the strategy.
+
+    Raises:
+        ValueError: for the reserved name ``"auto"``.
+    """
+    if strategy.name == "auto":
+        raise ValueError("'auto' is not a strategy's name: it picks one (resolve_exchange)")
+    _STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def exchange_names() -> tuple[str, ...]:
+    """The registered strategies' names, in registration order."""
+    return tuple(_STRATEGIES)
+
+
+def check_exchange(exchange: Any, name: str = "exchange") -> str:
+    """``exchange`` if it is ``"auto"`` or a registered strategy, else a ValueError naming ``name``
+    and every accepted value with what it does."""
+    if exchange != "auto" and exchange not in _STRATEGIES:
+        choices = [f"{n!r} ({s.summary})" for n, s in _STRATEGIES.items()]
+        choices.append(f"'auto' (reduce in groups of more than {AUTO_REDUCE_ABOVE} ranks)")
+        raise ValueError(
+            f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {exchange!r}"
+        )
+    return str(exchange)
+
+
+def get_exchange(name: str) -> Any:
+    """The strategy registered as ``name`` (KeyError if none is)."""
+    return _STRATEGIES[name]
+
+
+def resolve_exchange(exchange: str, world_size: int, group: Any) -> Any:
+    """The strategy a layer with ``exchange`` uses in a sync group of ``world_size`` ranks:
+    ``"auto"`` is ``reduce`` in groups of more than :data:`AUTO_REDUCE_ABOVE` ranks and ``gather``
+    up to it; ``group`` is the layer's group name, or a DataParallel replica group, which is
+    in-process and always gathers."""
+    if group is not None and not isinstance(group, str):
+        return _STRATEGIES["gather"]
+    if exchange == "auto":
+        return _STRATEGIES["reduce" if world_size > AUTO_REDUCE_ABOVE else "gather"]
+    return _STRATEGIES[exchange]

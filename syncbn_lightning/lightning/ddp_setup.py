@@ -1,0 +1,139 @@
+"""What the callback and the LayerSync plugin do to a model and its DDP strategy: convert and
+configure the BatchNorm layers, keep DDP from broadcasting one group's running statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..functional.options import KEEP, SyncOptions
+from ..nn.batchnorm import SyncBatchNorm
+from ..nn.convert import configure_sync_layers, convert_with
+
+__all__ = [
+    "LayerSettings",
+    "convert_layers",
+    "keep_group_buffers",
+    "overrides",
+    "refuse_buffer_broadcast",
+    "refuse_other_layer_sync",
+]
+
+
+def overrides(
+    momentum: float | None,
+    eps: float | None,
+    impl: str | None,
+    stats_mode: str | None,
+    exchange: str | None,
+) -> SyncOptions:
+    """The callback's and the plugin's settings as one validated :class:`SyncOptions` to apply to
+    every layer: ``None`` keeps a layer's own momentum, eps, stats_mode and exchange; ``impl`` is
+    set on every layer (``None``: the ``SYNCBN_IMPL`` environment variable)."""
+
+    def keep(value: Any) -> Any:
+        return KEEP if value is None else value
+
+    return SyncOptions(
+        momentum=keep(momentum),
+        eps=keep(eps),
+        impl=impl,
+        stats_mode=keep(stats_mode),
+        exchange=keep(exchange),
+        force_sync=False,
+        unbiased_running_var=KEEP,
+    )
+
+
+class LayerSettings:
+    """What the callback and the plugin give every layer they convert: ``sync_options``, one
+    validated :class:`SyncOptions` (see :func:`overrides`), and the arguments it came from as
+    attributes (``None``: each layer keeps its own)."""
+
+    sync_options: SyncOptions
+    momentum: float | None
+    eps: float | None
+    impl: str | None
+    stats_mode: str | None
+    exchange: str | None
+
+    def _set_layer_settings(
+        self,
+        momentum: float | None,
+        eps: float | None,
+        impl: str | None,
+        stats_mode: str | None,
+        exchange: str | None,
+    ) -> None:
+        self.sync_options = overrides(momentum, eps, impl, stats_mode, exchange)
+        self.momentum, self.eps, self.impl = momentum, eps, self.sync_options.impl
+        self.stats_mode, self.exchange = stats_mode, exchange
+
+
+def convert_layers(
+    model: nn.Module, group: dist.ProcessGroup | None, options: SyncOptions
+) -> list[SyncBatchNorm]:
+    """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
+    ``group`` with ``options`` (see :func:`overrides`)."""
+    convert_with(model, group, options)
+    return configure_sync_layers(model, group, options)
+
+
+def refuse_buffer_broadcast(strategy: Any) -> None:
+    """Raise if the user asked DDP to broadcast rank 0's buffers before every forward.
+
+    With sync groups smaller than the world that broadcast would overwrite every other group's
+    running statistics with group 0's. Lightning keeps the user's DDP arguments only in the
+    strategy's ``_ddp_kwargs`` (no public accessor), so they are read there, and only read.
+    """
+    kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
+    for key in ("forward_sync_buffers", "broadcast_buffers"):
+        if kwargs.get(key):
+            raise ValueError(
+                f"DDPStrategy({key}=True) broadcasts rank 0's BatchNorm running stats before "
+                f"every forward, overwriting the other sync groups' statistics: drop {key} or "
+                f"use SyncBNCallback(group_size=None) (one group for the whole world)"
+            )
+
+
+def keep_group_buffers(strategy: Any) -> None:
+    """Stop DDP from broadcasting rank 0's buffers before every forward (see
+    :func:`refuse_buffer_broadcast`); DDP still syncs buffers once at construction, when all
+    ranks hold the same (initial or restored) values.
+
+    Once the strategy has wrapped the model (the callback calls this from ``on_fit_start``), this
+    sets the wrapper's public ``forward_sync_buffers`` attribute. Before that (the LayerSync
+    plugin runs inside ``strategy.setup``, which offers no later hook) the only way is the
+    argument the strategy will construct DDP with.
+    """
+    if not isinstance(strategy, DDPStrategy):
+        return
+    refuse_buffer_broadcast(strategy)
+    if isinstance(strategy.model, DistributedDataParallel):
+        strategy.model.forward_sync_buffers = False
+        return
+    kwargs = strategy._ddp_kwargs
+    kwargs.pop("broadcast_buffers", None)
+    kwargs["forward_sync_buffers"] = False
+
+
+def refuse_other_layer_sync(trainer: Any, owner: str, rival: type | None = None) -> None:
+    """Raise if the Trainer also converts BatchNorm layers: with ``sync_batchnorm=True``, or (for
+    the callback, ``owner``) with our LayerSync plugin, ``rival``."""
+    layer_sync = getattr(trainer.strategy, "_layer_sync", None)
+    if isinstance(layer_sync, TorchSyncBatchNorm):
+        raise ValueError(
+            f"{owner} cannot be combined with Trainer(sync_batchnorm=True): that converts the "
+            f"model to torch.nn.SyncBatchNorm again (which refuses CPU tensors). Remove "
+            f"sync_batchnorm=True; {owner} already synchronizes BatchNorm"
+        )
+    if rival is not None and isinstance(layer_sync, rival):
+        raise ValueError(
+            "SyncBNCallback and the SyncBNLayerSync plugin both convert BatchNorm layers: use one "
+            "of them (pass group_size/momentum/eps to the one you keep)"
+        )

@@ -1,0 +1,71 @@
+"""The layer's checks of what it is built with and what it is called on: each failure names the
+argument and the fix, before any kernel or collective runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_dims", "check_input", "check_num_features"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_num_features(num_features: Any) -> None:
+    """Raise a TypeError/ValueError unless ``num_features`` is a positive int."""
+    if isinstance(num_features, bool) or not isinstance(num_features, int):
+        raise TypeError(
+            f"num_features must be an int (the number of channels), got "
+            f"{type(num_features).__name__} {num_features!r}"
+        )
+    if num_features <= 0:
+        raise ValueError(f"num_features must be > 0 (the number of channels), got {num_features}")
+
+
+def check_dims(input: torch.Tensor) -> None:
+    """Raise a ValueError unless ``input`` has the shape ``(N, C, *)``."""
+    if input.dim() < 2:
+        raise ValueError(
+            f"SyncBatchNorm expects input of shape (N, C, *) with at least 2 dims, got "
+            f"{input.dim()}-D input of shape {tuple(input.shape)}"
+        )
+
+
+def check_input(
+    input: Any, num_features: int, reference: torch.Tensor | None, reference_name: str
+) -> None:
+    """Raise a TypeError/ValueError naming the fix unless ``input`` fits a layer of
+    ``num_features`` channels whose first tensor is ``reference`` (its weight, else its running
+    mean, named ``reference_name``; ``None``: nothing to match)."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"SyncBatchNorm input must be a torch.Tensor, got {type(input).__name__}")
+    check_dims(input)
+    if not input.is_floating_point():
+        raise TypeError(
+            f"SyncBatchNorm input must be floating point (float16, bfloat16, float32, "
+            f"float64), got {input.dtype}: convert it, e.g. input.float()"
+        )
+    if input.shape[1] != num_features:
+        raise ValueError(
+            f"SyncBatchNorm input has {input.shape[1]} channels (dim 1) but the layer was "
+            f"built with num_features={num_features}: use "
+            f"SyncBatchNorm({input.shape[1]}) or fix the preceding layer "
+            f"(input shape {tuple(input.shape)})"
+        )
+    if reference is None:
+        return
+    if reference.device != input.device:
+        raise ValueError(
+            f"SyncBatchNorm input is on {input.device} but the layer's parameters/buffers are "
+            f"on {reference.device}: move the model with model.to({str(input.device)!r})"
+        )
+    if input.dtype != reference.dtype and not (
+        input.dtype in _HALF_DTYPES and reference.dtype == torch.float32
+    ):
+        raise TypeError(
+            f"SyncBatchNorm input dtype {input.dtype} does not match the layer's "
+            f"{reference_name} dtype {reference.dtype}: cast the model "
+            f"(model.to({input.dtype})) or the input; float16/bfloat16 inputs may also use "
+            f"float32 parameters"
+        )

@@ -1,0 +1,125 @@
+"""What a synchronized layer keeps between calls besides its buffers: its name and call-order
+tag, its call and non-finite counters, and the record of its last training batch."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from typing import NamedTuple
+
+import torch
+
+from ..distributed.call_order import register_layer_name
+from ..ops.reference import TAG_LIMIT
+
+__all__ = ["BatchRecord", "SyncCallState"]
+
+# Construction order of layers built directly (not by the converter): their call-order tag until
+# they get a name. Models built the same way on every rank get the same numbers.
+_SERIALS = itertools.count(1)
+
+
+class BatchRecord(NamedTuple):
+    """What a :class:`SyncBatchNorm` layer saw in its last training forward.
+
+    Kept for monitoring (batch-size tracking, train/test-gap metrics) without any extra
+    communication or host synchronization: the tensors are the ones the forward computed anyway.
+
+    Attributes:
+        local_samples: ``N`` of this rank's input.
+        mean: the group's batch mean per channel (``None`` without synchronization, i.e. a group
+            of one rank, in which case the group is this rank alone).
+        var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
+            ``unbiased_running_var=False``; ``None`` without synchronization).
+        info: the merge's ``[count, samples, order_ok, finite]`` tensor (``None`` without sync);
+            read through :attr:`samples` and :attr:`count`.
+    """
+
+    local_samples: int
+    mean: torch.Tensor | None = None
+    var: torch.Tensor | None = None
+    info: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> torch.Tensor | None:
+        """0-d tensor, the sum of ``N`` over the sync group (``None`` without sync)."""
+        return None if self.info is None else self.info[1]
+
+    @property
+    def count(self) -> torch.Tensor | None:
+        """0-d tensor, the group's number of values per channel (``None`` without sync)."""
+        return None if self.info is None else self.info[0]
+
+
+class SyncCallState:
+    """The per-layer state of synchronized calls (a base of
+    :class:`~syncbn_lightning.SyncBatchNorm`)."""
+
+    running_mean: torch.Tensor | None  # the BatchNorm buffer, on the layer's device
+
+    #: The last training forward's :class:`BatchRecord` (``None`` before the first one); read and
+    #: cleared by :class:`~syncbn_lightning.SyncBNCallback`. A class default, so layers made by the
+    #: converter (which bypasses ``__init__``) have it too.
+    last_batch: BatchRecord | None = None
+    #: The layer's qualified name in its model, set by :func:`convert_sync_batchnorm` (and so by the
+    #: callback); it names the layer in call-order errors and fixes its call-order tag.
+    sync_name: str | None = None
+    _sync_serial: int = 0
+    _named_tag: tuple[str, int] | None = None
+    # Per-layer int64 counters on the layer's device (created on first use; not state): the calls
+    # of the synchronized path (the call-order tag) and the skipped non-finite updates.
+    _calls: torch.Tensor | None = None
+    _nonfinite: torch.Tensor | None = None
+
+    @property
+    def layer_tag(self) -> int:
+        """The id this layer sends with its statistics for the call-order check.
+
+        A hash of :attr:`sync_name` when the layer has one (equal on every rank of a model built
+        the same way), else its construction number in this process. Computed when the name is
+        set, so that the forward (and torch.compile) only reads an int."""
+        if self._named_tag is not None and self._named_tag[0] == self.sync_name:
+            return self._named_tag[1]
+        if self.sync_name is None:
+            return self._sync_serial % TAG_LIMIT
+        return self._tag_of(self.sync_name)
+
+    def set_sync_name(self, name: str) -> None:
+        """Name the layer (its qualified name in the model) for call-order checks and errors."""
+        self.sync_name = name
+        register_layer_name(self._tag_of(name), name)
+
+    def _number_layer(self) -> None:
+        """Give a layer built directly its construction number (its tag until it is named)."""
+        self._sync_serial = next(_SERIALS)
+
+    def _tag_of(self, name: str) -> int:
+        tag = zlib.crc32(name.encode()) % TAG_LIMIT
+        self._named_tag = (name, tag)
+        return tag
+
+    def nonfinite_skips(self) -> torch.Tensor:
+        """How many running-stat updates were skipped because the synchronized batch statistics
+        were NaN or inf: the layer's 0-d int64 counter on the buffers' device, updated in place
+        (copy it to keep a snapshot; reading its value syncs on CUDA)."""
+        device = self.running_mean.device if self.running_mean is not None else None
+        if self._nonfinite is None:
+            return torch.zeros((), dtype=torch.long, device=device)
+        if device is not None and self._nonfinite.device != device:
+            self._nonfinite = self._nonfinite.to(device)
+        return self._nonfinite.view(())
+
+    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call and non-finite counters on ``device`` (moved there with their values)."""
+        if self._calls is None or self._calls.device != device:
+            self._calls = _counter_on(self._calls, device)
+        if self._nonfinite is None or self._nonfinite.device != device:
+            self._nonfinite = _counter_on(self._nonfinite, device)
+        return self._calls, self._nonfinite
+
+
+def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0."""
+    if counter is None:
+        return torch.zeros(1, dtype=torch.long, device=device)
+    return counter.reshape(1).to(device)

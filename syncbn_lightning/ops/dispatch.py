@@ -1,0 +1,148 @@
+"""Which implementation of the primitives a layer uses: the C++ extension or the reference.
+
+Chosen per layer (``impl=`` of ``SyncBatchNorm``, the converter, the callback) or, where none is
+given, by the ``SYNCBN_IMPL`` environment variable:
+
+* ``auto`` (default): the compiled extension where it has kernels for the tensor's device, else the
+  pure-PyTorch reference, with ONE warning naming the cause and the build directory.
+* ``ext``: the extension or an error (a failed build raises instead of falling back).
+* ``reference`` (``ref`` for short): always the reference (:mod:`.reference`).
+
+The extension is built on first use by :mod:`.build`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from . import reference
+from .build import ExtensionBuildError, describe_build_dir, load_extension
+
+__all__ = ["IMPL_ENV", "check_impl", "get_impl", "ops_for", "ops_for_device", "uses_extension"]
+
+IMPL_ENV = "SYNCBN_IMPL"
+_IMPLS = ("auto", "ext", "ref")
+# The API spells the reference out; "ref" is the short form (and the environment variable's).
+_IMPL_ALIASES = {"reference": "ref"}
+
+
+def check_impl(impl: Any, name: str = "impl") -> str | None:
+    """``impl`` in its short form (``"auto"``, ``"ext"`` or ``"ref"``; ``"reference"`` is
+    ``"ref"``), or ``None``, which leaves the choice to ``SYNCBN_IMPL`` at each use.
+
+    Raises:
+        TypeError / ValueError: naming ``name`` and the accepted values.
+    """
+    if impl is None:
+        return None
+    accepted = (
+        f"'auto' (the C++ kernels, else the pure-PyTorch reference with one warning), 'ext' (the "
+        f"kernels or an error), 'reference', or None (the {IMPL_ENV} environment variable, "
+        f"default 'auto')"
+    )
+    if not isinstance(impl, str):
+        raise TypeError(f"{name} must be {accepted}, got {type(impl).__name__} {impl!r}")
+    value = impl.strip().lower()
+    value = _IMPL_ALIASES.get(value, value)
+    if value not in _IMPLS:
+        raise ValueError(f"{name}={impl!r} is not valid: use {accepted}")
+    return value
+
+
+def get_impl(impl: str | None = None) -> str:
+    """The implementation to use: ``impl`` when given (see :func:`check_impl`), else the one
+    ``SYNCBN_IMPL`` requests (``auto``, ``ext``, ``ref``/``reference``; default ``auto``).
+
+    Raises:
+        ValueError: when the variable (or ``impl``) holds anything else.
+    """
+    if impl is not None:
+        return impl if impl in _IMPLS else str(check_impl(impl))
+    value = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    value = _IMPL_ALIASES.get(value, value)
+    if value not in _IMPLS:
+        raise ValueError(
+            f"{IMPL_ENV}={os.environ[IMPL_ENV]!r} is not valid: use one of auto, ext, ref "
+            f"(reference)"
+        )
+    return value
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def ops_for(tensor: torch.Tensor, impl: str | None = None) -> Any:
+    """The primitives to use for ``tensor``: the extension module or :mod:`reference`.
+
+    Both expose ``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce`` and
+    ``backward_elemt`` with identical signatures. ``impl``: see :func:`get_impl` (``None``: the
+    ``SYNCBN_IMPL`` environment variable).
+
+    Raises:
+        ValueError: on an invalid ``impl``/``SYNCBN_IMPL``.
+        ExtensionBuildError: with ``ext`` when the extension cannot serve ``tensor``.
+    """
+    return ops_for_device(tensor.device.type, impl)
+
+
+def ops_for_device(device_type: str, impl: str | None = None) -> Any:
+    """:func:`ops_for` for tensors on devices of type ``device_type`` (``"cpu"``, ``"cuda"``...)."""
+    impl = get_impl(impl)
+    if impl == "ref":
+        return reference
+    try:
+        ext = load_extension()
+    except ExtensionBuildError as exc:
+        if impl == "ext":
+            raise
+        _warn_once(
+            "build",
+            f"syncbn_lightning: C++ extension unavailable, using the pure-PyTorch reference "
+            f"(slower, same results). Cause: {str(exc)[:600]} Build dir: {describe_build_dir()}. "
+            f"Set {IMPL_ENV}=ref to silence this, or {IMPL_ENV}=ext to make it an error.",
+        )
+        return reference
+    if device_type == "cpu" or (device_type == "cuda" and ext.with_cuda):
+        return ext
+    message = (
+        f"syncbn_lightning: the C++ extension has no kernels for {device_type} tensors in "
+        f"this build; using the pure-PyTorch reference for them"
+    )
+    if impl == "ext":
+        raise ExtensionBuildError(message + f" is not allowed with {IMPL_ENV}=ext")
+    _warn_once(f"device:{device_type}", message + ".")
+    return reference
+
+
+_choice_lock = threading.Lock()
+_choices: dict[tuple[str, str], bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def uses_extension(device_type: str, impl: str | None = None) -> bool:
+    """Whether layers on ``device_type`` with implementation ``impl`` (``None``: ``SYNCBN_IMPL``)
+    run the ``syncbn::`` operators (else the reference).
+
+    Decided by :func:`ops_for_device` (the implementation asked for, whether the extension builds
+    and has kernels for the device), once per implementation and device type. ``torch.compile``
+    calls it while tracing and bakes the answer into the graph, so a compiled model keeps the
+    implementation it was compiled with.
+    """
+    key = (get_impl(impl), device_type)
+    choice = _choices.get(key)
+    if choice is None:
+        with _choice_lock:
+            choice = ops_for_device(device_type, key[0]) is not reference
+            _choices[key] = choice
+    return choice

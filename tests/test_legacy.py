@@ -1,0 +1,88 @@
+"""What was written before the library was split into subpackages still works
+(``tests/data/legacy/``, made there at the last commit of the flat layout): its public API (every
+name, signature, method and attribute), a whole-model pickle of a converted model, whose classes
+it names by their old module paths, and a Lightning checkpoint of a run with ``SyncBNCallback``,
+which resumes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from _lightning import BNNet, fit_ranks, make_net
+
+from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct, SyncBNCallback
+
+DATA = Path(__file__).resolve().parent / "data" / "legacy"
+
+
+def test_the_public_api_is_a_superset_of_the_old_one_with_the_same_signatures() -> None:
+    sys.path.insert(0, str(DATA))
+    try:
+        from api_dump import public_api
+    finally:
+        sys.path.remove(str(DATA))
+    old, new = json.loads((DATA / "api.json").read_text()), public_api()
+    assert set(old) == set(new)  # the same names in __all__
+    for name, entry in old.items():
+        now = new[name]
+        assert (now["kind"], now["signature"]) == (entry["kind"], entry["signature"]), name
+        for method, signature in entry.get("methods", {}).items():
+            assert now["methods"].get(method) == signature, (name, method)
+        assert set(entry.get("attributes", [])) <= set(now.get("attributes", [])), name
+
+
+def test_a_whole_model_pickled_at_the_old_paths_loads_and_computes_the_same() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        saved = torch.load(DATA / "model.pt", weights_only=False)
+    moved = {str(w.message).split(" is now ")[0] for w in caught if "is now" in str(w.message)}
+    assert "syncbn_lightning.batchnorm" in moved  # the old path, mapped to the new module
+    model = saved["model"]
+    bn, act = model[1], model.act
+    assert type(bn) is SyncBatchNorm and type(act) is SyncBatchNormAct
+    assert (bn.momentum, bn.force_sync, bn.exchange, act.momentum) == (0.2, True, "auto", 0.1)
+    for layer in (bn, act):
+        layer.sync_options.check_complete()
+        assert not {"momentum", "eps", "force_sync", "impl"} & set(vars(layer))
+    assert bn.sync_name == "1"
+    model.eval()
+    torch.testing.assert_close(model(saved["input"]), saved["eval_output"], rtol=0, atol=0)
+    model.train()
+    torch.testing.assert_close(model(saved["input"]), saved["train_output"], rtol=1e-6, atol=1e-6)
+
+
+def test_the_old_module_paths_still_import() -> None:
+    with pytest.warns(DeprecationWarning, match="syncbn_lightning.callback is now"):
+        from syncbn_lightning.callback import SyncBNCallback as Old
+    assert Old is SyncBNCallback
+
+
+def test_a_lightning_checkpoint_loads_into_the_plain_model() -> None:
+    checkpoint = torch.load(DATA / "lightning.ckpt", weights_only=False)
+    net = make_net()
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+    net.load_state_dict(state)  # plain BatchNorm keys
+    assert checkpoint["callbacks"]["SyncBNCallback"]["samples_seen"] == 15
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_lightning_checkpoint_resumes_with_the_callback(tmp_path: Path) -> None:
+    ranks = fit_ranks(
+        tmp_path,
+        "resumed",
+        2,
+        [SyncBNCallback(group_size=1, log_every_n_steps=1)],
+        model=BNNet(batch_size=[3, 2]),
+        max_steps=5,
+        ckpt_path=str(DATA / "lightning.ckpt"),
+    )
+    for got in ranks:
+        # 3 steps in the checkpoint (15 samples), 2 more of 3 + 2 samples each.
+        assert got["callback_metrics"]["SyncBNCallback"]["bn/samples_seen"] == 25
+        assert got["sync_layers"] == 2
