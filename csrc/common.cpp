@@ -129,6 +129,37 @@ void check_backward_args(
   check_channel_vector(invstd, "invstd", input, true);
 }
 
+void check_backward_elemt_args(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu,
+    const at::Tensor& count, c10::DeviceType device) {
+  check_backward_args(grad_out, input, mean, invstd, device);
+  check_channel_vector(sum_dy, "sum_dy", input, true);
+  check_channel_vector(sum_dy_xmu, "sum_dy_xmu", input, true);
+  check_count(count, input);
+}
+
+MergeStatsArgs merge_stats_args(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s) {
+  const int64_t W = counts.size(0), C = means.size(1);
+  const auto opts = means.options();
+  return {
+      W, C, counts.contiguous(), means.contiguous(), m2s.contiguous(), at::empty({C}, opts),
+      at::empty({C}, opts), at::empty({C}, opts)};
+}
+
+ElemtOperands elemt_operands(
+    const at::Tensor& input_, const at::Tensor& grad_out, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias) {
+  const at::Tensor input = dense_input(input_);
+  // Braced initializers run in order: the weight is checked before the bias.
+  return {
+      input, grad_out.defined() ? with_strides_of(grad_out, input) : at::Tensor(),
+      mean.contiguous(), invstd.contiguous(), optional_acc(weight, "weight", input),
+      optional_acc(bias, "bias", input), at::empty_like(input)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
     const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const at::Tensor& input, bool weight_grad,
