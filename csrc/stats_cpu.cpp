@@ -5,6 +5,7 @@
 // Statistics accumulate in acc_t (float for half/bfloat16/float, double for double) and partial
 // results from lanes, threads and chunks are merged in double with Chan's formula.
 #include "cpu_kernels.h"
+#include "merge.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -179,7 +180,7 @@ void chan_merge(
   at::parallel_for(0, C, 256, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       // Two passes over the W ranks in double: the weighted mean first, then the deviations
-      // of the rank means from it, which stay accurate when the mean is far from zero.
+      // of the rank means from it (merged_m2), which stay accurate when the mean is far from zero.
       double n = 0, sum = 0;
       for (int64_t w = 0; w < W; ++w) {
         const double nw = counts[w * count_stride];
@@ -187,13 +188,7 @@ void chan_merge(
         sum += nw * static_cast<double>(means[w * row_stride + c]);
       }
       const double mean = sum / std::max(n, 1.0);
-      double m2 = 0;
-      for (int64_t w = 0; w < W; ++w) {
-        const double nw = counts[w * count_stride];
-        if (nw == 0) continue;
-        const double d = static_cast<double>(means[w * row_stride + c]) - mean;
-        m2 += static_cast<double>(m2s[w * row_stride + c]) + nw * d * d;
-      }
+      const double m2 = merged_m2(counts, count_stride, means, m2s, row_stride, W, c, mean);
       mean_out[c] = static_cast<acc_t>(mean);
       invstd_out[c] = static_cast<acc_t>(1.0 / std::sqrt(m2 / std::max(n, 1.0) + eps));
       var_out[c] = static_cast<acc_t>(m2 / std::max(unbiased ? n - 1 : n, 1.0));

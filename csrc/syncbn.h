@@ -311,8 +311,10 @@ at::Tensor backward_elemt_checked_cpu(
 
 #ifdef WITH_CUDA
 namespace detail {
-// The CUDA reductions writing into given [C] outputs (dense, non-empty input; acc-dtype outputs).
+// The CUDA reductions writing into given [C] outputs (dense, non-empty input; acc-dtype outputs),
+// and merge_stats' merge (any C).
 void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
+void merge_stats_into_cuda(const MergeStatsArgs& args, double eps, bool unbiased);
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act = {});
