@@ -1,8 +1,11 @@
-// Host-side helpers shared by the CPU and CUDA entry points: layout handling and argument checks.
-// Compiled by the host compiler only; the .cu file calls these through syncbn.h.
+// Host-side helpers shared by the CPU and CUDA entry points: layout handling, argument checks and
+// the kernels' operands. Compiled by the host compiler only; the .cu files call these through
+// syncbn.h.
 #include "syncbn.h"
 
-#include <ATen/ATen.h>
+// ATen's per-operator headers rather than ATen/ATen.h (every operator): a faster first build.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 
@@ -168,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
   if (has_weight) check_channel_vector(*weight, "weight", input, false);
   const auto param_dtype = has_weight ? weight->scalar_type() : sum_dy.scalar_type();
   at::Tensor grad_weight, grad_bias;
-  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
+  if (weight_grad) grad_weight = sum_dy_xmu.mul(invstd).to(param_dtype);
   // A copy even in the same dtype: the fused grad_sums returns it beside the buffer sum_dy lives in.
   if (bias_grad) grad_bias = sum_dy.to(param_dtype, /*non_blocking=*/false, /*copy=*/true);
   return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};

@@ -5,9 +5,9 @@
 // primitives, the fused steps.
 #include "syncbn.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <sstream>
