@@ -13,11 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define SYNCBN_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define SYNCBN_HOST_DEVICE inline
-#endif
+#include "host_device.h"
 
 namespace syncbn {
 
@@ -77,31 +73,32 @@ struct FusedAct {
   // value would cut the unrolled loops of the vectorized kernels into short serial pieces.
   template <int N>
   SYNCBN_HOST_DEVICE void forward_n(acc_t* z) const {
-    switch (static_cast<ActKind>(kind)) {
-      case ActKind::kRelu: return map_n<N, ActKind::kRelu, true>(z);
-      case ActKind::kLeakyRelu: return map_n<N, ActKind::kLeakyRelu, true>(z);
-      case ActKind::kSilu: return map_n<N, ActKind::kSilu, true>(z);
-      case ActKind::kHardswish: return map_n<N, ActKind::kHardswish, true>(z);
-      case ActKind::kGelu: return map_n<N, ActKind::kGelu, true>(z);
-      case ActKind::kRelu6: return map_n<N, ActKind::kRelu6, true>(z);
-      default: return;
-    }
+    apply_n<N, true>(z);
   }
   template <int N>
   SYNCBN_HOST_DEVICE void grad_n(acc_t* z) const {
-    switch (static_cast<ActKind>(kind)) {
-      case ActKind::kRelu: return map_n<N, ActKind::kRelu, false>(z);
-      case ActKind::kLeakyRelu: return map_n<N, ActKind::kLeakyRelu, false>(z);
-      case ActKind::kSilu: return map_n<N, ActKind::kSilu, false>(z);
-      case ActKind::kHardswish: return map_n<N, ActKind::kHardswish, false>(z);
-      case ActKind::kGelu: return map_n<N, ActKind::kGelu, false>(z);
-      case ActKind::kRelu6: return map_n<N, ActKind::kRelu6, false>(z);
-      default:
-        for (int i = 0; i < N; ++i) z[i] = acc_t(1);
-    }
+    apply_n<N, false>(z);
   }
 
  private:
+  // The one switch over the kinds that the vectorized kernels take: forward (kForward) or grad of
+  // N values.
+  template <int N, bool kForward>
+  SYNCBN_HOST_DEVICE void apply_n(acc_t* z) const {
+    switch (static_cast<ActKind>(kind)) {
+      case ActKind::kRelu: return map_n<N, ActKind::kRelu, kForward>(z);
+      case ActKind::kLeakyRelu: return map_n<N, ActKind::kLeakyRelu, kForward>(z);
+      case ActKind::kSilu: return map_n<N, ActKind::kSilu, kForward>(z);
+      case ActKind::kHardswish: return map_n<N, ActKind::kHardswish, kForward>(z);
+      case ActKind::kGelu: return map_n<N, ActKind::kGelu, kForward>(z);
+      case ActKind::kRelu6: return map_n<N, ActKind::kRelu6, kForward>(z);
+      default:  // the identity: z itself, or a derivative of 1
+        if constexpr (!kForward) {
+          for (int i = 0; i < N; ++i) z[i] = acc_t(1);
+        }
+    }
+  }
+
   template <int N, ActKind K, bool kForward>
   SYNCBN_HOST_DEVICE void map_n(acc_t* z) const {
 #ifdef __CUDACC__

@@ -1,8 +1,11 @@
-// Host-side helpers shared by the CPU and CUDA entry points: layout handling and argument checks.
-// Compiled by the host compiler only; the .cu file calls these through syncbn.h.
+// Host-side helpers shared by the CPU and CUDA entry points: layout handling, argument checks and
+// the kernels' operands. Compiled by the host compiler only; the .cu files call these through
+// syncbn.h.
 #include "syncbn.h"
 
-#include <ATen/ATen.h>
+// ATen's per-operator headers rather than ATen/ATen.h (every operator): a faster first build.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 
@@ -129,6 +132,37 @@ void check_backward_args(
   check_channel_vector(invstd, "invstd", input, true);
 }
 
+void check_backward_elemt_args(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu,
+    const at::Tensor& count, c10::DeviceType device) {
+  check_backward_args(grad_out, input, mean, invstd, device);
+  check_channel_vector(sum_dy, "sum_dy", input, true);
+  check_channel_vector(sum_dy_xmu, "sum_dy_xmu", input, true);
+  check_count(count, input);
+}
+
+MergeStatsArgs merge_stats_args(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s) {
+  const int64_t W = counts.size(0), C = means.size(1);
+  const auto opts = means.options();
+  return {
+      W, C, counts.contiguous(), means.contiguous(), m2s.contiguous(), at::empty({C}, opts),
+      at::empty({C}, opts), at::empty({C}, opts)};
+}
+
+ElemtOperands elemt_operands(
+    const at::Tensor& input_, const at::Tensor& grad_out, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias) {
+  const at::Tensor input = dense_input(input_);
+  // Braced initializers run in order: the weight is checked before the bias.
+  return {
+      input, grad_out.defined() ? with_strides_of(grad_out, input) : at::Tensor(),
+      mean.contiguous(), invstd.contiguous(), optional_acc(weight, "weight", input),
+      optional_acc(bias, "bias", input), at::empty_like(input)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
     const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const at::Tensor& input, bool weight_grad,
@@ -137,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
   if (has_weight) check_channel_vector(*weight, "weight", input, false);
   const auto param_dtype = has_weight ? weight->scalar_type() : sum_dy.scalar_type();
   at::Tensor grad_weight, grad_bias;
-  if (weight_grad) grad_weight = (sum_dy_xmu * invstd).to(param_dtype);
+  if (weight_grad) grad_weight = sum_dy_xmu.mul(invstd).to(param_dtype);
   // A copy even in the same dtype: the fused grad_sums returns it beside the buffer sum_dy lives in.
   if (bias_grad) grad_bias = sum_dy.to(param_dtype, /*non_blocking=*/false, /*copy=*/true);
   return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};

@@ -1,8 +1,9 @@
 // Declarations of the synchronized-BatchNorm primitives.
 //
 // Declarations only: the .cpp files include this without nvcc, and a build without CUDA compiles
-// only the CPU sources. Every primitive has a `_cpu` twin and (when built with CUDA) a `_cuda` twin
-// with an identical signature; `bindings.cpp` dispatches on the input's device.
+// only the CPU sources. Every primitive and fused step has a `_cpu` twin and (when built with CUDA)
+// a `_cuda` twin with one signature, declared once below as a function type; `bindings.cpp` (the
+// primitives) and `ops.cpp` (the fused steps) dispatch on the input's device.
 //
 // Conventions shared by all primitives:
 //   * input is (N, C, *) with N >= 0 and C >= 1, in channels-first (contiguous) or channels-last
@@ -25,7 +26,7 @@ namespace syncbn {
 // Per-channel Welford statistics of the local batch.
 // Returns (mean[C], m2[C]) with m2 = sum over the channel of (x - mean)^2. A channel with no
 // elements (N == 0 or an empty spatial size) gets mean = 0 and m2 = 0.
-std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input);
+using LocalStatsFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor& input);
 
 // Count-weighted (Chan et al.) merge of per-rank statistics.
 // counts[W], means[W, C], m2s[W, C] (acc dtype). With n = sum(counts):
@@ -35,12 +36,12 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input);
 //   var    = m2 / (n - 1) if unbiased else m2 / n   (the running-variance update)
 // Ranks with counts[w] == 0 contribute nothing. Denominators are clamped to >= 1, so an
 // all-empty group yields mean 0, var 0, invstd 1/sqrt(eps) instead of NaN.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
+using MergeStatsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
     bool unbiased);
 
 // y = (x - mean[c]) * invstd[c] * weight[c] + bias[c]  (weight/bias optional: 1 and 0).
-at::Tensor normalize_cpu(
+using NormalizeFn = at::Tensor(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias);
 
@@ -50,7 +51,7 @@ at::Tensor normalize_cpu(
 //   grad_weight[c] = sum_dy_xmu[c] * invstd[c]   (if weight_grad, in the weight's dtype)
 //   grad_bias[c]   = sum_dy[c]                   (if bias_grad, in the weight's dtype)
 // sum_dy and sum_dy_xmu are always returned (acc dtype); skipped grads are undefined tensors.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
+using BackwardReduceFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, bool weight_grad,
     bool bias_grad);
@@ -58,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
 // Input gradient from the group-wide sums (sum_dy, sum_dy_xmu all-reduced over the group) and the
 // group-wide element count per channel `count` (one element, acc dtype):
 //   dx = (dy - sum_dy/count - (x - mean) * invstd^2 * sum_dy_xmu/count) * invstd * weight
-at::Tensor backward_elemt_cpu(
+using BackwardElemtFn = at::Tensor(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
     const at::Tensor& sum_dy_xmu, const at::Tensor& count);
@@ -76,7 +77,7 @@ at::Tensor backward_elemt_cpu(
 // The rank's row: local Welford statistics plus the header. `calls` (int64, one element, on the
 // input's device) is the layer's call counter: its value is written as the call tag (mod 2^24) and
 // it is incremented in place.
-at::Tensor stats_row_cpu(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls);
+using StatsRowFn = at::Tensor(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls);
 
 // Merge the W gathered rows, update the running statistics, normalize.
 //   * call order: every row must carry row 0's tags. CPU: a mismatch throws an error starting
@@ -91,7 +92,7 @@ at::Tensor stats_row_cpu(const at::Tensor& input, int64_t layer_tag, const at::T
 //     none), computed in the acc dtype before the single rounding to the input's dtype.
 // Returns (output, mean, invstd, var, info) with info = [count, samples, order_ok, finite] (acc
 // dtype, group-wide count and samples).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cpu(
+using MergeNormalizeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
     const c10::optional<at::Tensor>& running_var,
@@ -105,17 +106,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
 // With an activation (`act` != 0) the layer's output was act(z), z = (x - mean) * invstd * weight
 // + bias: z is recomputed from `input` (so `bias` is needed) and dy * act'(z) stands for dy in
 // every sum, here and in grad_input.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
+using GradSumsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 
 // Input gradient from R >= 1 rows of sums ([R * 2C]: all-reduced, R = 1, or gathered, summed here
 // in row order) and the group count info[0] (read on the device).
-at::Tensor grad_input_cpu(
+using GradInputFn = at::Tensor(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
+
+// The twins, declared with the function types above (`LocalStatsFn local_stats_cpu;` declares the
+// function local_stats_cpu of that type): the CPU kernels always, the CUDA ones with CUDA.
+LocalStatsFn local_stats_cpu;
+MergeStatsFn merge_stats_cpu;
+NormalizeFn normalize_cpu;
+BackwardReduceFn backward_reduce_cpu;
+BackwardElemtFn backward_elemt_cpu;
+StatsRowFn stats_row_cpu;
+MergeNormalizeFn merge_normalize_cpu;
+GradSumsFn grad_sums_cpu;
+GradInputFn grad_input_cpu;
+#ifdef WITH_CUDA
+LocalStatsFn local_stats_cuda;
+MergeStatsFn merge_stats_cuda;
+NormalizeFn normalize_cuda;
+BackwardReduceFn backward_reduce_cuda;
+BackwardElemtFn backward_elemt_cuda;
+StatsRowFn stats_row_cuda;
+MergeNormalizeFn merge_normalize_cuda;
+GradSumsFn grad_sums_cuda;
+GradInputFn grad_input_cuda;
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp, no nvcc).
@@ -162,6 +186,31 @@ void check_normalize_args(
 void check_backward_args(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, c10::DeviceType device);
+// check_backward_args plus the group sums (acc dtype, one value per channel) and the one-element
+// count: backward_elemt's arguments.
+void check_backward_elemt_args(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu,
+    const at::Tensor& count, c10::DeviceType device);
+// merge_stats' operands made contiguous and its [C] outputs, allocated like `means`.
+struct MergeStatsArgs {
+  int64_t W, C;
+  at::Tensor counts, means, m2s;
+  at::Tensor mean, invstd, var;
+};
+MergeStatsArgs merge_stats_args(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s);
+// The operands of an elementwise kernel (normalize, backward_elemt) as the kernels read them:
+// the input dense (dense_input), `grad_out` (if defined) with the input's strides, mean and invstd
+// contiguous, weight and bias (if given) in the acc dtype, and the output allocated with the
+// input's strides.
+struct ElemtOperands {
+  at::Tensor input, grad_out, mean, invstd, weight, bias, output;
+};
+ElemtOperands elemt_operands(
+    const at::Tensor& input, const at::Tensor& grad_out, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias);
 // backward_reduce's result from the reduced sums: grad_weight = sum_dy_xmu * invstd and grad_bias
 // = sum_dy in the weight's dtype (the acc dtype without weight), each only when requested.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
@@ -237,17 +286,20 @@ struct Channels {
 };
 // The CPU kernels writing into given [C] outputs (dense input, acc-dtype outputs).
 void local_stats_into_cpu(const at::Tensor& input, Channels mean, Channels m2);
+void merge_stats_into_cpu(const MergeStatsArgs& args, double eps, bool unbiased);
 void merge_rows_cpu(
     const at::Tensor& rows, int64_t W, int64_t C, double eps, bool unbiased, at::Tensor& mean,
     at::Tensor& invstd, at::Tensor& var);
 void backward_sums_into_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
     Channels sum_dy_xmu, const ActAffine& act = {});
-// normalize_cpu after its checks, with the activation applied before the rounding.
-at::Tensor normalize_checked_cpu(
+// normalize after its checks, with the activation applied before the rounding (the fused
+// forward's output): normalize_act_cpu, and normalize_act_cuda with CUDA.
+using NormalizeActFn = at::Tensor(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     const Activation& act);
+NormalizeActFn normalize_act_cpu;
 // backward_elemt_cpu after its checks, with the group sums as channel slices and the group count
 // as a number (dy * act'(z) in place of dy for an activation).
 at::Tensor backward_elemt_checked_cpu(
@@ -259,54 +311,21 @@ at::Tensor backward_elemt_checked_cpu(
 
 #ifdef WITH_CUDA
 namespace detail {
-// The CUDA reductions writing into given [C] outputs (dense, non-empty input; acc-dtype outputs).
+// The CUDA reductions writing into given [C] outputs (dense, non-empty input; acc-dtype outputs),
+// and merge_stats' merge (any C).
 void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2);
+void merge_stats_into_cuda(const MergeStatsArgs& args, double eps, bool unbiased);
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act = {});
-// normalize_cuda with an activation (the fused forward's output).
-at::Tensor normalize_act_cuda(
-    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const Activation& act);
+// normalize_act_cpu's twin.
+NormalizeActFn normalize_act_cuda;
 // backward_elemt_cuda with an activation (dy * act'(z) in place of dy).
 at::Tensor backward_elemt_act_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
     const at::Tensor& sum_dy_xmu, const at::Tensor& count, const ActAffine& act);
 }  // namespace detail
-
-std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cuda(
-    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
-    bool unbiased);
-at::Tensor normalize_cuda(
-    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, bool weight_grad,
-    bool bias_grad);
-at::Tensor backward_elemt_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
-    const at::Tensor& sum_dy_xmu, const at::Tensor& count);
-at::Tensor stats_row_cuda(const at::Tensor& input, int64_t layer_tag, const at::Tensor& calls);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cuda(
-    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
-at::Tensor grad_input_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param);
 #endif
 
 }  // namespace syncbn

@@ -1,4 +1,4 @@
-"""The fused steps' CUDA kernels (``csrc/fused_cuda.cu``) under SIMT emulation, against the CPU
+"""The fused steps' CUDA kernels (``csrc/entry_cuda.cu``) under SIMT emulation, against the CPU
 operators: header and merge-update kernels, the reductions writing into the gathered rows,
 running-statistic updates (momentum, cumulative, half-precision buffers, non-finite skips) and the
 device-side call-order flag. Every output is poisoned first, so an element no thread writes fails.

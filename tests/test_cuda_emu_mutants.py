@@ -1,7 +1,8 @@
-"""The emulation tests can fail: seeded bugs in ``csrc/syncbn_cuda.cu`` make them fail.
+"""The emulation tests can fail: seeded bugs in the CUDA kernels of ``csrc/`` make them fail.
 
-Each mutant is a copy of ``csrc/`` with one bug, built by the emulation in a fresh interpreter
-(``SYNCBN_EMU_CSRC``) and run against a few cases of ``tests/test_cuda_emu.py``, which must fail.
+Each mutant is a copy of ``csrc/`` with one bug (in the file that holds the code), built by the
+emulation in a fresh interpreter (``SYNCBN_EMU_CSRC``) and run against a few cases of
+``tests/test_cuda_emu.py``, which must fail.
 A build costs about a minute, so these run with ``SYNCBN_EMU_FULL=1`` only.
 """
 
@@ -34,6 +35,7 @@ MATRIX = [
     for order in ("forward", "reverse")
 ]
 BAND = ["test_cuda_emu.py::test_elementwise_kernels_in_the_32_bit_overflow_band"]
+WRONG_RESULT = "FAILED test_cuda_emu.py::test_emulated_kernels"
 
 
 def _no_barriers(text: str) -> str:
@@ -58,21 +60,24 @@ def _index_bound_of_numel_alone(text: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("mutate", "cases", "failure"),
+    ("source", "mutate", "cases", "failure"),
     [
-        (_no_barriers, MATRIX, "FAILED test_cuda_emu.py::test_emulated_kernels"),
-        (_broken_chan_merge, MATRIX, "FAILED test_cuda_emu.py::test_emulated_kernels"),
-        (_index_bound_of_numel_alone, BAND, "was killed by SIGSEGV"),
+        # The barriers of the reductions' block and partial folds.
+        ("cuda_reduce.cuh", _no_barriers, MATRIX, WRONG_RESULT),
+        # Chan's merge of two Welford states (WelfordOp).
+        ("stats_cuda.cu", _broken_chan_merge, MATRIX, WRONG_RESULT),
+        # The elementwise launcher's choice of 32-bit indices.
+        ("cuda_elemt.cuh", _index_bound_of_numel_alone, BAND, "was killed by SIGSEGV"),
     ],
     ids=["no_barriers", "broken_chan_merge", "index_bound_of_numel_alone"],
 )
 def test_a_seeded_kernel_bug_fails_the_emulation_tests(
-    mutate, cases: list[str], failure: str, tmp_path: Path
+    source: str, mutate, cases: list[str], failure: str, tmp_path: Path
 ) -> None:
     csrc = tmp_path / "csrc"
     shutil.copytree(ops_build.csrc_dir(), csrc)
-    cu = csrc / "syncbn_cuda.cu"
-    cu.write_text(mutate(cu.read_text()))
+    mutated = csrc / source
+    mutated.write_text(mutate(mutated.read_text()))
     env = {**os.environ, "SYNCBN_EMU_CSRC": str(csrc), "SYNCBN_EMU_FULL": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases],

@@ -163,7 +163,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_elemt", &backward_elemt, py::arg("grad_out"), py::arg("input"),
         py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("sum_dy"),
         py::arg("sum_dy_xmu"), py::arg("count"));
-  // The fused steps (csrc/fused_cuda.cu), same arguments as the syncbn:: operators.
+  // The fused steps (csrc/entry_cuda.cu), same arguments as the syncbn:: operators.
   m.def("stats_row", &stats_row, py::arg("input"), py::arg("layer_tag"), py::arg("calls"));
   m.def("merge_normalize", &merge_normalize, py::arg("input"), py::arg("rows"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),

@@ -3,7 +3,9 @@
 Nothing here copies a kernel: at build time every ``csrc/*.cu`` is rewritten line for line into a
 C++ file in the build directory (``#line`` keeps compiler errors and emulator diagnostics on the
 original file and line) and compiled with the stand-in headers of ``tests/cuda_emu/include``
-(``cuda_runtime.h``, ``c10/cuda/*``, ``simt.h``), which ``-I`` puts before torch's own. The rewrite
+(``cuda_runtime.h``, ``c10/cuda/*``, ``simt.h``), which ``-I`` puts before torch's own. The CUDA
+headers ``csrc/*.cuh`` (kernel templates the ``.cu`` files instantiate) are rewritten the same way
+beside them, under their own names, so the ``.cu`` files include the rewritten copies. The rewrite
 changes three things and fails loudly on anything it does not understand:
 
 * launch sites ``k<<<grid, block, smem, stream>>>(args)`` become
@@ -15,8 +17,8 @@ changes three things and fails loudly on anything it does not understand:
   the entry points' device checks accept the CPU tensors the emulated kernels run on.
 
 The build is cached like the main extension: ``$SYNCBN_CACHE_DIR/emu-<key>``, the key hashing the
-``.cu`` sources, the emulator's sources, the flags and the torch/Python versions, under the same
-inter-process lock. ``SYNCBN_EMU_ASAN=1`` builds with AddressSanitizer (see the README).
+``.cu`` sources and headers, the emulator's sources, the flags and the torch/Python versions, under
+the same inter-process lock. ``SYNCBN_EMU_ASAN=1`` builds with AddressSanitizer (see the README).
 """
 
 from __future__ import annotations
@@ -179,6 +181,10 @@ def _cu_sources() -> list[Path]:
     return [*sorted(_csrc().glob("*.cu")), EMU_DIR / "selftest.cu"]
 
 
+def _cu_headers() -> list[Path]:
+    return sorted(_csrc().glob("*.cuh"))
+
+
 def _asan() -> bool:
     return os.environ.get(ASAN_ENV, "") == "1"
 
@@ -190,10 +196,10 @@ _module: ModuleType | None = None
 def load_emulator() -> ModuleType:
     """Build (first time) and import the emulation extension; cached per process and on disk.
 
-    The module exposes the five primitives of ``csrc/syncbn_cuda.cu`` on CPU tensors
-    (``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce``, ``backward_elemt``),
-    ``set_schedule``, ``take_diagnostics``, ``take_launches``, ``take_stats`` and the emulator's
-    self-test kernels (``selftest``).
+    The module exposes the CUDA entry points of ``csrc/entry_cuda.cu`` on CPU tensors (the five
+    primitives ``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce``,
+    ``backward_elemt`` and the four fused steps), ``set_schedule``, ``take_diagnostics``,
+    ``take_launches``, ``take_stats`` and the emulator's self-test kernels (``selftest``).
     """
     global _module
     with _lock:
@@ -225,17 +231,20 @@ def _build() -> ModuleType:
     generated = directory / "generated"
     generated.mkdir(mode=0o700, parents=True, exist_ok=True)
     sources = []
-    for source in cu_sources:
-        target = generated / f"{source.stem}.emu.cpp"
+    for source in [*cu_sources, *_cu_headers()]:
+        is_header = source.suffix == ".cuh"
+        target = generated / (source.name if is_header else f"{source.stem}.emu.cpp")
         text = rewrite_cuda_source(source.read_text(), str(source))
         if not target.is_file() or target.read_text() != text:
             target.write_text(text)
-        sources.append(str(target))
+        if not is_header:
+            sources.append(str(target))
     return ops_build.build_locked(
         f"syncbn_emu_{key}",
         directory,
         sources=sources + [str(p) for p in fixed_sources],
-        include_paths=[str(INCLUDE_DIR), str(csrc)],
+        # The rewritten .cuh files before csrc/, which holds the originals.
+        include_paths=[str(INCLUDE_DIR), str(generated), str(csrc)],
         cflags=cflags,
         ldflags=ldflags,
     )

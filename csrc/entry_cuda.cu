@@ -1,8 +1,11 @@
-// CUDA twins of the fused steps (see syncbn.h): the row header and the merge + running-stat update
-// kernels, around the reductions and elementwise kernels of syncbn_cuda.cu. Per layer call:
+// Entry points of the CUDA twins (see syncbn.h): the five primitives and the four fused steps, with
+// the fused steps' own kernels (the row header, the merge + running-stat update), around the
+// kernels of stats_cuda.cu, normalize_cuda.cu and backward_cuda.cu. Per layer call:
 // forward = header + reduction (+ fold) | collective | merge-update + normalize; backward =
 // reduction (+ fold) | collective | elementwise. Nothing reads device memory on the host, so a
 // layer call can be captured in a CUDA graph; the call-order flag stays on the device (info[2]).
+//
+// Layout of this file: the fused steps' kernels, the primitives, the fused steps.
 #include "syncbn.h"
 
 #include <ATen/ATen.h>
@@ -13,7 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include "merge.cuh"
+#include "merge.h"
 
 #include <cstdint>
 
@@ -113,6 +116,76 @@ T* mutable_or_null(const c10::optional<at::Tensor>& t) {
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// The primitives
+// ------------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> local_stats_cuda(const at::Tensor& input_) {
+  check_input(input_, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const Geometry g = geometry_of(input);
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
+  if (g.N * g.S == 0) return {at::zeros({g.C}, opts), at::zeros({g.C}, opts)};
+  at::Tensor mean = at::empty({g.C}, opts);
+  at::Tensor m2 = at::empty({g.C}, opts);
+  local_stats_into_cuda(input, mean, m2);
+  return {mean, m2};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cuda(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
+    bool unbiased) {
+  check_merge_inputs(counts, means, m2s, eps, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(means.device());
+  const MergeStatsArgs args = merge_stats_args(counts, means, m2s);
+  merge_stats_into_cuda(args, eps, unbiased);
+  return {args.mean, args.invstd, args.var};
+}
+
+at::Tensor normalize_cuda(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CUDA);
+  return normalize_act_cuda(input, mean, invstd, weight, bias, Activation{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
+    bool bias_grad) {
+  check_backward_args(grad_out_, input_, mean_, invstd_, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  const Geometry g = geometry_of(input);
+  at::Tensor sum_dy, sum_dy_xmu;
+  if (input.numel() == 0) {
+    sum_dy = at::zeros({g.C}, mean.options());
+    sum_dy_xmu = at::zeros({g.C}, mean.options());
+  } else {
+    sum_dy = at::empty({g.C}, mean.options());
+    sum_dy_xmu = at::empty({g.C}, mean.options());
+    backward_sums_into_cuda(grad_out, input, mean, sum_dy, sum_dy_xmu);
+  }
+  return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
+}
+
+at::Tensor backward_elemt_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+    const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
+  check_backward_elemt_args(
+      grad_out, input, mean, invstd, sum_dy, sum_dy_xmu, count, c10::DeviceType::CUDA);
+  return backward_elemt_act_cuda(
+      grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count, ActAffine{});
+}
+
+// ------------------------------------------------------------------------------------------------
+// The fused steps
+// ------------------------------------------------------------------------------------------------
 
 at::Tensor stats_row_cuda(const at::Tensor& input_, int64_t layer_tag, const at::Tensor& calls) {
   check_input(input_, c10::DeviceType::CUDA);

@@ -1,10 +1,13 @@
-// CPU twins of the fused steps (see syncbn.h): one call per step of a synchronized layer, writing
-// straight into the buffers the collectives use. The kernels themselves are in syncbn_cpu.cpp.
+// Entry points of the CPU twins (see syncbn.h): the five primitives and the four fused steps, one
+// call per step of a synchronized layer, writing straight into the buffers the collectives use.
+// Argument checks, layouts and outputs are here; the kernels are in stats_cpu.cpp,
+// normalize_cpu.cpp and backward_cpu.cpp. Layout of this file: helpers of the fused steps, the
+// primitives, the fused steps.
 #include "syncbn.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <sstream>
@@ -115,6 +118,65 @@ std::tuple<at::Tensor, at::Tensor> param_grads(
 
 }  // namespace
 
+// ------------------------------------------------------------------------------------------------
+// The primitives
+// ------------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
+  check_input(input_, c10::DeviceType::CPU);
+  const at::Tensor input = dense_input(input_);
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
+  at::Tensor mean = at::empty({input.size(1)}, opts);
+  at::Tensor m2 = at::empty({input.size(1)}, opts);
+  local_stats_into_cpu(input, {mean}, {m2});
+  return {mean, m2};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> merge_stats_cpu(
+    const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
+    bool unbiased) {
+  check_merge_inputs(counts, means, m2s, eps, c10::DeviceType::CPU);
+  const MergeStatsArgs args = merge_stats_args(counts, means, m2s);
+  merge_stats_into_cpu(args, eps, unbiased);
+  return {args.mean, args.invstd, args.var};
+}
+
+at::Tensor normalize_cpu(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CPU);
+  return normalize_act_cpu(input, mean, invstd, weight, bias, Activation{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
+    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, bool weight_grad,
+    bool bias_grad) {
+  check_backward_args(grad_out_, input_, mean_, invstd_, c10::DeviceType::CPU);
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad_out = with_strides_of(grad_out_, input);
+  const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
+  at::Tensor sum_dy = at::empty({input.size(1)}, mean.options());
+  at::Tensor sum_dy_xmu = at::empty({input.size(1)}, mean.options());
+  backward_sums_into_cpu(grad_out, input, mean, {sum_dy}, {sum_dy_xmu});
+  return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
+}
+
+at::Tensor backward_elemt_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+    const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
+  check_backward_elemt_args(
+      grad_out, input, mean, invstd, sum_dy, sum_dy_xmu, count, c10::DeviceType::CPU);
+  return backward_elemt_checked_cpu(
+      grad_out, input, mean, invstd, weight, {sum_dy.contiguous()}, {sum_dy_xmu.contiguous()},
+      count.item<double>());
+}
+
+// ------------------------------------------------------------------------------------------------
+// The fused steps
+// ------------------------------------------------------------------------------------------------
+
 at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::Tensor& calls) {
   check_input(input_, c10::DeviceType::CPU);
   check_calls(calls, input_);
@@ -174,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_nor
     out[2] = scalar_t(1);
     out[3] = finite ? scalar_t(1) : scalar_t(0);
   });
-  at::Tensor output = normalize_checked_cpu(input, mean, invstd, weight, bias, activation);
+  at::Tensor output = normalize_act_cpu(input, mean, invstd, weight, bias, activation);
   return {output, mean, invstd, var, info};
 }
 

@@ -1,0 +1,81 @@
+// CUDA kernel of normalize (see syncbn.h): y = act((x - mean) * invstd * weight + bias), computed
+// in the acc dtype and rounded once to the input's dtype, through the elementwise kernels of
+// cuda_elemt.cuh. Layout of this file: the kernels' Op, dispatch.
+#include "cuda_elemt.cuh"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <type_traits>
+
+namespace syncbn {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers
+// ------------------------------------------------------------------------------------------------
+
+// y = act((x - mean) * invstd * weight + bias).
+template <typename acc_t, typename Act = IdentityAct>
+struct NormalizeOp {
+  static constexpr int kInputs = 1;
+  struct Coeff {
+    acc_t mean, scale, shift;
+  };
+  const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ invstd;
+  const acc_t* __restrict__ weight;  // may be null
+  const acc_t* __restrict__ bias;    // may be null
+  Act act = {};
+
+  __device__ __forceinline__ void begin() {}
+  __device__ __forceinline__ Coeff coeff(int64_t c) const {
+    return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
+  }
+  // out[e] = op of element e of every input (in[t][e]), with the coefficients coeff_of(e).
+  template <int VEC, typename CoeffOf>
+  __device__ __forceinline__ void apply_vec(
+      CoeffOf coeff_of, const acc_t (*in)[VEC], acc_t* out) const {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const Coeff k = coeff_of(e);
+      out[e] = (in[0][e] - k.mean) * k.scale + k.shift;
+    }
+    act.template forward_n<VEC>(out);
+  }
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// Dispatch: dtype, activation
+// ------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+at::Tensor normalize_act_cuda(
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const Activation& act) {
+  const c10::cuda::CUDAGuard guard(input_.device());
+  const ElemtOperands o = elemt_operands(input_, at::Tensor(), mean_, invstd_, weight, bias);
+  if (o.input.numel() == 0) return o.output;
+  const Geometry g = geometry_of(o.input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "normalize_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const ElemtPointers<scalar_t, 1> ptr{
+        {o.input.const_data_ptr<scalar_t>()}, o.output.mutable_data_ptr<scalar_t>()};
+    with_activation<acc_t>(act, [&](const auto& a) {
+      using Op = NormalizeOp<acc_t, std::decay_t<decltype(a)>>;
+      const Op op{
+          o.mean.const_data_ptr<acc_t>(), o.invstd.const_data_ptr<acc_t>(),
+          data_or_null<acc_t>(o.weight), data_or_null<acc_t>(o.bias), a};
+      launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, o.input);
+    });
+  });
+  return o.output;
+}
+
+}  // namespace detail
+}  // namespace syncbn
