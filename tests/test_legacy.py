@@ -51,7 +51,8 @@ def test_a_whole_model_pickled_at_the_old_paths_loads_and_computes_the_same() ->
         assert not {"momentum", "eps", "force_sync", "impl"} & set(vars(layer))
     assert bn.sync_name == "1"
     model.eval()
-    torch.testing.assert_close(model(saved["input"]), saved["eval_output"], rtol=0, atol=0)
+    # Not bitwise: the convolutions may take another CPU kernel on another machine or thread count.
+    torch.testing.assert_close(model(saved["input"]), saved["eval_output"], rtol=1e-6, atol=1e-6)
     model.train()
     torch.testing.assert_close(model(saved["input"]), saved["train_output"], rtol=1e-6, atol=1e-6)
 
