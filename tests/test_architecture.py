@@ -40,8 +40,7 @@ def _library_graph() -> dict[str, set[str]]:
     graph = grimp.build_graph("syncbn_lightning", cache_dir=None)
     library = {m for m in graph.modules if not m.startswith("syncbn_lightning.app")}
     return {
-        m: {d for d in graph.find_modules_directly_imported_by(m) if d in library}
-        for m in library
+        m: {d for d in graph.find_modules_directly_imported_by(m) if d in library} for m in library
     }
 
 

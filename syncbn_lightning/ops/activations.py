@@ -112,17 +112,36 @@ def _relu6_grad(z: torch.Tensor, _p: float) -> torch.Tensor:
 #: The registry, by code (``ACTIVATIONS[code].code == code``).
 ACTIVATIONS: tuple[Activation, ...] = (
     Activation("identity", 0, nn.Identity, lambda z, p: z, _ones, "z"),
-    Activation("relu", 1, nn.ReLU, lambda z, p: torch.relu(z), lambda z, p: _step(z, 0.0),
-               "max(z, 0)"),
-    Activation("leaky_relu", 2, nn.LeakyReLU, lambda z, p: torch.where(z > 0, z, z * p), _step,
-               "z if z > 0 else slope * z (slope: the module's negative_slope, 0.01 by name)",
-               param=lambda m: float(m.negative_slope)),  # type: ignore[arg-type]
-    Activation("silu", 3, nn.SiLU, lambda z, p: z * torch.sigmoid(z), _silu_grad,
-               "z * sigmoid(z)"),
-    Activation("hardswish", 4, nn.Hardswish, lambda z, p: z * (z + 3).clamp(0, 6) / 6,
-               _hardswish_grad, "z * clamp(z + 3, 0, 6) / 6"),
-    Activation("gelu", 5, nn.GELU, _gelu, _gelu_grad, "z * Phi(z), the exact (erf) form",
-               param=lambda m: 0.0 if m.approximate == "none" else None),
+    Activation(
+        "relu", 1, nn.ReLU, lambda z, p: torch.relu(z), lambda z, p: _step(z, 0.0), "max(z, 0)"
+    ),
+    Activation(
+        "leaky_relu",
+        2,
+        nn.LeakyReLU,
+        lambda z, p: torch.where(z > 0, z, z * p),
+        _step,
+        "z if z > 0 else slope * z (slope: the module's negative_slope, 0.01 by name)",
+        param=lambda m: float(m.negative_slope),
+    ),  # type: ignore[arg-type]
+    Activation("silu", 3, nn.SiLU, lambda z, p: z * torch.sigmoid(z), _silu_grad, "z * sigmoid(z)"),
+    Activation(
+        "hardswish",
+        4,
+        nn.Hardswish,
+        lambda z, p: z * (z + 3).clamp(0, 6) / 6,
+        _hardswish_grad,
+        "z * clamp(z + 3, 0, 6) / 6",
+    ),
+    Activation(
+        "gelu",
+        5,
+        nn.GELU,
+        _gelu,
+        _gelu_grad,
+        "z * Phi(z), the exact (erf) form",
+        param=lambda m: 0.0 if m.approximate == "none" else None,
+    ),
     Activation("relu6", 6, nn.ReLU6, lambda z, p: z.clamp(0, 6), _relu6_grad, "clamp(z, 0, 6)"),
 )
 _BY_NAME = {a.name: a for a in ACTIVATIONS}
@@ -228,7 +247,6 @@ def markdown_table() -> str:
         "|---|---|---|---:|",
     ]
     lines += [
-        f"| `\"{a.name}\"` | `nn.{a.module.__name__}` | {a.formula} | {a.code} |"
-        for a in ACTIVATIONS
+        f'| `"{a.name}"` | `nn.{a.module.__name__}` | {a.formula} | {a.code} |' for a in ACTIVATIONS
     ]
     return "\n".join(lines)

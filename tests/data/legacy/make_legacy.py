@@ -27,7 +27,10 @@ def _model() -> nn.Module:
 
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
     )
     net = convert_sync_batchnorm(net, force_sync=True, momentum=0.2)
     net.add_module("act", SyncBatchNormAct(4, act="silu", force_sync=True))
@@ -47,8 +50,10 @@ def make_model() -> None:
     net.eval()
     eval_out = net(x).detach()
     net.train()
-    torch.save({"model": net, "input": x, "train_output": train_out, "eval_output": eval_out},
-               HERE / "model.pt")
+    torch.save(
+        {"model": net, "input": x, "train_output": train_out, "eval_output": eval_out},
+        HERE / "model.pt",
+    )
 
 
 def make_checkpoint() -> None:
@@ -58,8 +63,12 @@ def make_checkpoint() -> None:
     from syncbn_lightning import SyncBNCallback
 
     ckpt = ModelCheckpoint(dirpath=str(HERE / "tmp_ckpt"), save_last=True)
-    trainer(2, [SyncBNCallback(group_size=1, log_every_n_steps=1), ckpt], max_steps=3,
-            enable_checkpointing=True).fit(BNNet(batch_size=[3, 2]))
+    trainer(
+        2,
+        [SyncBNCallback(group_size=1, log_every_n_steps=1), ckpt],
+        max_steps=3,
+        enable_checkpointing=True,
+    ).fit(BNNet(batch_size=[3, 2]))
     (HERE / "tmp_ckpt" / "last.ckpt").rename(HERE / "lightning.ckpt")
     for leftover in (HERE / "tmp_ckpt").iterdir():
         leftover.unlink()
