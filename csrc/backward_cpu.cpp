@@ -1,6 +1,7 @@
 // CPU kernels of the backward (see syncbn.h for the maths): the local reductions (sum_dy,
 // sum_dy_xmu) and the elementwise input gradient, each with an optional fused activation (dy *
-// act'(z) in place of dy). Layout of this file: helpers, kernels, dispatch.
+// act'(z) in place of dy) and the mean optionally split (xmu = (x - mean) - mean_lo). Layout of
+// this file: helpers, kernels, dispatch.
 #include "cpu_kernels.h"
 
 #include <ATen/Dispatch.h>
@@ -27,8 +28,17 @@ template <typename acc_t>
 Affine<acc_t> z_affine(const ActAffine& act, const acc_t* mean, int64_t C) {
   if (act.act.identity()) return {};
   return normalize_coefficients<acc_t>(
-      mean, act.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.weight),
+      mean, nullptr, act.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.weight),
       data_or_null<acc_t>(act.bias), C);
+}
+
+// The low parts of a split mean (zeros when the mean is not split: subtracting 0 changes no
+// value).
+template <typename acc_t>
+std::vector<acc_t> mean_lo_of(const at::Tensor& mean_lo, int64_t C) {
+  std::vector<acc_t> lo(C, acc_t(0));
+  if (mean_lo.defined()) std::copy_n(mean_lo.const_data_ptr<acc_t>(), C, lo.begin());
+  return lo;
 }
 
 // The z coefficients of channel c (zeros without an activation: the vectors are empty then).
@@ -46,16 +56,16 @@ inline std::pair<acc_t, acc_t> z_coefficients(const Affine<acc_t>& z, int64_t c)
 // catastrophically for large means.
 template <typename acc_t>
 struct BackwardCoefficients {
-  std::vector<acc_t> mean, iw, mean_dy, k;
+  std::vector<acc_t> mean, mean_lo, iw, mean_dy, k;
 };
 
 template <typename acc_t>
 BackwardCoefficients<acc_t> backward_coefficients(
-    const acc_t* mean, const acc_t* invstd, const acc_t* weight, const acc_t* sum_dy,
-    const acc_t* sum_dy_xmu, double count, int64_t C) {
+    const acc_t* mean, std::vector<acc_t> mean_lo, const acc_t* invstd, const acc_t* weight,
+    const acc_t* sum_dy, const acc_t* sum_dy_xmu, double count, int64_t C) {
   BackwardCoefficients<acc_t> b{
-      std::vector<acc_t>(mean, mean + C), std::vector<acc_t>(C), std::vector<acc_t>(C),
-      std::vector<acc_t>(C)};
+      std::vector<acc_t>(mean, mean + C), std::move(mean_lo), std::vector<acc_t>(C),
+      std::vector<acc_t>(C), std::vector<acc_t>(C)};
   const double inv_n = 1.0 / std::max(count, 1.0);
   for (int64_t c = 0; c < C; ++c) {
     const double is = invstd[c];
@@ -90,8 +100,8 @@ void fold_sum_partials(
 // With an activation, `z` holds its per-channel coefficients (see act_input_grad).
 template <typename scalar_t, typename acc_t, typename Act>
 void backward_reduce_channels_first(
-    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
-    acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
+    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const acc_t* mean_lo,
+    const Geometry& g, acc_t* sum_dy, acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
   constexpr int L = kLanes<acc_t>;
   const int64_t P = row_splits(g);
   std::vector<double> part_dy(g.C * P), part_dyx(g.C * P);
@@ -99,7 +109,7 @@ void backward_reduce_channels_first(
     for (int64_t task = begin; task < end; ++task) {
       const int64_t c = task / P, p = task % P;
       const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
-      const acc_t m = mean[c];
+      const acc_t m = mean[c], lo = mean_lo[c];
       const auto [sc, sh] = z_coefficients<Act>(z, c);
       acc_t a_dy[L] = {}, a_dyx[L] = {};
       double t_dy = 0, t_dyx = 0;
@@ -123,7 +133,7 @@ void backward_reduce_channels_first(
               const scalar_t* __restrict v = q[1] + gi * L;
 #pragma GCC ivdep
               for (int l = 0; l < L; ++l) {
-                const acc_t xm = to_acc<acc_t>(v[l]) - m;
+                const acc_t xm = (to_acc<acc_t>(v[l]) - m) - lo;
                 const acc_t dv = act_input_grad(act, to_acc<acc_t>(d[l]), xm, sc, sh);
                 a_dy[l] += dv;
                 a_dyx[l] += dv * xm;
@@ -133,10 +143,10 @@ void backward_reduce_channels_first(
           },
           [&](const std::array<const scalar_t*, 2>& q, int count) {
             for (int i = 0; i < count; ++i) {
-              const acc_t xm = to_acc<acc_t>(q[1][i]) - m;
+              const acc_t xm = (to_acc<acc_t>(q[1][i]) - m) - lo;
               const double dv = act_input_grad(act, static_cast<double>(q[0][i]), double(xm), double(sc), double(sh));
               t_dy += dv;
-              t_dyx += dv * (static_cast<double>(q[1][i]) - m);
+              t_dyx += dv * ((static_cast<double>(q[1][i]) - m) - lo);
             }
           });
       flush();
@@ -149,8 +159,8 @@ void backward_reduce_channels_first(
 
 template <typename scalar_t, typename acc_t, typename Act>
 void backward_reduce_channels_last(
-    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const Geometry& g, acc_t* sum_dy,
-    acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
+    const scalar_t* dy, const scalar_t* x, const acc_t* mean, const acc_t* mean_lo,
+    const Geometry& g, acc_t* sum_dy, acc_t* sum_dy_xmu, const Affine<acc_t>& z, const Act& act) {
   const int64_t rows = g.N * g.S, C = g.C;
   const int64_t chunks = row_chunks(rows);
   std::vector<double> part_dy(chunks * C, 0.0), part_dyx(chunks * C, 0.0);
@@ -171,7 +181,7 @@ void backward_reduce_channels_last(
           const scalar_t* __restrict v = x + r * C;
 #pragma GCC ivdep
           for (int64_t c = 0; c < C; ++c) {
-            const acc_t xm = to_acc<acc_t>(v[c]) - mean[c];
+            const acc_t xm = (to_acc<acc_t>(v[c]) - mean[c]) - mean_lo[c];
             const auto [sc, sh] = z_coefficients<Act>(z, c);
             const acc_t dv = act_input_grad(act, to_acc<acc_t>(d[c]), xm, sc, sh);
             pdy[c] += dv;
@@ -197,13 +207,13 @@ void backward_elemt_kernel(
     at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t c = r % g.C;
-        const acc_t m = b.mean[c], iw = b.iw[c], mdy = b.mean_dy[c], k = b.k[c];
+        const acc_t m = b.mean[c], lo = b.mean_lo[c], iw = b.iw[c], mdy = b.mean_dy[c], k = b.k[c];
         const auto [sc, sh] = z_coefficients<Act>(z, c);
         const scalar_t* __restrict d = dy + r * S;
         const scalar_t* __restrict v = x + r * S;
         scalar_t* __restrict o = dx + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          const acc_t xm = to_acc<acc_t>(v[s]) - m;
+          const acc_t xm = (to_acc<acc_t>(v[s]) - m) - lo;
           const acc_t dz = act_input_grad(act, to_acc<acc_t>(d[s]), xm, sc, sh);
           o[s] = from_acc<scalar_t>((dz - mdy - xm * k) * iw);
         }
@@ -212,6 +222,7 @@ void backward_elemt_kernel(
   } else {
     const int64_t C = g.C;
     const acc_t* __restrict mp = b.mean.data();
+    const acc_t* __restrict lp = b.mean_lo.data();
     const acc_t* __restrict iwp = b.iw.data();
     const acc_t* __restrict mdyp = b.mean_dy.data();
     const acc_t* __restrict kp = b.k.data();
@@ -222,7 +233,7 @@ void backward_elemt_kernel(
         scalar_t* __restrict o = dx + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          const acc_t xm = to_acc<acc_t>(v[c]) - mp[c];
+          const acc_t xm = (to_acc<acc_t>(v[c]) - mp[c]) - lp[c];
           const auto [sc, sh] = z_coefficients<Act>(z, c);
           const acc_t dz = act_input_grad(act, to_acc<acc_t>(d[c]), xm, sc, sh);
           o[c] = from_acc<scalar_t>((dz - mdyp[c] - xm * kp[c]) * iwp[c]);
@@ -241,8 +252,8 @@ void backward_elemt_kernel(
 namespace detail {
 
 void backward_sums_into_cpu(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, Channels sum_dy,
-    Channels sum_dy_xmu, const ActAffine& act) {
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& mean_lo, Channels sum_dy, Channels sum_dy_xmu, const ActAffine& act) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -256,12 +267,15 @@ void backward_sums_into_cpu(
     const scalar_t* dy = grad_out.const_data_ptr<scalar_t>();
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     const acc_t* m = mean.const_data_ptr<acc_t>();
+    const std::vector<acc_t> lo = mean_lo_of<acc_t>(mean_lo, g.C);
     const Affine<acc_t> z = z_affine<acc_t>(act, m, g.C);
     with_activation<acc_t>(act.act, [&](const auto& a) {
       if (g.layout == Layout::kChannelsFirst) {
-        backward_reduce_channels_first<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum, z, a);
+        backward_reduce_channels_first<scalar_t, acc_t>(
+            dy, x, m, lo.data(), g, dy_sum, dy_xmu_sum, z, a);
       } else {
-        backward_reduce_channels_last<scalar_t, acc_t>(dy, x, m, g, dy_sum, dy_xmu_sum, z, a);
+        backward_reduce_channels_last<scalar_t, acc_t>(
+            dy, x, m, lo.data(), g, dy_sum, dy_xmu_sum, z, a);
       }
     });
   });
@@ -269,15 +283,18 @@ void backward_sums_into_cpu(
 
 at::Tensor backward_elemt_checked_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
-    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, Channels sum_dy,
-    Channels sum_dy_xmu, double count, const ActAffine& act) {
-  const ElemtOperands o = elemt_operands(input_, grad_out_, mean_, invstd_, weight, c10::nullopt);
+    const at::Tensor& mean_lo_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, Channels sum_dy, Channels sum_dy_xmu, double count,
+    const ActAffine& act) {
+  const ElemtOperands o =
+      elemt_operands(input_, grad_out_, mean_, mean_lo_, invstd_, weight, c10::nullopt);
   if (o.input.numel() == 0) return o.output;
   const Geometry g = geometry_of(o.input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "backward_elemt_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto coeff = backward_coefficients<acc_t>(
-        o.mean.const_data_ptr<acc_t>(), o.invstd.const_data_ptr<acc_t>(),
+        o.mean.const_data_ptr<acc_t>(), mean_lo_of<acc_t>(o.mean_lo, g.C),
+        o.invstd.const_data_ptr<acc_t>(),
         data_or_null<acc_t>(o.weight), sum_dy.data<acc_t>(), sum_dy_xmu.data<acc_t>(), count, g.C);
     const Affine<acc_t> z = z_affine<acc_t>(act, o.mean.const_data_ptr<acc_t>(), g.C);
     with_activation<acc_t>(act.act, [&](const auto& a) {

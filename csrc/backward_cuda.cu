@@ -18,14 +18,18 @@ namespace {
 // Device helpers
 // ------------------------------------------------------------------------------------------------
 
-// A channel's mean and, for a fused activation, the coefficients of z = (x - mean) * scale + shift.
+// A channel's mean and, for a fused activation, the coefficients of z = (x - mean) * scale + shift
+// (with a split mean, shift includes - mean_lo * scale).
 template <typename acc_t>
 struct ZChannel {
   acc_t mean, scale, shift;
 };
 
-// Per-channel backward sums: fields (sum dy, sum dy * (x - mean)); with a fused activation, dy *
-// act'(z) in place of dy (activation.h), z recomputed from x.
+// Per-channel backward sums: fields (sum dy, sum dy * xmu), xmu = (x - mean) - mean_lo; with a
+// fused activation, dy * act'(z) in place of dy (activation.h), z recomputed from x. The loop
+// sums dy * (x - mean); the low part of a split mean is applied once per channel at the end
+// (sum dy * xmu = sum dy * (x - mean) - mean_lo * sum dy), so the loop's registers stay as they
+// are without it.
 template <typename scalar_t, typename acc_t, typename Act = IdentityAct>
 struct GradSumOp {
   static constexpr int kFields = 2;
@@ -37,6 +41,7 @@ struct GradSumOp {
   const scalar_t* __restrict__ dy;
   const scalar_t* __restrict__ x;
   const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ mean_lo;  // may be null: 0
   // Read only with an activation (weight and bias may be null: 1 and 0).
   const acc_t* __restrict__ invstd = nullptr;
   const acc_t* __restrict__ weight = nullptr;
@@ -47,7 +52,9 @@ struct GradSumOp {
     if constexpr (Act::kIdentity) {
       return {mean[c], acc_t(0), acc_t(0)};
     } else {
-      return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
+      const acc_t scale = invstd[c] * (weight ? weight[c] : acc_t(1));
+      const acc_t shift = bias ? bias[c] : acc_t(0);
+      return {mean[c], scale, mean_lo ? shift - mean_lo[c] * scale : shift};
     }
   }
   bool aligned(size_t bytes) const { return aligned_to(dy, bytes) && aligned_to(x, bytes); }
@@ -109,17 +116,22 @@ struct GradSumOp {
     a[0] += b[0];
     a[1] += b[1];
   }
-  // (sum dy, sum dy * (x - mean)).
+  // (sum dy, sum dy * xmu).
   template <typename T>
-  __device__ __forceinline__ void outputs(const T* s, Channel, acc_t& out0, acc_t& out1) const {
-    out0 = static_cast<acc_t>(s[0]);
-    out1 = static_cast<acc_t>(s[1]);
+  __device__ __forceinline__ void outputs(
+      const T* s, Channel, int64_t c, const Outputs<acc_t>& out) const {
+    const T lo = mean_lo ? static_cast<T>(mean_lo[c]) : T(0);
+    out.out0[c] = static_cast<acc_t>(s[0]);
+    out.out1[c] = static_cast<acc_t>(lo == T(0) ? s[1] : s[1] - lo * s[0]);
   }
 };
 
-// dx = (dy - mean_dy - (x - mean) * k) * iw with mean_dy = sum_dy / n, k = sum_dy_xmu / n *
-// invstd^2 and iw = invstd * weight, where n is the group count read from device memory.
-// (x - mean) stays explicit: folding it into an offset cancels catastrophically for large means.
+// dx = (dy - mean_dy - xmu * k) * iw with xmu = (x - mean) - mean_lo, mean_dy = sum_dy / n, k =
+// sum_dy_xmu / n * invstd^2 and iw = invstd * weight, where n is the group count read from device
+// memory. (x - mean) stays explicit: folding the mean into an offset cancels catastrophically for
+// large means; the low part of a split mean, small, joins the per-channel constants instead
+// (mean_dy - mean_lo * k, and the activation's shift - mean_lo * iw), so a thread holds no more
+// coefficients than without it.
 // With a fused activation dy * act'(z) stands for dy, z = (x - mean) * iw + bias as in the forward.
 template <typename acc_t, typename Act = IdentityAct>
 struct BackwardElemtOp {
@@ -128,6 +140,7 @@ struct BackwardElemtOp {
     acc_t mean, iw, mean_dy, k, shift;
   };
   const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ mean_lo;  // may be null: 0
   const acc_t* __restrict__ invstd;
   const acc_t* __restrict__ weight;  // may be null
   const acc_t* __restrict__ sum_dy;
@@ -147,7 +160,11 @@ struct BackwardElemtOp {
     const acc_t is = invstd[c];
     const acc_t iw = weight ? is * weight[c] : is;
     const acc_t shift = !Act::kIdentity && bias ? bias[c] : acc_t(0);
-    return {mean[c], iw, sum_dy[c] * inv_n, sum_dy_xmu[c] * inv_n * is * is, shift};
+    const acc_t k = sum_dy_xmu[c] * inv_n * is * is;
+    const acc_t mean_dy = sum_dy[c] * inv_n;
+    if (mean_lo == nullptr) return {mean[c], iw, mean_dy, k, shift};
+    const acc_t lo = mean_lo[c];
+    return {mean[c], iw, mean_dy - lo * k, k, Act::kIdentity ? shift : shift - lo * iw};
   }
   template <int VEC, typename CoeffOf>
   __device__ __forceinline__ void apply_vec(
@@ -179,27 +196,31 @@ namespace detail {
 
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act) {
+    const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     with_activation<acc_t>(act.act, [&](const auto& a) {
       const GradSumOp<scalar_t, acc_t, std::decay_t<decltype(a)>> op{
           grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-          mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.invstd),
-          data_or_null<acc_t>(act.weight), data_or_null<acc_t>(act.bias), a};
-      launch_reduction(
-          op, g, input, sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>());
+          mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(mean_lo),
+          data_or_null<acc_t>(act.invstd), data_or_null<acc_t>(act.weight),
+          data_or_null<acc_t>(act.bias), a};
+      const Outputs<acc_t> out{
+          sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>(), nullptr};
+      launch_reduction(op, g, input, out);
     });
   });
 }
 
 at::Tensor backward_elemt_act_cuda(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
-    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
+    const at::Tensor& mean_lo_, const at::Tensor& invstd_,
+    const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
     const at::Tensor& sum_dy_xmu_, const at::Tensor& count_, const ActAffine& act) {
   const c10::cuda::CUDAGuard guard(input_.device());
-  const ElemtOperands o = elemt_operands(input_, grad_out_, mean_, invstd_, weight, c10::nullopt);
+  const ElemtOperands o =
+      elemt_operands(input_, grad_out_, mean_, mean_lo_, invstd_, weight, c10::nullopt);
   const at::Tensor sum_dy = sum_dy_.contiguous(), sum_dy_xmu = sum_dy_xmu_.contiguous();
   // The count stays on the device (no .item()): the kernel reads it.
   const at::Tensor count = count_.reshape({1}).to(o.mean.scalar_type());
@@ -213,10 +234,11 @@ at::Tensor backward_elemt_act_cuda(
     with_activation<acc_t>(act.act, [&](const auto& a) {
       using Op = BackwardElemtOp<acc_t, std::decay_t<decltype(a)>>;
       const Op op{
-          o.mean.const_data_ptr<acc_t>(),     o.invstd.const_data_ptr<acc_t>(),
-          data_or_null<acc_t>(o.weight),      sum_dy.const_data_ptr<acc_t>(),
-          sum_dy_xmu.const_data_ptr<acc_t>(), count.const_data_ptr<acc_t>(),
-          data_or_null<acc_t>(act.bias), a};
+          o.mean.const_data_ptr<acc_t>(),     data_or_null<acc_t>(o.mean_lo),
+          o.invstd.const_data_ptr<acc_t>(),   data_or_null<acc_t>(o.weight),
+          sum_dy.const_data_ptr<acc_t>(),     sum_dy_xmu.const_data_ptr<acc_t>(),
+          count.const_data_ptr<acc_t>(),      data_or_null<acc_t>(act.bias),
+          a};
       launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, o.input);
     });
   });

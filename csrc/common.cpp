@@ -1,11 +1,12 @@
 // Host-side helpers shared by the CPU and CUDA entry points: layout handling, argument checks and
 // the kernels' operands. Compiled by the host compiler only; the .cu files call these through
 // syncbn.h.
-#include "syncbn.h"
+#include "common.h"
 
 // ATen's per-operator headers rather than ATen/ATen.h (every operator): a faster first build.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/sum.h>
 
 #include <cmath>
 
@@ -153,14 +154,21 @@ MergeStatsArgs merge_stats_args(
 
 ElemtOperands elemt_operands(
     const at::Tensor& input_, const at::Tensor& grad_out, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const at::Tensor& mean_lo, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias) {
   const at::Tensor input = dense_input(input_);
   // Braced initializers run in order: the weight is checked before the bias.
   return {
       input, grad_out.defined() ? with_strides_of(grad_out, input) : at::Tensor(),
-      mean.contiguous(), invstd.contiguous(), optional_acc(weight, "weight", input),
+      mean.contiguous(), mean_lo.defined() ? mean_lo.contiguous() : at::Tensor(),
+      invstd.contiguous(), optional_acc(weight, "weight", input),
       optional_acc(bias, "bias", input), at::empty_like(input)};
+}
+
+at::Tensor checked_mean_lo(const c10::optional<at::Tensor>& mean_lo, const at::Tensor& input) {
+  if (!mean_lo.has_value() || !mean_lo->defined()) return at::Tensor();
+  check_channel_vector(*mean_lo, "mean_lo", input, /*require_acc_dtype=*/true);
+  return *mean_lo;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> with_param_grads(
@@ -214,7 +222,7 @@ int64_t check_rows(const at::Tensor& rows, const at::Tensor& input) {
       rows.dim() == 1 && rows.is_contiguous() && rows.numel() >= width &&
           rows.numel() % width == 0,
       "syncbn: `rows` must be the gathered 1-D buffer of W rows of ", width,
-      " values (4 + 2 * C), got shape ", rows.sizes());
+      " values (4 + 3 * C), got shape ", rows.sizes());
   TORCH_CHECK(
       rows.scalar_type() == acc_dtype_of(input.scalar_type()) && rows.device() == input.device(),
       "syncbn: `rows` must be ", acc_dtype_of(input.scalar_type()), " on ", input.device(),
@@ -255,20 +263,50 @@ void check_running(
   }
 }
 
+const char* const kShiftMismatch =
+    "syncbn call order: the ranks of one sync group hold different running_mean buffers in a "
+    "layer with exchange='reduce', which shifts every rank's sums by its running mean and needs "
+    "the same one on every rank (as it is after every synchronized update). Load the same "
+    "checkpoint on every rank, keep the buffers in sync, or use exchange='gather'.";
+
 MergeOutputs prepare_merge(
-    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& running_mean,
+    const at::Tensor& input, const c10::optional<at::Tensor>& running_mean,
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, double eps, c10::DeviceType device) {
   check_input(input, device);
-  const int64_t W = check_rows(rows, input);
   check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
   TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
   const int64_t C = input.size(1);
-  const auto opts = rows.options();
+  const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
   return {
-      W, at::empty({C}, opts), at::empty({C}, opts), at::empty({C}, opts),
+      at::empty({C}, opts),           at::empty({C}, opts), at::empty({C}, opts),
+      at::empty({C}, opts),           at::empty({kInfoFields}, opts),
       at::empty({kInfoFields}, opts)};
+}
+
+at::Tensor summed_reduce_vector(
+    const at::Tensor& total, const at::Tensor& sent, int64_t world_size, const at::Tensor& input) {
+  const int64_t width = kReduceHeader + 2 * input.size(1);
+  for (const auto* v : {&total, &sent}) {
+    const int64_t n = v->numel();
+    const bool sized = v == &sent ? n == width : n >= width && n % width == 0;
+    TORCH_CHECK(
+        v->dim() == 1 && v->is_contiguous() && sized && v->scalar_type() == at::kDouble &&
+            v->device() == input.device(),
+        "syncbn: `total` and `sent` must be the reduce exchange's 1-D float64 vectors of ", width,
+        " values (15 + 2 * C; `total` may hold R such vectors, gathered) on ", input.device(),
+        ", got ", v->scalar_type(), " of shape ", v->sizes(), " on ", v->device());
+  }
+  TORCH_CHECK(world_size >= 1, "syncbn: `world_size` must be >= 1, got ", world_size);
+  // Gathered vectors (CPU groups, see collectives.sum_over_group): the same sum on every rank.
+  return total.numel() == width ? total : total.view({-1, width}).sum(0);
+}
+
+at::Tensor shift_float64(const c10::optional<at::Tensor>& shift, const at::Tensor& input) {
+  if (!shift.has_value() || !shift->defined()) return at::Tensor();
+  check_channel_vector(*shift, "shift", input, /*require_acc_dtype=*/false);
+  return shift->to(at::kDouble).contiguous();
 }
 
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {

@@ -17,7 +17,7 @@
 // instantiates the templates it runs.
 #pragma once
 
-#include "syncbn.h"
+#include "common.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -135,16 +135,21 @@ inline int64_t row_chunks(int64_t rows) {
   return std::max<int64_t>(1, std::min<int64_t>(threads, rows / 16));
 }
 
-// Per-channel affine coefficients: y = (x - mean) * scale + shift.
+// Per-channel affine coefficients: y = ((x - mean) - mean_lo) * scale + shift (mean_lo 0 when the
+// mean is not split; subtracting 0 changes no value).
 template <typename acc_t>
 struct Affine {
-  std::vector<acc_t> mean, scale, shift;
+  std::vector<acc_t> mean, mean_lo, scale, shift;
 };
 
 template <typename acc_t>
 Affine<acc_t> normalize_coefficients(
-    const acc_t* mean, const acc_t* invstd, const acc_t* weight, const acc_t* bias, int64_t C) {
-  Affine<acc_t> a{std::vector<acc_t>(mean, mean + C), std::vector<acc_t>(C), std::vector<acc_t>(C)};
+    const acc_t* mean, const acc_t* mean_lo, const acc_t* invstd, const acc_t* weight,
+    const acc_t* bias, int64_t C) {
+  Affine<acc_t> a{
+      std::vector<acc_t>(mean, mean + C), std::vector<acc_t>(C, acc_t(0)), std::vector<acc_t>(C),
+      std::vector<acc_t>(C)};
+  if (mean_lo) std::copy(mean_lo, mean_lo + C, a.mean_lo.begin());
   for (int64_t c = 0; c < C; ++c) {
     a.scale[c] = invstd[c] * (weight ? weight[c] : acc_t(1));
     a.shift[c] = bias ? bias[c] : acc_t(0);

@@ -54,7 +54,7 @@ __device__ __forceinline__ Vec<scalar_t, VEC> compute_vector(
 // Applies `op` to vectors of VEC elements that share one channel (channels-first, S % VEC == 0).
 // nvec = numel / VEC, s_vec = S / VEC; grid-stride over vectors.
 template <typename Op, typename scalar_t, typename acc_t, int VEC, typename index_t>
-__global__ void elemt_channels_first_kernel(
+__global__ void __launch_bounds__(kThreads) elemt_channels_first_kernel(
     Op op, ElemtPointers<scalar_t, Op::kInputs> ptr, index_t nvec, index_t s_vec, index_t C) {
   using V = Vec<scalar_t, VEC>;
   op.begin();

@@ -15,7 +15,7 @@
 // instantiates the kernels it launches, so the .cu files compile on their own and in parallel.
 #pragma once
 
-#include "syncbn.h"
+#include "common.h"
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>

@@ -14,9 +14,9 @@
 //     so a warp reads whole rows of contiguous channels; the TY rows are folded by shuffles among
 //     the lanes holding the same channel, then across warps.
 //
-// An Op (WelfordOp, GradSumOp) says what is reduced: kFields per-channel accumulators, its
-// per-channel constants (Channel), how items are loaded and pushed, how two states combine and
-// what the outputs are.
+// An Op (WelfordOp, ShiftedSumOp, GradSumOp) says what is reduced: kFields per-channel
+// accumulators, its per-channel constants (Channel), how items are loaded and pushed, how two
+// states combine and what the outputs are (up to three [C] outputs, Outputs).
 #pragma once
 
 #include "cuda_kernels.cuh"
@@ -26,6 +26,14 @@
 
 namespace syncbn {
 namespace {
+
+// The [C] outputs of a reduction; an Op writes the ones it has (out2 may be null).
+template <typename acc_t>
+struct Outputs {
+  acc_t* __restrict__ out0;
+  acc_t* __restrict__ out1;
+  acc_t* __restrict__ out2;
+};
 
 // ------------------------------------------------------------------------------------------------
 // Device helpers
@@ -77,9 +85,9 @@ __device__ __forceinline__ void block_fold(acc_t (*s)[Op::kFields]) {
 template <typename Op, typename acc_t>
 __device__ __forceinline__ void store_fold(
     const Op& op, const acc_t* s, typename Op::Channel ch, int64_t c, int64_t C,
-    acc_t* __restrict__ partial, acc_t* __restrict__ out0, acc_t* __restrict__ out1) {
+    acc_t* __restrict__ partial, const Outputs<acc_t>& out) {
   if (gridDim.y == 1) {
-    op.outputs(s, ch, out0[c], out1[c]);
+    op.outputs(s, ch, c, out);
     return;
   }
   acc_t* p = partial + (static_cast<int64_t>(blockIdx.y) * C + c) * Op::kFields;
@@ -94,9 +102,8 @@ __device__ __forceinline__ void store_fold(
 // Channels-first reduction. Block (1, 256) on channel blockIdx.x, split blockIdx.y of gridDim.y:
 // elements [j0, j1) of the channel's N * S, element j at ((j / S) * C + c) * S + j % S.
 template <typename Op, typename acc_t>
-__global__ void reduce_channels_first_kernel(
-    Op op, int64_t N, int64_t C, int64_t S, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
-    acc_t* __restrict__ out1) {
+__global__ void __launch_bounds__(kThreads) reduce_channels_first_kernel(
+    Op op, int64_t N, int64_t C, int64_t S, acc_t* __restrict__ partial, Outputs<acc_t> out) {
   const int64_t c = blockIdx.x;
   const int64_t per_channel = N * S;
   const int64_t j0 = per_channel * blockIdx.y / gridDim.y;
@@ -127,7 +134,7 @@ __global__ void reduce_channels_first_kernel(
     op.template push_run<kUnroll>(s[0], v, loaded, ch);
   }
   block_fold<Op, 1>(s);
-  if (threadIdx.y == 0) store_fold(op, s[0], ch, c, C, partial, out0, out1);
+  if (threadIdx.y == 0) store_fold(op, s[0], ch, c, C, partial, out);
 }
 
 // Channels-last reduction over M rows of C contiguous channels, VEC consecutive channels per thread
@@ -135,8 +142,7 @@ __global__ void reduce_channels_first_kernel(
 // cv = blockIdx.x * TX + threadIdx.x, rows [r0, r1) of split blockIdx.y strided by TY.
 template <typename Op, int VEC, typename acc_t>
 __global__ void __launch_bounds__(kThreads, kChannelsLastMinBlocks) reduce_channels_last_kernel(
-    Op op, int64_t M, int64_t C, acc_t* __restrict__ partial, acc_t* __restrict__ out0,
-    acc_t* __restrict__ out1) {
+    Op op, int64_t M, int64_t C, acc_t* __restrict__ partial, Outputs<acc_t> out) {
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   const int64_t r0 = M * blockIdx.y / gridDim.y, r1 = M * (blockIdx.y + 1) / gridDim.y;
   acc_t s[VEC][Op::kFields] = {};
@@ -165,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, kChannelsLastMinBlocks) reduce_chann
   block_fold<Op, VEC>(s);  // every thread, including those past C
   if (threadIdx.y == 0 && c0 < C) {
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) store_fold(op, s[e], ch[e], c0 + e, C, partial, out0, out1);
+    for (int e = 0; e < VEC; ++e) store_fold(op, s[e], ch[e], c0 + e, C, partial, out);
   }
 }
 
@@ -175,8 +181,7 @@ __global__ void __launch_bounds__(kThreads, kChannelsLastMinBlocks) reduce_chann
 // fixed tree (deterministic: the result does not depend on which thread runs first).
 template <typename Op, typename acc_t>
 __global__ void __launch_bounds__(kWarpSize * kFoldGroups) fold_partials_kernel(
-    Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, acc_t* __restrict__ out0,
-    acc_t* __restrict__ out1) {
+    Op op, const acc_t* __restrict__ partial, int64_t splits, int64_t C, Outputs<acc_t> out) {
   __shared__ double shared[kFoldGroups][kWarpSize][Op::kFields];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpSize + threadIdx.x;
   double* s = shared[threadIdx.y][threadIdx.x];
@@ -201,7 +206,7 @@ __global__ void __launch_bounds__(kWarpSize * kFoldGroups) fold_partials_kernel(
     if (static_cast<int>(threadIdx.y) < half) Op::combine(s, shared[threadIdx.y + half][threadIdx.x]);
     __syncthreads();
   }
-  if (threadIdx.y == 0 && c < C) op.outputs(s, op.channel(c), out0[c], out1[c]);
+  if (threadIdx.y == 0 && c < C) op.outputs(s, op.channel(c), c, out);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -218,11 +223,11 @@ inline int64_t reduction_splits(int64_t work, int64_t blocks_per_split, int thre
   return std::clamp<int64_t>(splits, 1, kMaxGridY);
 }
 
-// Runs the two-stage reduction `op` over `g`, writing the [C] outputs out0 and out1. Channels-last
-// reads 16-byte vectors of consecutive channels when C and the pointers allow it.
+// Runs the two-stage reduction `op` over `g`, writing the [C] outputs `out`. Channels-last reads
+// 16-byte vectors of consecutive channels when C and the pointers allow it.
 template <typename Op, typename acc_t>
 void launch_reduction(
-    const Op& op, const Geometry& g, const at::Tensor& like, acc_t* out0, acc_t* out1) {
+    const Op& op, const Geometry& g, const at::Tensor& like, const Outputs<acc_t>& out) {
   constexpr int kVec = 16 / sizeof(typename Op::scalar_type);
   const int device = like.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
@@ -250,19 +255,19 @@ void launch_reduction(
   }
   if (channels_first) {
     reduce_channels_first_kernel<Op, acc_t>
-        <<<grid, block, 0, stream>>>(op, g.N, g.C, g.S, partial_ptr, out0, out1);
+        <<<grid, block, 0, stream>>>(op, g.N, g.C, g.S, partial_ptr, out);
   } else if (vec > 1) {
     reduce_channels_last_kernel<Op, kVec, acc_t>
-        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out0, out1);
+        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out);
   } else {
     reduce_channels_last_kernel<Op, 1, acc_t>
-        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out0, out1);
+        <<<grid, block, 0, stream>>>(op, g.N * g.S, g.C, partial_ptr, out);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     const dim3 fold_block(kWarpSize, kFoldGroups);
     fold_partials_kernel<Op, acc_t><<<static_cast<unsigned>(ceil_div(g.C, kWarpSize)), fold_block, 0, stream>>>(
-        op, partial_ptr, splits, g.C, out0, out1);
+        op, partial_ptr, splits, g.C, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -1,16 +1,20 @@
-// Entry points of the CPU twins (see syncbn.h): the five primitives and the four fused steps, one
-// call per step of a synchronized layer, writing straight into the buffers the collectives use.
-// Argument checks, layouts and outputs are here; the kernels are in stats_cpu.cpp,
-// normalize_cpu.cpp and backward_cpu.cpp. Layout of this file: helpers of the fused steps, the
-// primitives, the fused steps.
-#include "syncbn.h"
+// Entry points of the CPU twins (see syncbn.h): the five primitives, the gather exchange's fused
+// steps and the backward's, one call per step of a synchronized layer, writing straight into the
+// buffers the collectives use (the reduce exchange's are in entry_reduce_cpu.cpp). Argument
+// checks, layouts and outputs are here; the kernels are in stats_cpu.cpp, normalize_cpu.cpp and
+// backward_cpu.cpp. Layout of this file: helpers of the fused steps, the primitives, the fused
+// steps.
+#include "common.h"
+#include "merge.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <vector>
 
 namespace syncbn {
 namespace {
@@ -44,9 +48,12 @@ double update_factor(c10::optional<double> momentum, int64_t tracked, at::Scalar
   return static_cast<double>(1.0f / static_cast<float>(tracked));
 }
 
-template <typename acc_t>
-void update_running(
-    const acc_t* mean, const acc_t* var, int64_t C, double total, bool finite,
+}  // namespace
+
+namespace detail {
+
+void update_running_cpu(
+    const double* mean, const double* var, int64_t C, double total, bool finite,
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum) {
@@ -65,6 +72,26 @@ void update_running(
     lerp_channels(running_var->mutable_data_ptr<scalar_t>(), var, C, factor);
   });
 }
+
+void store_split_stats_cpu(
+    const double* mean, const double* invstd, const double* var, int64_t C, MergeOutputs& out) {
+  AT_DISPATCH_FLOATING_TYPES(out.mean.scalar_type(), "store_split_stats_cpu", [&] {
+    scalar_t* hi = out.mean.mutable_data_ptr<scalar_t>();
+    scalar_t* lo = out.mean_lo.mutable_data_ptr<scalar_t>();
+    scalar_t* is = out.invstd.mutable_data_ptr<scalar_t>();
+    scalar_t* v = out.var.mutable_data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      hi[c] = static_cast<scalar_t>(mean[c]);
+      lo[c] = static_cast<scalar_t>(mean[c] - static_cast<double>(hi[c]));
+      is[c] = static_cast<scalar_t>(invstd[c]);
+      v[c] = static_cast<scalar_t>(var[c]);
+    }
+  });
+}
+
+}  // namespace detail
+
+namespace {
 
 // Throws when the rows' (layer, call) tags differ: the ranks called their layers in different
 // orders. Python turns the message into CallOrderError with the layers' names.
@@ -145,7 +172,7 @@ at::Tensor normalize_cpu(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
   check_normalize_args(input, mean, invstd, c10::DeviceType::CPU);
-  return normalize_act_cpu(input, mean, invstd, weight, bias, Activation{});
+  return normalize_act_cpu(input, mean, at::Tensor(), invstd, weight, bias, Activation{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
@@ -158,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
   at::Tensor sum_dy = at::empty({input.size(1)}, mean.options());
   at::Tensor sum_dy_xmu = at::empty({input.size(1)}, mean.options());
-  backward_sums_into_cpu(grad_out, input, mean, {sum_dy}, {sum_dy_xmu});
+  backward_sums_into_cpu(grad_out, input, mean, at::Tensor(), {sum_dy}, {sum_dy_xmu});
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
 
@@ -169,8 +196,8 @@ at::Tensor backward_elemt_cpu(
   check_backward_elemt_args(
       grad_out, input, mean, invstd, sum_dy, sum_dy_xmu, count, c10::DeviceType::CPU);
   return backward_elemt_checked_cpu(
-      grad_out, input, mean, invstd, weight, {sum_dy.contiguous()}, {sum_dy_xmu.contiguous()},
-      count.item<double>());
+      grad_out, input, mean, at::Tensor(), invstd, weight, {sum_dy.contiguous()},
+      {sum_dy_xmu.contiguous()}, count.item<double>());
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -183,7 +210,8 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
   const at::Tensor input = dense_input(input_);
   const int64_t C = input.size(1);
   at::Tensor row = at::empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
-  local_stats_into_cpu(input, {row, kRowHeader}, {row, kRowHeader + C});
+  const Channels mean_lo{row, kRowHeader + C};
+  local_stats_into_cpu(input, {row, kRowHeader}, {row, kRowHeader + 2 * C}, &mean_lo);
   int64_t& call = *calls.mutable_data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES(row.scalar_type(), "stats_row_cpu", [&] {
     scalar_t* head = row.mutable_data_ptr<scalar_t>();
@@ -196,61 +224,66 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
   return row;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize_cpu(
+MergedOutputs merge_normalize_cpu(
     const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param) {
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights) {
   const Activation activation = checked_activation(act, act_param);  // before any update
-  MergeOutputs merged = prepare_merge(
-      input, rows, running_mean, running_var, num_batches_tracked, nonfinite, eps,
-      c10::DeviceType::CPU);
-  const int64_t W = merged.W;
-  at::Tensor &mean = merged.mean, &invstd = merged.invstd, &var = merged.var, &info = merged.info;
+  MergeOutputs out = prepare_merge(
+      input, running_mean, running_var, num_batches_tracked, nonfinite, eps, c10::DeviceType::CPU);
+  const int64_t W = check_rows(rows, input);
   const int64_t C = input.size(1), width = row_width(C);
+  std::vector<double> mean(C), invstd(C), var(C);
   AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_normalize_cpu", [&] {
     const scalar_t* r = rows.const_data_ptr<scalar_t>();
     check_call_order(r, W, width);
-    double total = 0, samples = 0;
+    double total = 0, samples = 0, ranks = 0;
     for (int64_t w = 0; w < W; ++w) {
       total += r[w * width];
       samples += r[w * width + 1];
+      ranks += r[w * width] > 0 ? 1 : 0;
     }
     TORCH_CHECK_VALUE(
         total != 1, "Expected more than 1 value per channel when training, got input size ",
         "torch.Size(", input.sizes(), ") (1 value per channel in the whole sync group of ", W,
         " rank(s))");
-    merge_rows_cpu(rows, W, C, eps, unbiased, mean, invstd, var);
-    const scalar_t* m = mean.const_data_ptr<scalar_t>();
-    const scalar_t* v = var.const_data_ptr<scalar_t>();
     bool finite = true;
-    for (int64_t c = 0; c < C; ++c) finite = finite && std::isfinite(m[c]) && std::isfinite(v[c]);
-    update_running(
-        m, v, C, total, finite, running_mean, running_var, num_batches_tracked, nonfinite,
-        momentum);
-    scalar_t* out = info.mutable_data_ptr<scalar_t>();
-    out[0] = static_cast<scalar_t>(total);
-    out[1] = static_cast<scalar_t>(samples);
-    out[2] = scalar_t(1);
-    out[3] = finite ? scalar_t(1) : scalar_t(0);
+    for (int64_t c = 0; c < C; ++c) {
+      const MergedChannel m = merge_row_channel(r, width, W, C, c, total, ranks, equal_rank_weights);
+      mean[c] = m.mean;
+      invstd[c] = 1.0 / std::sqrt(m.m2 / std::max(total, 1.0) + eps);
+      var[c] = m.m2 / std::max(unbiased ? total - 1 : total, 1.0);
+      finite = finite && std::isfinite(mean[c]) && std::isfinite(var[c]);
+    }
+    store_split_stats_cpu(mean.data(), invstd.data(), var.data(), C, out);
+    update_running_cpu(
+        mean.data(), var.data(), C, total, finite, running_mean, running_var,
+        num_batches_tracked, nonfinite, momentum);
+    const double local = static_cast<double>(input.numel() / C);
+    const double grad_count = equal_rank_weights ? ranks * local : total;
+    write_info<scalar_t>(out, total, grad_count, samples, true, finite);
   });
-  at::Tensor output = normalize_act_cpu(input, mean, invstd, weight, bias, activation);
-  return {output, mean, invstd, var, info};
+  at::Tensor output =
+      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
+  return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& mean_lo) {
   check_backward_args(grad_out_, input_, mean, invstd, c10::DeviceType::CPU);
+  const at::Tensor lo = checked_mean_lo(mean_lo, input_);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const int64_t C = input.size(1);
   at::Tensor sums = at::empty({2 * C}, mean.options());
   backward_sums_into_cpu(
-      grad_out, input, mean.contiguous(), {sums}, {sums, C},
+      grad_out, input, mean.contiguous(), lo.defined() ? lo.contiguous() : lo, {sums}, {sums, C},
       act_affine(act, act_param, invstd, weight, bias, input));
   auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
   return {sums, grad_weight, grad_bias};
@@ -259,8 +292,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
 at::Tensor grad_input_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& mean_lo) {
   check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CPU);
+  const at::Tensor lo = checked_mean_lo(mean_lo, input);
   const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input);
   const int64_t C = input.size(1);
   const at::Tensor total = group_sums(sums, info, input);
@@ -269,7 +304,7 @@ at::Tensor grad_input_cpu(
     count = static_cast<double>(info.const_data_ptr<scalar_t>()[0]);
   });
   return backward_elemt_checked_cpu(
-      grad_out, input, mean, invstd, weight, {total}, {total, C}, count, activation);
+      grad_out, input, mean, lo, invstd, weight, {total}, {total, C}, count, activation);
 }
 
 }  // namespace syncbn

@@ -1,8 +1,9 @@
 // Count-weighted (Chan) merge of one channel's per-rank statistics, host and device code. The CUDA
-// kernels of the merge primitive and of the fused merge + normalize step merge a channel with
-// merge_channel; the CPU merge (stats_cpu.cpp) shares its second pass, merged_m2. (The CPU's first
-// pass sums every rank's count * mean, as the reference does; merge_channel skips ranks with
-// count 0, whose rows may hold anything on the GPU.)
+// kernel of the merge primitive merges a channel with merge_channel; the CPU merge (stats_cpu.cpp)
+// shares its second pass, merged_m2. (The CPU's first pass sums every rank's count * mean, as the
+// reference does; merge_channel skips ranks with count 0, whose rows may hold anything on the
+// GPU.) The fused merge of gathered rows (CPU and CUDA) merges with merge_row_channel: rank means
+// split into two numbers, and equal rank weights.
 #pragma once
 
 #include <cmath>
@@ -64,6 +65,38 @@ SYNCBN_HOST_DEVICE MergedChannel merge_channel(
   }
   const double mean = sum / fmax(n, 1.0);
   return {n, mean, merged_m2(counts, count_stride, means, m2s, row_stride, W, c, mean)};
+}
+
+// Channel c of the W gathered rows [count, samples, tag, tag, mean[C], mean_lo[C], m2[C]] (row
+// stride `width`), in double: rank w's mean is mean[c] + mean_lo[c]. Ranks with count 0 are
+// skipped. `total` is the group's count (the sum of the rows' counts); with `equal_rank_weights`
+// each of the `ranks` non-empty ranks weighs total / ranks, its m2 scaled to that count (mmcv's
+// stats_mode="default": mean = the mean of the rank means, var = the mean of var_r + (mean_r -
+// mean)^2), else each weighs its count.
+template <typename acc_t>
+SYNCBN_HOST_DEVICE MergedChannel merge_row_channel(
+    const acc_t* rows, int64_t width, int64_t W, int64_t C, int64_t c, double total, double ranks,
+    bool equal_rank_weights) {
+  const double share = total / fmax(ranks, 1.0);
+  double sum = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    const acc_t* row = rows + w * width;
+    const double nw = row[0];
+    if (nw == 0) continue;
+    const double mean_w = static_cast<double>(row[4 + c]) + static_cast<double>(row[4 + C + c]);
+    sum += (equal_rank_weights ? share : nw) * mean_w;
+  }
+  const double mean = sum / fmax(total, 1.0);
+  double m2 = 0;
+  for (int64_t w = 0; w < W; ++w) {
+    const acc_t* row = rows + w * width;
+    const double nw = row[0];
+    if (nw == 0) continue;
+    const double weight = equal_rank_weights ? share : nw;
+    const double d = static_cast<double>(row[4 + c]) + static_cast<double>(row[4 + C + c]) - mean;
+    m2 += static_cast<double>(row[4 + 2 * C + c]) * (weight / nw) + weight * d * d;
+  }
+  return {total, mean, m2};
 }
 
 }  // namespace syncbn

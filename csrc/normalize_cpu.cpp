@@ -1,5 +1,6 @@
-// CPU kernel of normalize (see syncbn.h): y = act((x - mean) * invstd * weight + bias), computed
-// in the acc dtype and rounded once to the input's dtype. Layout of this file: kernel, dispatch.
+// CPU kernel of normalize (see syncbn.h): y = act(((x - mean) - mean_lo) * invstd * weight + bias),
+// computed in the acc dtype and rounded once to the input's dtype (mean_lo: the low part of a
+// split mean, else 0). Layout of this file: kernel, dispatch.
 #include "cpu_kernels.h"
 
 #include <ATen/Dispatch.h>
@@ -26,17 +27,18 @@ void normalize_kernel(
     at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int64_t c = r % g.C;
-        const acc_t m = a.mean[c], sc = a.scale[c], sh = a.shift[c];
+        const acc_t m = a.mean[c], lo = a.mean_lo[c], sc = a.scale[c], sh = a.shift[c];
         const scalar_t* __restrict xr = x + r * S;
         scalar_t* __restrict yr = y + r * S;
         for (int64_t s = 0; s < S; ++s) {
-          yr[s] = from_acc<scalar_t>(act.forward((to_acc<acc_t>(xr[s]) - m) * sc + sh));
+          yr[s] = from_acc<scalar_t>(act.forward(((to_acc<acc_t>(xr[s]) - m) - lo) * sc + sh));
         }
       }
     });
   } else {
     const int64_t C = g.C;
     const acc_t* __restrict mp = a.mean.data();
+    const acc_t* __restrict lp = a.mean_lo.data();
     const acc_t* __restrict scp = a.scale.data();
     const acc_t* __restrict shp = a.shift.data();
     at::parallel_for(0, g.N * g.S, std::max<int64_t>(1, kElemGrain / C), [&](int64_t b, int64_t e) {
@@ -45,7 +47,8 @@ void normalize_kernel(
         scalar_t* __restrict yr = y + r * C;
 #pragma GCC ivdep
         for (int64_t c = 0; c < C; ++c) {
-          yr[c] = from_acc<scalar_t>(act.forward((to_acc<acc_t>(xr[c]) - mp[c]) * scp[c] + shp[c]));
+          const acc_t xm = (to_acc<acc_t>(xr[c]) - mp[c]) - lp[c];
+          yr[c] = from_acc<scalar_t>(act.forward(xm * scp[c] + shp[c]));
         }
       }
     });
@@ -61,16 +64,18 @@ void normalize_kernel(
 namespace detail {
 
 at::Tensor normalize_act_cpu(
-    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const Activation& act) {
-  const ElemtOperands o = elemt_operands(input_, at::Tensor(), mean_, invstd_, weight, bias);
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& mean_lo_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const Activation& act) {
+  const ElemtOperands o =
+      elemt_operands(input_, at::Tensor(), mean_, mean_lo_, invstd_, weight, bias);
   if (o.input.numel() == 0) return o.output;
   const Geometry g = geometry_of(o.input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "normalize_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto coeff = normalize_coefficients<acc_t>(
-        o.mean.const_data_ptr<acc_t>(), o.invstd.const_data_ptr<acc_t>(),
+        o.mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(o.mean_lo),
+        o.invstd.const_data_ptr<acc_t>(),
         data_or_null<acc_t>(o.weight), data_or_null<acc_t>(o.bias), g.C);
     with_activation<acc_t>(act, [&](const auto& a) {
       normalize_kernel<scalar_t, acc_t>(

@@ -1,5 +1,5 @@
-// CUDA kernel of normalize (see syncbn.h): y = act((x - mean) * invstd * weight + bias), computed
-// in the acc dtype and rounded once to the input's dtype, through the elementwise kernels of
+// CUDA kernel of normalize (see syncbn.h): y = act(((x - mean) - mean_lo) * invstd * weight +
+// bias), computed in the acc dtype and rounded once to the input's dtype, through the elementwise kernels of
 // cuda_elemt.cuh. Layout of this file: the kernels' Op, dispatch.
 #include "cuda_elemt.cuh"
 
@@ -16,7 +16,9 @@ namespace {
 // Device helpers
 // ------------------------------------------------------------------------------------------------
 
-// y = act((x - mean) * invstd * weight + bias).
+// y = act(((x - mean) - mean_lo) * invstd * weight + bias), computed as (x - mean) * scale +
+// (bias - mean_lo * scale): the low part of a split mean joins the per-channel shift, so a thread
+// holds no more coefficients than without it (the channels-last kernels are register-bound).
 template <typename acc_t, typename Act = IdentityAct>
 struct NormalizeOp {
   static constexpr int kInputs = 1;
@@ -24,6 +26,7 @@ struct NormalizeOp {
     acc_t mean, scale, shift;
   };
   const acc_t* __restrict__ mean;
+  const acc_t* __restrict__ mean_lo;  // may be null: 0
   const acc_t* __restrict__ invstd;
   const acc_t* __restrict__ weight;  // may be null
   const acc_t* __restrict__ bias;    // may be null
@@ -31,7 +34,9 @@ struct NormalizeOp {
 
   __device__ __forceinline__ void begin() {}
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
-    return {mean[c], invstd[c] * (weight ? weight[c] : acc_t(1)), bias ? bias[c] : acc_t(0)};
+    const acc_t scale = invstd[c] * (weight ? weight[c] : acc_t(1));
+    const acc_t shift = bias ? bias[c] : acc_t(0);
+    return {mean[c], scale, mean_lo ? shift - mean_lo[c] * scale : shift};
   }
   // out[e] = op of element e of every input (in[t][e]), with the coefficients coeff_of(e).
   template <int VEC, typename CoeffOf>
@@ -55,11 +60,12 @@ struct NormalizeOp {
 namespace detail {
 
 at::Tensor normalize_act_cuda(
-    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& invstd_,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const Activation& act) {
+    const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& mean_lo_,
+    const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const Activation& act) {
   const c10::cuda::CUDAGuard guard(input_.device());
-  const ElemtOperands o = elemt_operands(input_, at::Tensor(), mean_, invstd_, weight, bias);
+  const ElemtOperands o =
+      elemt_operands(input_, at::Tensor(), mean_, mean_lo_, invstd_, weight, bias);
   if (o.input.numel() == 0) return o.output;
   const Geometry g = geometry_of(o.input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "normalize_cuda", [&] {
@@ -69,8 +75,9 @@ at::Tensor normalize_act_cuda(
     with_activation<acc_t>(act, [&](const auto& a) {
       using Op = NormalizeOp<acc_t, std::decay_t<decltype(a)>>;
       const Op op{
-          o.mean.const_data_ptr<acc_t>(), o.invstd.const_data_ptr<acc_t>(),
-          data_or_null<acc_t>(o.weight), data_or_null<acc_t>(o.bias), a};
+          o.mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(o.mean_lo),
+          o.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(o.weight),
+          data_or_null<acc_t>(o.bias), a};
       launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, o.input);
     });
   });

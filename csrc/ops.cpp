@@ -1,8 +1,9 @@
 // The `syncbn::` PyTorch operators: one per step of a synchronized layer call (see syncbn.h), with
 // CPU and CUDA kernels. Being dispatcher operators, they are traced whole by torch.compile (their
-// fake implementations are in syncbn_lightning/ops.py), captured by CUDA graphs and counted by
-// profilers like any aten op. They are not differentiable on their own: the layer's derivative,
-// collectives included, is one autograd.Function (syncbn_lightning/function.py).
+// fake implementations are in syncbn_lightning/ops/fakes.py), captured by CUDA graphs and counted
+// by profilers like any aten op. They are not differentiable on their own: the layer's
+// derivative, collectives included, is one autograd.Function
+// (syncbn_lightning/functional/function.py).
 #include <torch/library.h>
 
 #include "syncbn.h"
@@ -15,20 +16,44 @@ TORCH_LIBRARY(syncbn, m) {
       "merge_normalize(Tensor input, Tensor rows, Tensor? weight, Tensor? bias, "
       "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
       "Tensor(d!)? nonfinite, float? momentum, float eps, bool unbiased, int act=0, "
-      "float act_param=0.) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float act_param=0., bool equal_rank_weights=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "reduce_sums(Tensor input, Tensor? shift, int layer_tag, Tensor(a!) calls, "
+      "bool equal_rank_weights) -> Tensor");
+  m.def(
+      "reduce_merge_normalize(Tensor input, Tensor total, Tensor sent, Tensor? weight, "
+      "Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+      "Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, float? momentum, float eps, "
+      "bool unbiased, bool equal_rank_weights, int world_size, int act=0, float act_param=0.) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // `act` (activation.h; 0 = none) and `act_param` are the activation fused after the affine
   // step; its backward recomputes the pre-activation from the input, so it needs the bias.
+  // `mean_lo`: the low part of the split group mean (both merges return it).
   m.def(
       "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
-      "Tensor? bias=None, int act=0, float act_param=0.) -> (Tensor, Tensor, Tensor)");
+      "Tensor? bias=None, int act=0, float act_param=0., Tensor? mean_lo=None) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def(
       "grad_input(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
-      "Tensor sums, Tensor info, Tensor? bias=None, int act=0, float act_param=0.) -> Tensor");
+      "Tensor sums, Tensor info, Tensor? bias=None, int act=0, float act_param=0., "
+      "Tensor? mean_lo=None) -> Tensor");
 }
+
+namespace {
+// Every operator, and those that mutate an argument (the call counter, the running statistics).
+constexpr const char* kOperators[] = {
+    "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "grad_sums",
+    "grad_input"};
+constexpr const char* kMutating[] = {
+    "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize"};
+}  // namespace
 
 TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
   m.impl("stats_row", &syncbn::stats_row_cpu);
   m.impl("merge_normalize", &syncbn::merge_normalize_cpu);
+  m.impl("reduce_sums", &syncbn::reduce_sums_cpu);
+  m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cpu);
   m.impl("grad_sums", &syncbn::grad_sums_cpu);
   m.impl("grad_input", &syncbn::grad_input_cpu);
 }
@@ -38,13 +63,13 @@ TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
 // which cost each call a few microseconds of host time. ADInplaceOrView likewise: the tensors they
 // mutate (call counter, running statistics) are never saved for a backward.
 TORCH_LIBRARY_IMPL(syncbn, Autograd, m) {
-  for (const char* name : {"stats_row", "merge_normalize", "grad_sums", "grad_input"}) {
+  for (const char* name : kOperators) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }
 
 TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
-  for (const char* name : {"stats_row", "merge_normalize"}) {
+  for (const char* name : kMutating) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }
@@ -53,6 +78,8 @@ TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
 TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
   m.impl("stats_row", &syncbn::stats_row_cuda);
   m.impl("merge_normalize", &syncbn::merge_normalize_cuda);
+  m.impl("reduce_sums", &syncbn::reduce_sums_cuda);
+  m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cuda);
   m.impl("grad_sums", &syncbn::grad_sums_cuda);
   m.impl("grad_input", &syncbn::grad_input_cuda);
 }

@@ -1,6 +1,7 @@
 // CPU kernels of the statistics (see syncbn.h for the maths): per-channel Welford statistics of
-// the local batch, the fold of per-thread partials, and the count-weighted (Chan) merge of per-rank
-// statistics. Layout of this file: helpers, kernels, dispatch.
+// the local batch, the fold of per-thread partials, the count-weighted (Chan) merge of per-rank
+// statistics, and the reduce exchange's shifted float64 sums. Layout of this file: helpers,
+// kernels, dispatch.
 //
 // Statistics accumulate in acc_t (float for half/bfloat16/float, double for double) and partial
 // results from lanes, threads and chunks are merged in double with Chan's formula.
@@ -91,23 +92,31 @@ struct WelfordLanes {
 // Kernels
 // ------------------------------------------------------------------------------------------------
 
+// Where the statistics go: [C] outputs in the acc dtype, mean_lo optional (null: not written).
+template <typename acc_t>
+struct StatsOut {
+  acc_t* mean;
+  acc_t* m2;
+  acc_t* mean_lo;
+};
+
 // Folds the Welford partials part[c * c_stride + p * p_stride], p < parts, into per-channel
-// (mean, m2) with Chan's merge.
+// (mean, m2) with Chan's merge; the double mean rounded to mean and its remainder to mean_lo.
 template <typename acc_t>
 void fold_welford_partials(
     const std::vector<Welford>& part, int64_t C, int64_t parts, int64_t c_stride,
-    int64_t p_stride, acc_t* mean_out, acc_t* m2_out) {
+    int64_t p_stride, const StatsOut<acc_t>& out) {
   for (int64_t c = 0; c < C; ++c) {
     Welford w;
     for (int64_t p = 0; p < parts; ++p) w.merge(part[c * c_stride + p * p_stride]);
-    mean_out[c] = static_cast<acc_t>(w.mean);
-    m2_out[c] = static_cast<acc_t>(w.m2);
+    out.mean[c] = static_cast<acc_t>(w.mean);
+    out.m2[c] = static_cast<acc_t>(w.m2);
+    if (out.mean_lo) out.mean_lo[c] = static_cast<acc_t>(w.mean - static_cast<double>(out.mean[c]));
   }
 }
 
 template <typename scalar_t, typename acc_t>
-void welford_stats_channels_first(
-    const scalar_t* x, const Geometry& g, acc_t* mean_out, acc_t* m2_out) {
+void welford_stats_channels_first(const scalar_t* x, const Geometry& g, const StatsOut<acc_t>& out) {
   constexpr int L = kLanes<acc_t>;
   const int64_t P = row_splits(g);
   std::vector<Welford> partial(g.C * P);
@@ -129,12 +138,11 @@ void welford_stats_channels_first(
       lanes.merge_into(out, shift);
     }
   });
-  fold_welford_partials(partial, g.C, P, P, 1, mean_out, m2_out);
+  fold_welford_partials(partial, g.C, P, P, 1, out);
 }
 
 template <typename scalar_t, typename acc_t>
-void welford_stats_channels_last(
-    const scalar_t* x, const Geometry& g, acc_t* mean_out, acc_t* m2_out) {
+void welford_stats_channels_last(const scalar_t* x, const Geometry& g, const StatsOut<acc_t>& out) {
   const int64_t rows = g.N * g.S, C = g.C;
   const int64_t chunks = row_chunks(rows);
   std::vector<acc_t> shift(C);
@@ -167,7 +175,90 @@ void welford_stats_channels_last(
       }
     }
   });
-  fold_welford_partials(partial, C, chunks, 1, C, mean_out, m2_out);
+  fold_welford_partials(partial, C, chunks, 1, C, out);
+}
+
+// Lanes of the float64 sums: 16 doubles, four AVX2 registers per sum.
+constexpr int kSumLanes = 16;
+
+// S1[c] = sum(x - K[c]) and S2[c] = sum((x - K[c])^2) over channel c, in double (K null: 0).
+// Lanes, then the row splits in a fixed order: the same bits whatever the thread schedule.
+template <typename scalar_t>
+void shifted_sums_channels_first(
+    const scalar_t* x, const Geometry& g, const double* shift, double* s1, double* s2) {
+  constexpr int L = kSumLanes;
+  const int64_t P = row_splits(g);
+  std::vector<double> part1(g.C * P), part2(g.C * P);
+  at::parallel_for(0, g.C * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task / P, p = task % P;
+      const int64_t n0 = g.N * p / P, n1 = g.N * (p + 1) / P;
+      const double k = shift ? shift[c] : 0.0;
+      double a1[L] = {}, a2[L] = {};
+      double t1 = 0, t2 = 0;
+      visit_channel_groups<L, 1, scalar_t>(
+          {x}, g, c, n0, n1,
+          [&](const std::array<const scalar_t*, 1>& q, int64_t groups) {
+            for (int64_t gi = 0; gi < groups; ++gi) {
+              const scalar_t* __restrict v = q[0] + gi * L;
+#pragma GCC ivdep
+              for (int l = 0; l < L; ++l) {
+                const double d = static_cast<double>(to_acc<at::opmath_type<scalar_t>>(v[l])) - k;
+                a1[l] += d;
+                a2[l] += d * d;
+              }
+            }
+          },
+          [&](const std::array<const scalar_t*, 1>& q, int count) {
+            for (int i = 0; i < count; ++i) {
+              const double d = static_cast<double>(q[0][i]) - k;
+              t1 += d;
+              t2 += d * d;
+            }
+          });
+      for (int l = 0; l < L; ++l) t1 += a1[l], t2 += a2[l];
+      part1[task] = t1;
+      part2[task] = t2;
+    }
+  });
+  for (int64_t c = 0; c < g.C; ++c) {
+    double t1 = 0, t2 = 0;
+    for (int64_t p = 0; p < P; ++p) t1 += part1[c * P + p], t2 += part2[c * P + p];
+    s1[c] = t1;
+    s2[c] = t2;
+  }
+}
+
+template <typename scalar_t>
+void shifted_sums_channels_last(
+    const scalar_t* x, const Geometry& g, const double* shift, double* s1, double* s2) {
+  const int64_t rows = g.N * g.S, C = g.C;
+  const int64_t chunks = row_chunks(rows);
+  std::vector<double> part1(chunks * C, 0.0), part2(chunks * C, 0.0), k(C, 0.0);
+  if (shift) std::copy(shift, shift + C, k.begin());
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      double* __restrict p1 = part1.data() + chunk * C;
+      double* __restrict p2 = part2.data() + chunk * C;
+      const double* __restrict kp = k.data();
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* __restrict row = x + r * C;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < C; ++c) {
+          const double d = static_cast<double>(to_acc<at::opmath_type<scalar_t>>(row[c])) - kp[c];
+          p1[c] += d;
+          p2[c] += d * d;
+        }
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    double t1 = 0, t2 = 0;
+    for (int64_t p = 0; p < chunks; ++p) t1 += part1[p * C + c], t2 += part2[p * C + c];
+    s1[c] = t1;
+    s2[c] = t2;
+  }
 }
 
 // Counts are read at counts[w * count_stride], rank w's means and m2s at [w * row_stride + c]: the
@@ -204,36 +295,44 @@ void chan_merge(
 
 namespace detail {
 
-void local_stats_into_cpu(const at::Tensor& input, Channels mean, Channels m2) {
+void local_stats_into_cpu(
+    const at::Tensor& input, Channels mean, Channels m2, const Channels* mean_lo) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    acc_t* m = mean.data<acc_t>();
-    acc_t* q = m2.data<acc_t>();
+    const StatsOut<acc_t> out{
+        mean.data<acc_t>(), m2.data<acc_t>(), mean_lo ? mean_lo->data<acc_t>() : nullptr};
     if (g.N * g.S == 0) {
-      std::fill_n(m, g.C, acc_t(0));
-      std::fill_n(q, g.C, acc_t(0));
+      std::fill_n(out.mean, g.C, acc_t(0));
+      std::fill_n(out.m2, g.C, acc_t(0));
+      if (out.mean_lo) std::fill_n(out.mean_lo, g.C, acc_t(0));
       return;
     }
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     if (g.layout == Layout::kChannelsFirst) {
-      welford_stats_channels_first<scalar_t, acc_t>(x, g, m, q);
+      welford_stats_channels_first<scalar_t, acc_t>(x, g, out);
     } else {
-      welford_stats_channels_last<scalar_t, acc_t>(x, g, m, q);
+      welford_stats_channels_last<scalar_t, acc_t>(x, g, out);
     }
   });
 }
 
-void merge_rows_cpu(
-    const at::Tensor& rows, int64_t W, int64_t C, double eps, bool unbiased, at::Tensor& mean,
-    at::Tensor& invstd, at::Tensor& var) {
-  const int64_t width = row_width(C);
-  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "merge_rows_cpu", [&] {
-    const scalar_t* r = rows.const_data_ptr<scalar_t>();
-    chan_merge<scalar_t>(
-        r, width, r + kRowHeader, r + kRowHeader + C, width, W, C, eps, unbiased,
-        mean.mutable_data_ptr<scalar_t>(), invstd.mutable_data_ptr<scalar_t>(),
-        var.mutable_data_ptr<scalar_t>());
+void shifted_sums_into_cpu(
+    const at::Tensor& input, const at::Tensor& shift64, double* s1, double* s2) {
+  const Geometry g = geometry_of(input);
+  if (g.N * g.S == 0) {
+    std::fill_n(s1, g.C, 0.0);
+    std::fill_n(s2, g.C, 0.0);
+    return;
+  }
+  const double* k = shift64.defined() ? shift64.const_data_ptr<double>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "reduce_sums_cpu", [&] {
+    const scalar_t* x = input.const_data_ptr<scalar_t>();
+    if (g.layout == Layout::kChannelsFirst) {
+      shifted_sums_channels_first<scalar_t>(x, g, k, s1, s2);
+    } else {
+      shifted_sums_channels_last<scalar_t>(x, g, k, s1, s2);
+    }
   });
 }
 

@@ -1,7 +1,7 @@
 // CUDA kernels of the statistics (see syncbn.h for the maths): per-channel Welford statistics of
-// the local batch through the two-stage reduction (cuda_reduce.cuh), the fold of its partials, and
-// the count-weighted (Chan) merge of per-rank statistics (merge.h). Layout of this file: device
-// helpers, kernels, dispatch.
+// the local batch and the reduce exchange's shifted float64 sums, both through the two-stage
+// reduction (cuda_reduce.cuh), and the count-weighted (Chan) merge of per-rank statistics
+// (merge.h). Layout of this file: device helpers, kernels, dispatch.
 #include "cuda_reduce.cuh"
 #include "merge.h"
 
@@ -86,12 +86,75 @@ struct WelfordOp {
   __device__ __forceinline__ static void combine(T* a, const T* b) {
     welford_combine(a, b);
   }
-  // (mean, m2) of the unshifted values.
+  // (mean, m2) of the unshifted values, and in out2 (if given) the remainder of the mean: the
+  // shift and the shifted mean summed in double, less the rounded mean (the split local mean).
   template <typename T>
   __device__ __forceinline__ void outputs(
-      const T* s, Channel shift, acc_t& out0, acc_t& out1) const {
-    out0 = static_cast<acc_t>(static_cast<T>(shift) + s[1]);
-    out1 = static_cast<acc_t>(s[2]);
+      const T* s, Channel shift, int64_t c, const Outputs<acc_t>& out) const {
+    const acc_t mean = static_cast<acc_t>(static_cast<T>(shift) + s[1]);
+    out.out0[c] = mean;
+    out.out1[c] = static_cast<acc_t>(s[2]);
+    if (out.out2) {
+      const double exact = static_cast<double>(shift) + static_cast<double>(s[1]);
+      out.out2[c] = static_cast<acc_t>(exact - static_cast<double>(mean));
+    }
+  }
+};
+
+// The reduce exchange's per-channel sums in double: fields (sum (x - K), sum (x - K)^2), K the
+// channel's shift (the running mean, else 0), both scaled by `scale` at the end (1, or 1 / count
+// with equal rank weights). Instantiated with acc_t = double throughout the reduction.
+template <typename scalar_t>
+struct ShiftedSumOp {
+  static constexpr int kFields = 2;
+  using scalar_type = scalar_t;
+  using Item = double;
+  using Channel = double;  // K
+  const scalar_t* __restrict__ x;
+  const double* __restrict__ shift;  // may be null
+  double scale;
+
+  __device__ Channel channel(int64_t c) const { return shift ? shift[c] : 0.0; }
+  bool aligned(size_t bytes) const { return aligned_to(x, bytes); }
+  __device__ __forceinline__ static double value(scalar_t v) {
+    return static_cast<double>(static_cast<at::opmath_type<scalar_t>>(v));
+  }
+  __device__ __forceinline__ Item load(int64_t i, Channel k) const { return value(x[i]) - k; }
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(int64_t i, const Channel* k, Item* v) const {
+    const Vec<scalar_t, VEC> raw = syncbn::load_vec<VEC>(x, i);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) v[e] = value(raw.v[e]) - k[e];
+  }
+  __device__ __forceinline__ void push(double* s, Item v, Channel) const {
+    s[0] += v;
+    s[1] += v * v;
+  }
+  template <int N>
+  __device__ __forceinline__ void push_run(double* s, const Item* v, int count, Channel ch) const {
+#pragma unroll
+    for (int u = 0; u < N; ++u) {
+      if (u < count) push(s, v[u], ch);
+    }
+  }
+  template <int VEC>
+  __device__ __forceinline__ void push_vec(double (*s)[kFields], const Item* v, const Channel*) const {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      s[e][0] += v[e];
+      s[e][1] += v[e] * v[e];
+    }
+  }
+  template <typename T>
+  __device__ __forceinline__ static void combine(T* a, const T* b) {
+    a[0] += b[0];
+    a[1] += b[1];
+  }
+  template <typename T>
+  __device__ __forceinline__ void outputs(
+      const T* s, Channel, int64_t c, const Outputs<double>& out) const {
+    out.out0[c] = static_cast<double>(s[0]) * scale;
+    out.out1[c] = static_cast<double>(s[1]) * scale;
   }
 };
 
@@ -101,7 +164,7 @@ struct WelfordOp {
 
 // Count-weighted merge of W ranks' statistics, one thread per channel (merge.h).
 template <typename acc_t>
-__global__ void chan_merge_kernel(
+__global__ void __launch_bounds__(kThreads) chan_merge_kernel(
     const acc_t* __restrict__ counts, const acc_t* __restrict__ means,
     const acc_t* __restrict__ m2s, int64_t W, int64_t C, double eps, bool unbiased,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ invstd_out, acc_t* __restrict__ var_out) {
@@ -119,13 +182,29 @@ __global__ void chan_merge_kernel(
 
 namespace detail {
 
-void local_stats_into_cuda(const at::Tensor& input, at::Tensor& mean, at::Tensor& m2) {
+void local_stats_into_cuda(
+    const at::Tensor& input, at::Tensor& mean, at::Tensor& m2, at::Tensor* mean_lo) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int64_t shift_stride = g.layout == Layout::kChannelsFirst ? g.S : 1;
     const WelfordOp<scalar_t, acc_t> op{input.const_data_ptr<scalar_t>(), shift_stride};
-    launch_reduction(op, g, input, mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>());
+    const Outputs<acc_t> out{
+        mean.mutable_data_ptr<acc_t>(), m2.mutable_data_ptr<acc_t>(),
+        mean_lo ? mean_lo->mutable_data_ptr<acc_t>() : nullptr};
+    launch_reduction(op, g, input, out);
+  });
+}
+
+void shifted_sums_into_cuda(
+    const at::Tensor& input, const at::Tensor& shift64, double scale, at::Tensor& s1,
+    at::Tensor& s2) {
+  const Geometry g = geometry_of(input);
+  const double* k = shift64.defined() ? shift64.const_data_ptr<double>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "reduce_sums_cuda", [&] {
+    const ShiftedSumOp<scalar_t> op{input.const_data_ptr<scalar_t>(), k, scale};
+    const Outputs<double> out{s1.mutable_data_ptr<double>(), s2.mutable_data_ptr<double>(), nullptr};
+    launch_reduction(op, g, input, out);
   });
 }
 

@@ -1,9 +1,12 @@
-"""One synchronized layer call through the four fused steps, for any implementation of them.
+"""One synchronized layer call through the fused steps, for any implementation of them.
 
-``run_fused(ops, xs, ...)`` plays W ranks in one process: every rank's ``stats_row``, the
-gathered rows (concatenated, as the all-gather would), each rank's ``merge_normalize`` with its
-own copy of the running statistics, ``grad_sums``, the sums of all ranks, ``grad_input``. The
-implementations (``torch.ops.syncbn``, :mod:`syncbn_lightning.ops.reference`, the CUDA kernels under
+``run_fused(ops, xs, exchange=...)`` plays W ranks in one process: every rank's payload
+(``stats_row``, or ``reduce_sums`` shifted by its copy of the running mean), the payloads
+gathered (concatenated, as the all-gather would) or summed (as the all-reduce would; gathered for
+``exchange="reduce_gathered"``, the merge summing them), each rank's
+merge (``merge_normalize`` or ``reduce_merge_normalize``) with its own copy of the running
+statistics, ``grad_sums``, the sums of all ranks, ``grad_input``. The implementations
+(``torch.ops.syncbn``, :mod:`syncbn_lightning.ops.reference_steps`, the CUDA kernels under
 emulation) are compared on its results by ``tests/test_ops.py`` and
 ``tests/test_cuda_emu_fused.py``.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from _numerics import rel_err
 
 # (per-rank batch sizes, channels, spatial shape): uneven ranks, an empty rank, C = 1, C = 4099.
 FUSED_SHAPES = [
@@ -48,6 +52,8 @@ def run_fused(
     ops: Any,
     xs: list[torch.Tensor],
     *,
+    exchange: str = "gather",
+    equal_rank_weights: bool = False,
     momentum: float | None = 0.1,
     running_dtype: torch.dtype = torch.float32,
     affine: bool = True,
@@ -56,59 +62,102 @@ def run_fused(
     act: int = 0,
     act_param: float = 0.0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Every rank's results of one forward + backward through ``ops``' fused steps (with the
-    activation ``act``, ``act_param`` fused, see :mod:`syncbn_lightning.ops.activations`)."""
-    fused = (act, act_param) if act else ()  # none: the calls the plain layer makes
-    channels = xs[0].shape[1]
+    """Every rank's results of one forward + backward through ``ops``' fused steps of
+    ``exchange`` (with the activation ``act``, ``act_param`` fused, see
+    :mod:`syncbn_lightning.ops.activations`), on the inputs' device; the parameters, running
+    statistics and output gradients are drawn on the CPU, so every device sees the same values."""
+    channels, device = xs[0].shape[1], xs[0].device
     gen = torch.Generator().manual_seed(3)
-    weight = (torch.rand(channels, generator=gen) + 0.5) if affine else None
-    bias = torch.randn(channels, generator=gen) if affine else None
-    counters = [torch.full((1,), calls_start, dtype=torch.long) for _ in xs]
-    rows = torch.cat([ops.stats_row(x, layer_tag, c) for x, c in zip(xs, counters, strict=True)])
+    weight = (torch.rand(channels, generator=gen) + 0.5).to(device) if affine else None
+    bias = torch.randn(channels, generator=gen).to(device) if affine else None
+    counters = [torch.full((1,), calls_start, dtype=torch.long, device=device) for _ in xs]
+    states = [
+        {k: v.to(device) for k, v in running_state(channels, running_dtype).items()} for _ in xs
+    ]
+    if exchange == "gather":
+        sent = [ops.stats_row(x, layer_tag, c) for x, c in zip(xs, counters, strict=True)]
+        received = torch.cat(sent)
+    else:
+        sent = [
+            ops.reduce_sums(x, st["running_mean"], layer_tag, c, equal_rank_weights)
+            for x, st, c in zip(xs, states, counters, strict=True)
+        ]
+        # "reduce_gathered": every rank's vector, for the merge to sum (CPU groups of <= 8 ranks)
+        received = torch.cat(sent) if exchange == "reduce_gathered" else torch.stack(sent).sum(0)
     merged = []
-    for x in xs:
-        state = running_state(channels, running_dtype)
-        out = ops.merge_normalize(
-            x,
-            rows,
-            weight,
-            bias,
+    for x, own, state in zip(xs, sent, states, strict=True):
+        running = (
             state["running_mean"],
             state["running_var"],
             state["num_batches_tracked"],
             state["nonfinite"],
-            momentum,
-            1e-5,
-            True,
-            *fused,
         )
-        merged.append((out, state))
-    results = []
-    sums = []
-    grads = []
-    for x, ((_output, mean, invstd, _var, _info), _) in zip(xs, merged, strict=True):
-        dy = torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64))
-        grads.append(dy)
-        sums.append(ops.grad_sums(dy, x, mean, invstd, weight, *((bias, *fused) if act else ())))
+        if exchange == "gather":
+            out = ops.merge_normalize(
+                x,
+                received,
+                weight,
+                bias,
+                *running,
+                momentum,
+                1e-5,
+                True,
+                act,
+                act_param,
+                equal_rank_weights,
+            )
+        else:
+            out = ops.reduce_merge_normalize(
+                x,
+                received,
+                own,
+                weight,
+                bias,
+                *running,
+                momentum,
+                1e-5,
+                True,
+                equal_rank_weights,
+                len(xs),
+                act,
+                act_param,
+            )
+        merged.append(out)
+    # Drawn on the CPU (the same values on every device), copied in the input's layout.
+    grads = [
+        torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64))
+        for x in xs
+    ]
+    sums = [
+        ops.grad_sums(dy, x, m[1], m[3], weight, bias, act, act_param, m[2])
+        for dy, x, m in zip(grads, xs, merged, strict=True)
+    ]
     gathered = torch.cat([s[0] for s in sums])
+    results = []
     for r, x in enumerate(xs):
-        (output, mean, invstd, var, info), state = merged[r]
-        extra = (bias, *fused) if act else ()
-        grad_in = ops.grad_input(grads[r], x, mean, invstd, weight, gathered, info, *extra)
+        output, mean, mean_lo, invstd, var, info, grad_info = merged[r]
+        grad_in = ops.grad_input(
+            grads[r], x, mean, invstd, weight, gathered, grad_info, bias, act, act_param, mean_lo
+        )
         results.append(
             {
+                "grad_output": grads[r],
+                "weight": weight,
+                "bias": bias,
                 "calls": counters[r],
-                "rows": rows,
+                "sent": sent[r],
                 "output": output,
                 "mean": mean,
+                "mean_lo": mean_lo,
                 "invstd": invstd,
                 "var": var,
                 "info": info,
+                "grad_info": grad_info,
                 "sums": sums[r][0],
                 "grad_weight": sums[r][1],
                 "grad_bias": sums[r][2],
                 "grad_input": grad_in,
-                **state,
+                **states[r],
             }
         )
     return results
@@ -122,6 +171,9 @@ def compare(
         for key, expected in w.items():
             actual = g[key]
             where = f"rank {rank} {key}"
+            if expected is None:
+                assert actual is None, where
+                continue
             assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
             if actual.numel() > 1 and actual.dim() > 1:
                 assert actual.stride() == expected.stride(), where
@@ -138,3 +190,44 @@ def channels_last(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The same inputs in channels-last layout (4-D and 5-D; others unchanged)."""
     fmt = {4: torch.channels_last, 5: torch.channels_last_3d}
     return [x.contiguous(memory_format=fmt[x.dim()]) if x.dim() in fmt else x for x in xs]
+
+
+def float64_errors(
+    results: list[dict[str, torch.Tensor]], xs: list[torch.Tensor]
+) -> dict[str, float]:
+    """The worst normwise relative error (``_numerics.rel_err``) over ranks of each result of a
+    :func:`run_fused` with ``momentum=1.0`` against float64 BatchNorm on the concatenated batch
+    (the float32 inputs and output gradients the run used, its weight and bias), autograd for the
+    gradients: outputs, input gradients, the ranks' summed weight and bias gradients, and the
+    running statistics (the batch's, unbiased)."""
+    x = torch.cat([r_x.float().double() for r_x in xs]).requires_grad_(True)
+    dy = torch.cat([r["grad_output"].double() for r in results])
+    weight = results[0]["weight"].double().requires_grad_(True)
+    bias = results[0]["bias"].double().requires_grad_(True)
+    running = [torch.zeros(x.shape[1], dtype=torch.float64), torch.ones(x.shape[1]).double()]
+    out = torch.nn.functional.batch_norm(
+        x, *running, weight, bias, training=True, momentum=1.0, eps=1e-5
+    )
+    out.backward(dy)
+    errors: dict[str, float] = {}
+
+    def worst(key: str, value: float) -> None:
+        errors[key] = max(errors.get(key, 0.0), value)
+
+    start = 0
+    for r, rank_x in zip(results, xs, strict=True):
+        rows = slice(start, start + rank_x.shape[0])
+        start += rank_x.shape[0]
+        if rank_x.shape[0]:
+            worst("output", rel_err(r["output"], out[rows]))
+            worst("grad_input", rel_err(r["grad_input"], x.grad[rows]))
+        worst("running_mean", rel_err(r["running_mean"], running[0]))
+        worst("running_var", rel_err(r["running_var"], running[1]))
+    for key, oracle in (("grad_weight", weight.grad), ("grad_bias", bias.grad)):
+        worst(key, rel_err(sum(r[key].double() for r in results), oracle))
+    return errors
+
+
+def to_cpu(results: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """:func:`run_fused`'s results copied to the CPU, layouts kept (for :func:`compare`)."""
+    return [{k: None if v is None else v.cpu() for k, v in r.items()} for r in results]

@@ -123,3 +123,17 @@ def test_every_file_stays_under_400_lines(folder: str, patterns: list[str]) -> N
     assert files
     lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in files}
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_every_cuda_kernel_declares_its_block_size() -> None:
+    """``__global__ void __launch_bounds__(...) name(``: without the bound ptxas may give a kernel
+    more registers than its block can hold, and the launch fails on the GPU only ("too many
+    resources requested for launch": the float64 merge kernels, 78 registers x 1024 threads)."""
+    kernels = {
+        f"{p.name}: {line.strip()}"
+        for p in (ROOT / "csrc").glob("*.cu*")
+        for line in p.read_text().splitlines()
+        if line.lstrip().startswith("__global__")
+    }
+    assert len(kernels) >= 9
+    assert {k for k in kernels if "__launch_bounds__(" not in k} == set()

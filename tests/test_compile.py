@@ -27,7 +27,7 @@ from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchno
 # inductor compiles on gloo processes: outside the fast check.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# The bound is 16 (goal 12); today: 4 syncbn ops, 2 collectives + 2 waits, 3 AccumulateGrad.
+# Both exchanges, both stats modes: 4 syncbn ops, 2 collectives + 2 waits, 3 AccumulateGrad.
 MAX_OPS_PER_LAYER = 12
 
 
@@ -214,30 +214,45 @@ def test_compiled_call_order_mismatch_raises_on_every_rank() -> None:
 
 def _op_count_worker(rank: int, world: int) -> dict[str, Counter[str]]:
     counts = {}
-    for impl in ("ext", "ref"):
-        os.environ["SYNCBN_IMPL"] = impl
-        layer = SyncBatchNorm(8, force_sync=True)
-        x = torch.randn(2, 8, 4, 4, requires_grad=True)
-        grad = torch.ones_like(x)
-        layer(x).backward(grad)  # builds the extension, creates .grad
-        with OpCounter() as counter:
-            layer(x).backward(grad)
-        counts[impl] = counter.ops
+    for exchange in ("gather", "reduce"):
+        for stats_mode in ("N", "default"):
+            for impl in ("ext", "ref"):
+                os.environ["SYNCBN_IMPL"] = impl
+                layer = SyncBatchNorm(8, force_sync=True, exchange=exchange, stats_mode=stats_mode)
+                x = torch.randn(2, 8, 4, 4, requires_grad=True)
+                grad = torch.ones_like(x)
+                layer(x).backward(grad)  # builds the extension, creates .grad
+                with OpCounter() as counter:
+                    layer(x).backward(grad)
+                counts[f"{exchange}:{stats_mode}:{impl}"] = counter.ops
     return counts
 
 
-def test_dispatcher_ops_per_layer_forward_and_backward() -> None:
+# The fused steps of each exchange: its forward pair, then the backward both share.
+STEPS = {
+    "gather": ("stats_row", "merge_normalize", "grad_sums", "grad_input"),
+    "reduce": ("reduce_sums", "reduce_merge_normalize", "grad_sums", "grad_input"),
+}
+# In a CPU group of up to 8 ranks the reduce exchange's vectors are gathered too, for the merge to
+# sum (collectives.sum_over_group; tests/test_exchange.py checks the all-reduce on 16 ranks).
+FORWARD_COLLECTIVE = {"gather": "all_gather_into_tensor", "reduce": "all_gather_into_tensor"}
+
+
+@pytest.mark.parametrize("stats_mode", ["N", "default"])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_dispatcher_ops_per_layer_forward_and_backward(exchange: str, stats_mode: str) -> None:
     (counts,) = run_distributed(_op_count_worker, 1)
-    ext = counts["ext"]
+    ext = counts[f"{exchange}:{stats_mode}:ext"]
     assert sum(ext.values()) <= MAX_OPS_PER_LAYER, ext
-    for op in ("stats_row", "merge_normalize", "grad_sums", "grad_input"):
+    for op in STEPS[exchange]:
         assert ext[f"syncbn.{op}.default"] == 1, ext
-    # One collective forward (the rows), one backward (the sums), each with its wait.
+    # One collective forward (the exchange's), one backward (the sums), each with its wait.
     collectives = {k: v for k, v in ext.items() if k.startswith("_c10d_functional")}
     assert sum(v for k, v in collectives.items() if "wait" not in k) == 2, collectives
+    assert collectives[f"_c10d_functional.{FORWARD_COLLECTIVE[exchange]}.default"] >= 1
     assert collectives["_c10d_functional.wait_tensor.default"] == 2, collectives
     # The reference is the oracle, not the fast path, but it communicates the same way.
-    ref = counts["ref"]
+    ref = counts[f"{exchange}:{stats_mode}:ref"]
     assert sum(v for k, v in ref.items() if k.startswith("_c10d") and "wait" not in k) == 2
 
 

@@ -111,10 +111,16 @@ def test_cuda_elementwise_kernels_in_the_32_bit_overflow_band(ext, layout: str) 
         check_overflow_band(ext, kernel, layout, "cuda")
 
 
-def test_cuda_layer_runs_without_host_synchronization(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+EXCHANGES = ["gather", "reduce"]
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_cuda_layer_runs_without_host_synchronization(
+    ext, exchange: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Forward and backward of a synchronized layer issue no host sync (torch's sync debug mode)."""
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
-    layer = SyncBatchNorm(8, force_sync=True).cuda()
+    layer = SyncBatchNorm(8, force_sync=True, exchange=exchange).cuda()
     x = torch.randn(4, 8, 16, 16, device="cuda", requires_grad=True)
     layer(x).sum().backward()  # warm-up: builds and loads outside the checked region
     torch.cuda.synchronize()
@@ -128,11 +134,12 @@ def test_cuda_layer_runs_without_host_synchronization(ext, monkeypatch: pytest.M
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("exchange", EXCHANGES)
 def test_cuda_layer_forward_can_be_captured_in_a_cuda_graph(
-    ext, monkeypatch: pytest.MonkeyPatch
+    ext, exchange: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "ext")
-    layer = SyncBatchNorm(8, force_sync=True).cuda()
+    layer = SyncBatchNorm(8, force_sync=True, exchange=exchange).cuda()
     static_x = torch.randn(4, 8, 16, 16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -154,12 +161,17 @@ def test_cuda_layer_forward_can_be_captured_in_a_cuda_graph(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
 @pytest.mark.parametrize("impl", ["ext", "auto"])
+@pytest.mark.parametrize("exchange", EXCHANGES)
 def test_cuda_forced_sync_single_rank_matches_batchnorm2d(
-    impl: str, channels_last: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    exchange: str,
+    impl: str,
+    channels_last: bool,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", impl)
     torch.manual_seed(11)
-    ours = SyncBatchNorm(16, force_sync=True).cuda()
+    ours = SyncBatchNorm(16, force_sync=True, exchange=exchange).cuda()
     theirs = nn.BatchNorm2d(16).cuda()
     x = (torch.randn(4, 16, 24, 20, device="cuda") * 2 + 1).to(dtype)
     if channels_last:
@@ -179,58 +191,81 @@ def test_cuda_forced_sync_single_rank_matches_batchnorm2d(
 
 
 # Two ranks on the one GPU (gloo carries CUDA tensors; NCCL refuses two ranks on one device).
-TWO_RANK_BATCHES = [(3, 5), (4, 0)]  # uneven; one rank empty
+# Each case: per-rank batch sizes (uneven; one rank empty), the exchange, |mean| / std, layout.
+TWO_RANK_CASES = [
+    (batches, exchange, offset, layout)
+    for batches in ((3, 5), (4, 0))
+    for exchange in ("gather", "reduce")
+    for offset in (0.5, 1e4)
+    for layout in ("nchw", "cl")
+]
 
 
-def _two_rank_worker(
-    rank: int, world: int, batches: tuple[int, ...], seed: int
-) -> dict[str, np.ndarray]:
+def _two_rank_input(case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole group's float32 input and output gradient of ``case``, made on the CPU."""
+    batches, _exchange, offset, _layout = case
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    full = torch.randn(sum(batches), 6, 10, 12, generator=gen, dtype=torch.float64) + offset
+    return full.float(), torch.randn(full.shape, generator=gen)
+
+
+def _two_rank_worker(rank: int, world: int) -> list[dict[str, np.ndarray]]:
     import os
 
     os.environ["SYNCBN_IMPL"] = "ext"
-    torch.manual_seed(seed)
-    full = torch.randn(sum(batches), 6, 10, 12) * 2 + 0.5
-    dy = torch.randn_like(full)
-    start = sum(batches[:rank])
-    mine = slice(start, start + batches[rank])
-    layer = SyncBatchNorm(6).cuda()
-    x = full[mine].cuda().contiguous(memory_format=torch.channels_last).requires_grad_(True)
-    y = layer(x)
-    y.backward(dy[mine].cuda())
-    # numpy arrays, not tensors: the spawn harness shares returned tensors through
-    # multiprocessing's resource_sharer, which failed on the GPU machine (FileNotFoundError).
-    return {
-        "y": y.detach().cpu().numpy(),
-        "dx": x.grad.cpu().numpy(),
-        "dw": layer.weight.grad.cpu().numpy(),
-        "db": layer.bias.grad.cpu().numpy(),
-        "rm": layer.running_mean.cpu().numpy(),
-        "rv": layer.running_var.cpu().numpy(),
-    }
+    results = []
+    for case in TWO_RANK_CASES:
+        batches, exchange, _offset, layout = case
+        full, dy = _two_rank_input(case)
+        start = sum(batches[:rank])
+        mine = slice(start, start + batches[rank])
+        layer = SyncBatchNorm(6, momentum=1.0, exchange=exchange).cuda()
+        with torch.no_grad():
+            layer.weight.copy_(torch.linspace(0.5, 1.5, 6))
+            layer.bias.copy_(torch.linspace(-1.0, 1.0, 6))
+        x = full[mine].cuda()
+        if layout == "cl":
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        y = layer(x)
+        y.backward(dy[mine].cuda())
+        # numpy arrays, not tensors: the spawn harness shares returned tensors through
+        # multiprocessing's resource_sharer, which failed on the GPU machine (FileNotFoundError).
+        results.append(
+            {
+                "y": y.detach().cpu().numpy(),
+                "dx": x.grad.cpu().numpy(),
+                "dw": layer.weight.grad.cpu().numpy(),
+                "db": layer.bias.grad.cpu().numpy(),
+                "rm": layer.running_mean.cpu().numpy(),
+                "rv": layer.running_var.cpu().numpy(),
+            }
+        )
+    return results
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("batches", TWO_RANK_BATCHES, ids=str)
-def test_cuda_two_ranks_on_one_gpu_equal_one_process_on_the_concatenated_batch(
-    ext, batches: tuple[int, ...]
-) -> None:
-    results = [
-        {k: torch.from_numpy(v) for k, v in r.items()}
-        for r in run_distributed(_two_rank_worker, len(batches), batches, 7, timeout=300)
-    ]
-    torch.manual_seed(7)
-    full = torch.randn(sum(batches), 6, 10, 12) * 2 + 0.5
-    dy = torch.randn_like(full)
-    bn = nn.BatchNorm2d(6).cuda()
-    x = full.cuda().requires_grad_(True)
-    y = bn(x)
-    y.backward(dy.cuda())
-    y_all = torch.cat([r["y"] for r in results])
-    dx_all = torch.cat([r["dx"] for r in results])
-    assert rel_err(y_all, y.detach().cpu()) < 1e-5 and rel_err(dx_all, x.grad.cpu()) < 1e-5
-    # gamma/beta gradients are local (DDP averages them): their sum is the full-batch gradient.
-    assert rel_err(sum(r["dw"] for r in results), bn.weight.grad.cpu()) < 1e-5
-    assert rel_err(sum(r["db"] for r in results), bn.bias.grad.cpu()) < 1e-5
-    for r in results:
-        assert rel_err(r["rm"], bn.running_mean.cpu()) < 1e-6
-        assert rel_err(r["rv"], bn.running_var.cpu()) < 1e-6
+def test_cuda_two_ranks_on_one_gpu_match_float64_on_both_exchanges(ext) -> None:
+    """Two gloo ranks with CUDA tensors, both exchanges forced: outputs, input gradients, the
+    ranks' summed parameter gradients and the running statistics within 1e-5 of float64
+    BatchNorm on the concatenated batch, at |mean| / std 0.5 and 1e4, uneven and empty ranks."""
+    by_rank = run_distributed(_two_rank_worker, 2, timeout=300)
+    for i, case in enumerate(TWO_RANK_CASES):
+        full, dy = _two_rank_input(case)
+        got = [{k: torch.from_numpy(v) for k, v in ranks[i].items()} for ranks in by_rank]
+        x = full.double().requires_grad_(True)
+        weight = torch.linspace(0.5, 1.5, 6, dtype=torch.float64).requires_grad_(True)
+        bias = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).requires_grad_(True)
+        running = [torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)]
+        y = nn.functional.batch_norm(x, *running, weight, bias, True, 1.0, 1e-5)
+        y.backward(dy.double())
+        errors = {
+            "y": rel_err(torch.cat([r["y"] for r in got]), y),
+            "dx": rel_err(torch.cat([r["dx"] for r in got]), x.grad),
+            # gamma/beta gradients are local (DDP averages them): their sum is the batch's.
+            "dw": rel_err(sum(r["dw"] for r in got), weight.grad),
+            "db": rel_err(sum(r["db"] for r in got), bias.grad),
+            "rm": max(rel_err(r["rm"], running[0]) for r in got),
+            "rv": max(rel_err(r["rv"], running[1]) for r in got),
+        }
+        assert max(errors.values()) <= 1e-5, (case, errors)

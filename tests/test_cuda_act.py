@@ -17,7 +17,7 @@ from torch import nn
 
 from syncbn_lightning import SyncBatchNormAct
 from syncbn_lightning.ops import build as ops_build
-from syncbn_lightning.ops import reference
+from syncbn_lightning.ops import reference_steps
 from syncbn_lightning.ops.activations import by_name
 
 pytestmark = pytest.mark.gpu
@@ -51,15 +51,15 @@ def _fused_step(impl, x, w, b, dy, act: int, param: float) -> list[torch.Tensor]
     rows = impl.stats_row(x, 1, calls)
     if x.is_cuda:
         _poison(x)
-    out, mean, invstd, _var, info = impl.merge_normalize(
+    out, mean, mean_lo, invstd, _var, _info, grad_info = impl.merge_normalize(
         x, rows, w, b, None, None, None, None, 0.1, 1e-5, True, act, param
     )
     if x.is_cuda:
         _poison(x)
-    sums, gw, gb = impl.grad_sums(dy, x, mean, invstd, w, b, act, param)
+    sums, gw, gb = impl.grad_sums(dy, x, mean, invstd, w, b, act, param, mean_lo)
     if x.is_cuda:
         _poison(x)
-    gi = impl.grad_input(dy, x, mean, invstd, w, sums, info, b, act, param)
+    gi = impl.grad_input(dy, x, mean, invstd, w, sums, grad_info, b, act, param, mean_lo)
     return [out, gi, gw, gb]
 
 
@@ -83,7 +83,9 @@ def test_cuda_fused_activation_matches_float64_reference(
         x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
     got = _fused_step(ops, x.cuda(), w.cuda(), b.cuda(), dy.cuda(), code, param)
     # The truth: the reference's steps on the same (rounded) values, in float64.
-    want = _fused_step(reference, x.double(), w.double(), b.double(), dy.double(), code, param)
+    want = _fused_step(
+        reference_steps, x.double(), w.double(), b.double(), dy.double(), code, param
+    )
     assert got[0].stride() == x.stride() and got[1].stride() == x.stride()
     for what, g, t in zip(
         ("output", "grad_input", "grad_weight", "grad_bias"), got, want, strict=True

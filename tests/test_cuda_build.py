@@ -35,6 +35,7 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
     assert [o.name for o in objects] == [
         "backward_cuda.o",
         "entry_cuda.o",
+        "entry_reduce_cuda.o",
         "normalize_cuda.o",
         "stats_cuda.o",
     ]
@@ -48,7 +49,8 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
     # (bindings.cpp for the primitives, ops.cpp for the syncbn:: operators).
     for name in (
         "local_stats", "merge_stats", "normalize", "backward_reduce", "backward_elemt",
-        "stats_row", "merge_normalize", "grad_sums", "grad_input",
+        "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "grad_sums",
+        "grad_input",
     ):  # fmt: skip
         assert f"syncbn::{name}_cuda(at::Tensor const&" in symbols, name
 

@@ -1,18 +1,28 @@
-"""The fused steps' CUDA kernels (``csrc/entry_cuda.cu``) under SIMT emulation, against the CPU
-operators: header and merge-update kernels, the reductions writing into the gathered rows,
-running-statistic updates (momentum, cumulative, half-precision buffers, non-finite skips) and the
-device-side call-order flag. Every output is poisoned first, so an element no thread writes fails.
+"""The fused steps' CUDA kernels (``csrc/entry_cuda.cu``, ``csrc/entry_reduce_cuda.cu``) under
+SIMT emulation, against the CPU operators, for both exchanges: header and merge-update kernels,
+the reductions writing into the gathered rows or the shifted float64 sums, the split (hi + lo)
+group mean, equal rank weights, running-statistic updates (momentum, cumulative, half-precision
+buffers, non-finite skips) and the device-side call-order flag. Every output is poisoned first,
+so an element no thread writes fails.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _fused_cases import FUSED_SHAPES, channels_last, compare, rank_inputs, run_fused
+from _fused_cases import (
+    FUSED_SHAPES,
+    channels_last,
+    compare,
+    float64_errors,
+    rank_inputs,
+    run_fused,
+)
 from cuda_emu.build import load_emulator
 
 from syncbn_lightning.ops.activations import ACTIVATIONS
 from syncbn_lightning.ops.build import load_extension
+from syncbn_lightning.ops.reference_steps import row_width
 
 # Needs the emulation build (minutes on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
@@ -41,26 +51,85 @@ def clean(emu):
     [(d, "forward") for d in TOLERANCE] + [(torch.float32, "reverse"), (torch.float32, "random")],
 )
 @pytest.mark.parametrize(("sizes", "channels", "spatial"), FUSED_SHAPES)
-def test_fused_kernels_match_cpu_operators(clean, sizes, channels, spatial, dtype, order) -> None:
+@pytest.mark.parametrize("equal", [False, True])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_fused_kernels_match_cpu_operators(
+    clean, sizes, channels, spatial, dtype, order, exchange, equal
+) -> None:
     clean.set_schedule(order, 3)
     xs = rank_inputs(sizes, channels, spatial, dtype, seed=channels)
+    options = {"exchange": exchange, "equal_rank_weights": equal}
     for layout in (xs, channels_last(xs)):
-        compare(run_fused(clean, layout), run_fused(torch.ops.syncbn, layout), TOLERANCE[dtype])
+        compare(
+            run_fused(clean, layout, **options),
+            run_fused(torch.ops.syncbn, layout, **options),
+            TOLERANCE[dtype],
+        )
     assert clean.take_stats()["launches"] > 0
+
+
+@pytest.mark.parametrize(("sizes", "channels", "spatial"), FUSED_SHAPES)
+def test_reduce_merge_of_gathered_vectors(clean, sizes, channels, spatial) -> None:
+    """The reduce merge given every rank's vector (gathered, as in CPU groups) sums them first."""
+    xs = rank_inputs(sizes, channels, spatial, torch.float32, seed=channels)
+    for layout in (xs, channels_last(xs)):
+        compare(
+            run_fused(clean, layout, exchange="reduce_gathered"),
+            run_fused(torch.ops.syncbn, layout, exchange="reduce_gathered"),
+            TOLERANCE[torch.float32],
+        )
+
+
+# Per-channel counts past one block: the reductions split every channel over blocks (NCHW) or
+# over the channels-last tiles, and the two-stage fold runs.
+BLOCK_SHAPES = [([2, 0, 1], 4, (100, 84)), ([3, 1], 3, (64, 64)), ([1, 2], 33, (16, 16))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("sizes", "channels", "spatial"), BLOCK_SHAPES)
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_fused_kernels_across_block_boundaries(
+    clean, sizes, channels, spatial, dtype, exchange
+) -> None:
+    xs = rank_inputs(sizes, channels, spatial, dtype, seed=len(sizes))
+    for layout in (xs, channels_last(xs)):
+        compare(
+            run_fused(clean, layout, exchange=exchange),
+            run_fused(torch.ops.syncbn, layout, exchange=exchange),
+            TOLERANCE[dtype],
+        )
+
+
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_large_offset_keeps_float64_accuracy(clean, exchange) -> None:
+    """Activations at 1e4 times their spread: the split mean and the shifted sums keep the
+    emulated kernels as close to float64 BatchNorm as the CPU operators (``test_ops``)."""
+    xs = [x + 1e4 * 3 for x in rank_inputs([3, 1, 2], 6, (4, 5), torch.float64, seed=9)]
+    xs = [x.float() for x in xs]
+    options = {"exchange": exchange, "momentum": 1.0}
+    got = float64_errors(run_fused(clean, xs, **options), xs)
+    want = float64_errors(run_fused(torch.ops.syncbn, xs, **options), xs)
+    for key, error in want.items():
+        assert got[key] <= max(2 * error, 1e-6), (key, got[key], error)
 
 
 @pytest.mark.parametrize("act", [a.code for a in ACTIVATIONS if a.code])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_fused_activation_kernels_match_cpu_operators(clean, act, dtype) -> None:
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_fused_activation_kernels_match_cpu_operators(clean, act, dtype, exchange) -> None:
     """The normalize, reduction and elementwise kernels with each activation fused, both layouts,
     vectorized (C = 8) and not (C = 5), against the CPU operators."""
-    param = 0.2 if ACTIVATIONS[act].name == "leaky_relu" else 0.0
+    options = {
+        "act": act,
+        "act_param": 0.2 if ACTIVATIONS[act].name == "leaky_relu" else 0.0,
+        "exchange": exchange,
+    }
     for sizes, channels, spatial in (([2, 0, 3], 5, (3, 7)), ([3, 2], 8, (2, 8))):
         xs = rank_inputs(sizes, channels, spatial, dtype, seed=act)
         for layout in (xs, channels_last(xs)):
             compare(
-                run_fused(clean, layout, act=act, act_param=param),
-                run_fused(torch.ops.syncbn, layout, act=act, act_param=param),
+                run_fused(clean, layout, **options),
+                run_fused(torch.ops.syncbn, layout, **options),
                 TOLERANCE[dtype],
             )
 
@@ -69,9 +138,15 @@ def test_fused_activation_kernels_match_cpu_operators(clean, act, dtype) -> None
     ("momentum", "running_dtype", "affine"),
     [(None, torch.float32, True), (0.3, torch.float16, False), (1.0, torch.float64, True)],
 )
-def test_running_statistics_options(clean, momentum, running_dtype, affine) -> None:
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_running_statistics_options(clean, momentum, running_dtype, affine, exchange) -> None:
     xs = rank_inputs([2, 0, 3], 6, (4,), torch.float32, seed=5)
-    options = {"momentum": momentum, "running_dtype": running_dtype, "affine": affine}
+    options = {
+        "momentum": momentum,
+        "running_dtype": running_dtype,
+        "affine": affine,
+        "exchange": exchange,
+    }
     compare(
         run_fused(clean, xs, **options),
         run_fused(torch.ops.syncbn, xs, **options),
@@ -79,10 +154,12 @@ def test_running_statistics_options(clean, momentum, running_dtype, affine) -> N
     )
 
 
-def test_nonfinite_batch_skips_the_update(clean) -> None:
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_nonfinite_batch_skips_the_update(clean, exchange) -> None:
     xs = rank_inputs([2, 2], 3, (4,), torch.float32, seed=6)
     xs[0][1, 2, 3] = float("inf")
-    got, want = run_fused(clean, xs), run_fused(torch.ops.syncbn, xs)
+    got = run_fused(clean, xs, exchange=exchange)
+    want = run_fused(torch.ops.syncbn, xs, exchange=exchange)
     for g, w in zip(got, want, strict=True):
         assert float(g["info"][3]) == 0.0 and int(g["nonfinite"]) == 1
         assert torch.equal(g["running_mean"], w["running_mean"])
@@ -93,9 +170,25 @@ def test_call_order_mismatch_is_flagged_on_the_device(clean) -> None:
     x = torch.randn(2, 3, 4)
     calls = torch.zeros(1, dtype=torch.long)
     rows = torch.cat([clean.stats_row(x, 5, calls), clean.stats_row(x, 6, calls)])
-    assert int(calls) == 2 and rows[3].item() == 0 and rows[3 + 10].item() == 1
-    info = clean.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True)[4]
+    width = row_width(3)
+    assert int(calls) == 2 and rows[3].item() == 0 and rows[3 + width].item() == 1
+    info = clean.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True)[5]
     assert info[2].item() == 0.0  # the CPU operator raises instead (it may read the rows)
     same = torch.cat([clean.stats_row(x, 5, calls.clone()) for _ in range(2)])
-    info = clean.merge_normalize(x, same, None, None, None, None, None, None, 0.1, 1e-5, True)[4]
+    info = clean.merge_normalize(x, same, None, None, None, None, None, None, 0.1, 1e-5, True)[5]
     assert info[2].item() == 1.0
+
+
+def test_reduce_call_order_mismatch_is_flagged_on_the_device(clean) -> None:
+    """Two ranks at different layers: the summed fingerprint differs from the rank's own times
+    the world size, and the merge flags it in ``info[2]`` instead of reading the sums."""
+    x = torch.randn(2, 3, 4)
+    shift = torch.zeros(3)
+    sent = [
+        clean.reduce_sums(x, shift, tag, torch.zeros(1, dtype=torch.long), False) for tag in (5, 6)
+    ]
+    total = sent[0] + sent[1]
+    merge = [None, None, None, None, None, None, 0.1, 1e-5, True, False, 2]
+    assert clean.reduce_merge_normalize(x, total, sent[0], *merge)[5][2].item() == 0.0
+    same = sent[0] * 2
+    assert clean.reduce_merge_normalize(x, same, sent[0], *merge)[5][2].item() == 1.0

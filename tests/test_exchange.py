@@ -6,9 +6,11 @@ second shifted by the updated one) on uneven batches with empty ranks; a float64
 oracle computes the group statistics with autograd on the concatenated batch (count-weighted for
 ``stats_mode="N"``, every non-empty rank the same for ``"default"``). Outputs, input gradients,
 the ranks' summed weight/bias gradients and the running statistics must agree within 1e-5
-(normwise, see ``_numerics.rel_err``), also at ``|mean| / std = 1e4``. A TorchDispatchMode records
-every collective's payload: the reduce exchange's forward is one all-reduce of ``8 * (2C + 15)``
-bytes for 2, 4, 8 and 16 ranks, while the gather exchange's grows as ``P``.
+(normwise, see ``_numerics.rel_err``), also at ``|mean| / std = 1e4`` for both exchanges. A
+TorchDispatchMode records every collective's payload: the reduce exchange's forward on 16 ranks
+is one all-reduce of ``8 * (2C + 15)`` bytes (in CPU groups of up to 8 ranks, an all-gather of
+those vectors, as the backward's sums), while the gather exchange's, ``P`` rows of
+``4 * (3C + 4)`` bytes, grows as ``P``.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from _numerics import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct
+from syncbn_lightning.distributed.collectives import GATHER_SUM_MAX_RANKS
 from syncbn_lightning.functional.reduce import reduce_payload_numel
+from syncbn_lightning.ops.reference_steps import row_width
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # processes: outside the fast check
-# The gather layers run the reference twin (same collectives as the extension's kernels): these
-# tests are about the exchange, and 16 processes should not wait on a first build of the extension.
+# The layers run the reference twins of the fused steps (the same collectives and payloads as the
+# extension's kernels, which tests/test_ops.py compares with them): these tests are about the
+# exchange, and 16 processes should not wait on a first build of the extension.
 ENV = {"SYNCBN_IMPL": "ref"}
 
 C, EPS, MOMENTUM, STEPS, TOL = 4, 1e-5, 0.1, 2, 1e-5
@@ -42,6 +47,8 @@ CONFIGS = [
     ("reduce", "N", None, 1e4, True),
     ("reduce", "default", None, 1e4, True),
     ("reduce", "N", None, 1e4, False),
+    ("gather", "N", None, 1e4, True),
+    ("gather", "default", None, 1e4, True),
 ]
 
 
@@ -201,16 +208,25 @@ def _check_parity(results: list[Any], sizes: list[list[int]], configs: list) -> 
             assert errors[worst] <= TOL, (where, worst, errors)
 
 
-def _check_reduce_bytes(results: list[Any], configs: list, world: int) -> None:
-    """Every reduce forward: ONE all-reduce of 8 * (2C + 15) bytes, whatever ``world``; every
-    gather forward: one all-gather of ``world`` rows of 4 * (2C + 4) bytes."""
+def forward_collective(exchange: str, channels: int, world: int) -> tuple[str, int]:
+    """``(collective, bytes one rank receives)`` of a forward on CPU: the gather exchange
+    all-gathers ``world`` rows of ``4 * (3C + 4)`` bytes; the reduce exchange all-reduces
+    ``8 * (2C + 15)`` bytes whatever ``world`` above 8 ranks, and in groups of up to 8 ranks
+    all-gathers those vectors (``collectives.sum_over_group``: gloo's all-gather is the faster)."""
+    if exchange == "gather":
+        return ("all_gather_into_tensor", world * 4 * row_width(channels))
+    vector = 8 * reduce_payload_numel(channels)
+    if world <= GATHER_SUM_MAX_RANKS:
+        return ("all_gather_into_tensor", world * vector)
+    return ("all_reduce", vector)
+
+
+def _check_forward_bytes(results: list[Any], configs: list, world: int) -> None:
+    """Every forward: ONE collective, :func:`forward_collective`'s."""
     for index, (exchange, *_rest) in enumerate(configs):
         for ranks in results:
             for step in ranks[index]:
-                if exchange == "reduce":
-                    assert step["forward"] == [("all_reduce", 8 * reduce_payload_numel(C))], step
-                else:
-                    assert step["forward"] == [("all_gather_into_tensor", world * 4 * (2 * C + 4))]
+                assert step["forward"] == [forward_collective(exchange, C, world)], step
 
 
 def _sizes(world: int) -> list[list[int]]:
@@ -224,23 +240,24 @@ def test_reduce_matches_gather_and_float64_oracle_on_eight_ranks() -> None:
     assert 0 in sizes[0] and 0 in sizes[1]
     results = run_distributed(_parity_worker, 8, sizes, CONFIGS, timeout=300, env=ENV)
     _check_parity(results, sizes, CONFIGS)
-    _check_reduce_bytes(results, CONFIGS, 8)
+    _check_forward_bytes(results, CONFIGS, 8)
 
 
 @pytest.mark.slow
-def test_auto_reduces_on_sixteen_ranks_with_float64_accuracy() -> None:
+def test_sixteen_ranks_reduce_with_float64_accuracy_and_auto_gathers_on_cpu() -> None:
     configs = [
-        ("auto", "N", None, 1e4, True),
-        ("auto", "default", None, 1.0, True),
-        ("gather", "N", None, 1.0, True),
+        ("reduce", "N", None, 1e4, True),
+        ("reduce", "default", None, 1.0, True),
+        ("auto", "N", None, 1.0, True),
     ]
     sizes = _sizes(16)
     results = run_distributed(
         _parity_worker, 16, sizes, configs, timeout=600, pg_timeout_s=300, env=ENV
     )
     _check_parity(results, sizes, configs)
-    # "auto" above 8 ranks is the reduce exchange; the backward all-reduces 2C float32 sums.
-    _check_reduce_bytes(results, [("reduce",), ("reduce",), ("gather",)], 16)
+    # Above 8 ranks the reduce exchange all-reduces its O(C) vector; "auto" gathers CPU tensors
+    # (on GPUs it would reduce: test_exchange_api); the backward all-reduces 2C float32 sums.
+    _check_forward_bytes(results, [("reduce",), ("reduce",), ("gather",)], 16)
     for ranks in results:
         for steps in ranks:
             for step in steps:
@@ -260,10 +277,9 @@ def _bytes_worker(rank: int, world: int) -> dict[str, list[tuple[str, int]]]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_reduce_bytes_are_o_of_c_and_independent_of_group_size(world: int) -> None:
+def test_forward_bytes_of_each_exchange_in_cpu_groups(world: int) -> None:
     for calls in run_distributed(_bytes_worker, world, env=ENV):
         for channels in (4, 64):
-            reduce_bytes = 8 * (2 * channels + 15)
-            assert calls[f"reduce:{channels}"] == [("all_reduce", reduce_bytes)]
-            gather = calls[f"gather:{channels}"]
-            assert gather == [("all_gather_into_tensor", world * 4 * (2 * channels + 4))]
+            for exchange in ("gather", "reduce"):
+                want = forward_collective(exchange, channels, world)
+                assert calls[f"{exchange}:{channels}"] == [want]

@@ -2,9 +2,10 @@
 all-gathers float64 rows and checks it on 3 real gloo ranks (uneven batches, one empty) against a
 float64 one-process oracle.
 
-The toy sends ``[count, samples, layer_tag, call_tag, mean[C], m2[C]]`` in float64 (the gather
-exchange's row, in float64 whatever the input dtype), merges with the reference's Chan merge in
-float64, and runs its backward in float64 through the reference's fused steps. Everything else
+The toy sends ``[count, samples, layer_tag, call_tag, mean[C], mean_lo[C], m2[C]]`` in float64
+(the gather exchange's row, in float64 whatever the input dtype, so ``mean_lo`` is 0), merges with
+the reference's Chan merge in float64, and runs its backward in float64 through the reference
+twins of the fused steps. Everything else
 (the layer, its options, the one autograd Function, the collectives, the running statistics,
 ``SyncBNCallback``'s settings) is the library's, untouched.
 """
@@ -31,7 +32,7 @@ from syncbn_lightning.functional import (
     exchange_names,
     register_exchange,
 )
-from syncbn_lightning.ops import reference
+from syncbn_lightning.ops import reference, reference_steps
 
 pytestmark = pytest.mark.distributed
 
@@ -45,17 +46,17 @@ class Float64Gather(Exchange):
     gathers = True
 
     def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
-        return reference.stats_row(inputs.input.double(), call.layer_tag, inputs.state.calls)
+        return reference_steps.stats_row(inputs.input.double(), call.layer_tag, inputs.state.calls)
 
     def merge(
         self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
     ) -> Merged:
         input, weight, bias, state = inputs
         options, channels = call.options, input.shape[1]
-        table = received.view(-1, reference.ROW_HEADER + 2 * channels)
+        table = received.view(-1, reference_steps.row_width(channels))
         raise_if_out_of_order(table[:, 2:4], call.group)
-        means = table[:, reference.ROW_HEADER : reference.ROW_HEADER + channels]
-        m2s = table[:, reference.ROW_HEADER + channels :]
+        hi, lo, m2s = table[:, reference_steps.ROW_HEADER :].split(channels, dim=1)
+        means = hi + lo
         mean, invstd, var = reference.merge_stats(
             table[:, 0], means, m2s, options.eps, options.unbiased_running_var
         )
@@ -81,7 +82,7 @@ class Float64Gather(Exchange):
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
         input, weight, mean, invstd, _info = saved
         w64 = None if weight is None else weight.double()
-        sums, grad_weight, grad_bias = reference.grad_sums(
+        sums, grad_weight, grad_bias = reference_steps.grad_sums(
             grad_output.double(), input.double(), mean, invstd, w64
         )
         dtype = weight.dtype if weight is not None else input.dtype
@@ -92,7 +93,7 @@ class Float64Gather(Exchange):
     ) -> torch.Tensor:
         input, weight, mean, invstd, info = local.carry
         w64 = None if weight is None else weight.double()
-        grad = reference.grad_input(
+        grad = reference_steps.grad_input(
             grad_output.double(), input.double(), mean, invstd, w64, summed, info
         )
         return grad.to(input.dtype)

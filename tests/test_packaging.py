@@ -37,6 +37,7 @@ LIBRARY_MODULES = (
     ),
 )
 
+
 def _requirement_names(requirements: list[str]) -> set[str]:
     return {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0].strip() for r in requirements}
 

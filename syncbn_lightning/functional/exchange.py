@@ -4,7 +4,7 @@ The one autograd Function (:mod:`.function`) runs every synchronized layer call 
 an :class:`Exchange` strategy fills in the steps that differ::
 
     forward   sent = exchange.payload(inputs, call)        what travels forward (this rank's)
-              received = all_gather(sent)  if exchange.gathers  else  all_reduce(sent)
+              received = all_gather(sent)  if exchange.gathers  else  sum_over_group(sent)
               merged = exchange.merge(inputs, sent, received, call)   statistics, output
     backward  local = exchange.local_grads(dy, saved, call)  what travels back (+ local dW, dB)
               summed = sum_over_group(local.sums)          (only when the input needs a gradient)
@@ -30,9 +30,20 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..distributed.collectives import Group
+from ..ops import reference_steps
 from .options import SyncOptions
 
-__all__ = ["Exchange", "Inputs", "LayerState", "LocalGrads", "Merged", "Saved", "SyncCall"]
+__all__ = [
+    "Exchange",
+    "Inputs",
+    "LayerState",
+    "LocalGrads",
+    "Merged",
+    "Saved",
+    "SplitMeanBackward",
+    "SyncCall",
+    "kernels",
+]
 
 #: The tensors a strategy's forward keeps for its backward (saved by the Function).
 Saved = tuple[torch.Tensor | None, ...]
@@ -114,7 +125,9 @@ class Exchange(ABC):
     name: ClassVar[str]
     #: one line on what it sends, for error messages and docs.
     summary: ClassVar[str]
-    #: ``True``: the payloads are all-gathered (every rank's, in rank order); ``False``: summed.
+    #: ``True``: the payloads are all-gathered (every rank's, in rank order); ``False``: summed
+    #: (all-reduced, or gathered where :func:`~syncbn_lightning.distributed.collectives
+    #: .sum_over_group` gathers, for :meth:`merge` to sum in rank order).
     gathers: ClassVar[bool]
     #: whether it runs the ``syncbn::`` operators when the extension is available (``impl=``).
     uses_kernels: ClassVar[bool] = False
@@ -127,9 +140,9 @@ class Exchange(ABC):
     def merge(
         self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
     ) -> Merged:
-        """The group's statistics from ``received`` (gathered payloads or their sum; ``sent`` is
-        this rank's), the call-order check, the running-stat update and the normalized
-        (activated) output."""
+        """The group's statistics from ``received`` (gathered payloads, or their sum or every
+        rank's as :attr:`gathers` says; ``sent`` is this rank's), the call-order check, the
+        running-stat update and the normalized (activated) output."""
 
     @abstractmethod
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
@@ -143,3 +156,40 @@ class Exchange(ABC):
         (``[W * 2C]`` in rank order) when :func:`~syncbn_lightning.distributed.collectives
         .sum_over_group` gathered them; ``local`` is what :meth:`local_grads` returned, its
         ``carry`` holding what this step needs of the saved tensors."""
+
+
+def kernels(call: SyncCall) -> Any:
+    """The fused steps ``call`` runs: the ``syncbn::`` operators, or their pure-PyTorch twins
+    (:mod:`syncbn_lightning.ops.reference_steps`, the same names and signatures)."""
+    return torch.ops.syncbn if call.fused else reference_steps
+
+
+class SplitMeanBackward(Exchange):
+    """The backward of the built-in strategies: ``grad_sums`` and ``grad_input`` of the group mean
+    split into ``mean + mean_lo``, whatever the forward exchanged. Their ``merge`` saves
+    ``(input, weight, mean, mean_lo, invstd, grad_info, bias)``."""
+
+    def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
+        input, weight, mean, mean_lo, invstd, _grad_info, bias = saved
+        sums, grad_weight, grad_bias = kernels(call).grad_sums(
+            grad_output, input, mean, invstd, weight, bias, call.act, call.act_param, mean_lo
+        )
+        return LocalGrads(sums, grad_weight, grad_bias, saved)
+
+    def grad_input(
+        self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> torch.Tensor:
+        input, weight, mean, mean_lo, invstd, grad_info, bias = local.carry
+        return kernels(call).grad_input(
+            grad_output,
+            input,
+            mean,
+            invstd,
+            weight,
+            summed,
+            grad_info,
+            bias,
+            call.act,
+            call.act_param,
+            mean_lo,
+        )

@@ -3,7 +3,8 @@
 Per layer call, ONE collective forward and ONE backward, whatever the exchange strategy
 (:mod:`.exchange` says which steps a strategy fills in)::
 
-    forward   payload -> all_gather or all_reduce -> merge (statistics, running stats, output)
+    forward   payload -> all_gather, or sum over the group -> merge (statistics, running stats,
+              output)
     backward  local sums -> sum over the group -> input gradient
 
 "Synchronized" means the group is normalized as one batch: with per-rank counts ``n_r`` the mean is
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from ..distributed.collectives import all_gather, all_reduce, sum_over_group
+from ..distributed.collectives import all_gather, sum_over_group
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
 from .exchange import Inputs, LayerState, SyncCall
@@ -64,8 +65,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         sent = exchange.payload(inputs, call)
         if exchange.gathers:
             received = all_gather(sent, call.group, call.world_size)
-        else:
-            received = all_reduce(sent, call.group)  # type: ignore[arg-type]
+        else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
+            received = sum_over_group(sent, call.group, call.world_size)
         merged = exchange.merge(inputs, sent, received, call)
         ctx.save_for_backward(*merged.saved)
         ctx.call = call

@@ -20,7 +20,11 @@ __all__ = [
     "resolve_exchange",
 ]
 
-#: ``exchange="auto"`` reduces in groups of more than this many ranks and gathers up to it.
+#: ``exchange="auto"`` on GPUs reduces in groups of more than this many ranks and gathers up to
+#: it (one node of 8 GPUs gathers; across nodes NCCL's tree all-reduce takes ``2 log2 P`` steps
+#: where its ring all-gather takes ``P - 1``: the alpha-beta model of docs/scaling.md). CPU
+#: tensors (gloo) always gather: measured on 2 to 16 gloo ranks, the reduce exchange was never the
+#: faster (gloo's all-reduce is a ring too, twice the all-gather's steps; benchmarks/RESULTS.md).
 AUTO_REDUCE_ABOVE = 8
 
 
@@ -55,7 +59,7 @@ def check_exchange(exchange: Any, name: str = "exchange") -> str:
     and every accepted value with what it does."""
     if exchange != "auto" and exchange not in _STRATEGIES:
         choices = [f"{n!r} ({s.summary})" for n, s in _STRATEGIES.items()]
-        choices.append(f"'auto' (reduce in groups of more than {AUTO_REDUCE_ABOVE} ranks)")
+        choices.append(f"'auto' (on GPUs, reduce in groups of more than {AUTO_REDUCE_ABOVE} ranks)")
         raise ValueError(
             f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {exchange!r}"
         )
@@ -67,13 +71,17 @@ def get_exchange(name: str) -> Any:
     return _STRATEGIES[name]
 
 
-def resolve_exchange(exchange: str, world_size: int, group: Any) -> Any:
-    """The strategy a layer with ``exchange`` uses in a sync group of ``world_size`` ranks:
-    ``"auto"`` is ``reduce`` in groups of more than :data:`AUTO_REDUCE_ABOVE` ranks and ``gather``
-    up to it; ``group`` is the layer's group name, or a DataParallel replica group, which is
-    in-process and always gathers."""
+def resolve_exchange(
+    exchange: str, world_size: int, group: Any, device_type: str | None = None
+) -> Any:
+    """The strategy a layer with ``exchange`` uses in a sync group of ``world_size`` ranks for
+    tensors on ``device_type``: ``"auto"`` is ``gather`` for CPU tensors, and otherwise
+    ``reduce`` in groups of more than :data:`AUTO_REDUCE_ABOVE` ranks and ``gather`` up to it
+    (``device_type=None``: that rule); ``group`` is the layer's group name, or a DataParallel
+    replica group, which is in-process and always gathers."""
     if group is not None and not isinstance(group, str):
         return _STRATEGIES["gather"]
     if exchange == "auto":
-        return _STRATEGIES["reduce" if world_size > AUTO_REDUCE_ABOVE else "gather"]
+        reduce = device_type != "cpu" and world_size > AUTO_REDUCE_ABOVE
+        return _STRATEGIES["reduce" if reduce else "gather"]
     return _STRATEGIES[exchange]

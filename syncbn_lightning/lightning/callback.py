@@ -78,8 +78,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             :class:`~syncbn_lightning.SyncBatchNorm`); ``None`` keeps each layer's own (``"N"``
             for converted layers). Default: None.
         exchange: if not None, every layer's statistics exchange: ``"gather"``, ``"reduce"``
-            (one all-reduce of O(C) values whatever the group size) or ``"auto"`` (reduce in
-            groups of more than 8 ranks); ``None`` keeps each layer's own (``"auto"`` for
+            (one all-reduce of O(C) values whatever the group size) or ``"auto"`` (on GPUs, reduce
+            in groups of more than 8 ranks); ``None`` keeps each layer's own (``"auto"`` for
             converted layers). See ``docs/scaling.md``. Default: None.
         impl: the layers' kernels: ``"auto"``, ``"ext"``, ``"reference"``, or ``None`` (the
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see

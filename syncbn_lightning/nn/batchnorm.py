@@ -104,13 +104,13 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             batch size (the same result when batches are equal; the gradient follows the same
             weights). Default: ``"N"``.
         exchange: how the ranks' statistics travel in the forward: ``"gather"`` (one all-gather
-            of every rank's ``[count, mean, M2]`` row: ``P * (2C + 4)`` values received per rank),
-            ``"reduce"`` (one all-reduce of per-channel float64 sums shifted by the running mean:
-            ``2C + 15`` values whatever the group size ``P``; see
+            of every rank's ``[count, mean, mean_lo, M2]`` row: ``P * (3C + 4)`` values received
+            per rank), ``"reduce"`` (one all-reduce of per-channel float64 sums shifted by the
+            running mean: ``2C + 15`` values whatever the group size ``P``; see
             :mod:`syncbn_lightning.functional.reduce`), another registered strategy, or ``"auto"``
-            (reduce in groups of more than 8 ranks, gather up to 8). Both give the same statistics
-            (the reduce exchange keeps the float64 mean, so it also stays accurate when ``|mean| /
-            std`` is large); the backward is the same. DataParallel replicas always gather. Default:
+            (on GPUs, reduce in groups of more than 8 ranks, gather up to 8; on CPUs, gather).
+            Both give the same statistics, within 1e-7 of float64 even when ``|mean| / std`` is
+            1e4, and share the backward. DataParallel replicas always gather. Default:
             ``"auto"``.
 
     Shape:
@@ -296,7 +296,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         )
         options = self.sync_options
         group = self.replica_group or group_name_of(self.process_group)
-        exchange = resolve_exchange(options.exchange, world_size, group)
+        exchange = resolve_exchange(options.exchange, world_size, group, input.device.type)
         fused = exchange.uses_kernels and uses_extension(input.device.type, options.impl)
         call = SyncCall(group, world_size, self.layer_tag, exchange, options, fused, *activation)
         output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)

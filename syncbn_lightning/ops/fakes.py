@@ -1,20 +1,24 @@
 """The ``syncbn::`` operators' fake (meta) kernels, registered when the extension is loaded.
 
-The extension (``csrc/ops.cpp``) registers four operators, one per step of a synchronized layer
+The extension (``csrc/ops.cpp``) registers six operators, one per step of a synchronized layer
 call, with CPU and CUDA kernels:
 
-* ``syncbn::stats_row(input, layer_tag, calls!) -> row``
-* ``syncbn::merge_normalize(input, rows, weight, bias, running_mean!, running_var!,
-  num_batches_tracked!, nonfinite!, momentum, eps, unbiased, act=0, act_param=0.)
-  -> (output, mean, invstd, var, info)``
-* ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None, act=0, act_param=0.)
-  -> (sums, grad_weight, grad_bias)``
-* ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info, bias=None, act=0,
-  act_param=0.) -> grad_input``
+* the gather exchange: ``syncbn::stats_row(input, layer_tag, calls!) -> row`` and
+  ``syncbn::merge_normalize(input, rows, weight, bias, running_mean!, running_var!,
+  num_batches_tracked!, nonfinite!, momentum, eps, unbiased, act=0, act_param=0.,
+  equal_rank_weights=False) -> (output, mean, mean_lo, invstd, var, info, grad_info)``;
+* the reduce exchange: ``syncbn::reduce_sums(input, shift, layer_tag, calls!,
+  equal_rank_weights) -> sums`` and ``syncbn::reduce_merge_normalize(input, total, sent, weight,
+  bias, running_mean!, running_var!, num_batches_tracked!, nonfinite!, momentum, eps, unbiased,
+  equal_rank_weights, world_size, act=0, act_param=0.)`` with the same outputs;
+* the backward of both: ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None,
+  act=0, act_param=0., mean_lo=None) -> (sums, grad_weight, grad_bias)`` and
+  ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info, bias=None, act=0,
+  act_param=0., mean_lo=None) -> grad_input``.
 
 ``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none).
 
-Their semantics are those of the same-named functions of :mod:`.reference`. The fake (meta)
+Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
 running a kernel; torch imports this module for them (``set_python_module`` in ``csrc/ops.cpp``),
 and :func:`register_fakes` registers them when the extension is loaded (:mod:`.build`).
@@ -27,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import reference
+from . import reference, reference_steps
 
 __all__ = ["register_fakes"]
 
@@ -45,17 +49,33 @@ def _dense_like(input: torch.Tensor) -> torch.Tensor:
 
 
 def _stats_row_fake(input: torch.Tensor, layer_tag: int, calls: torch.Tensor) -> torch.Tensor:
-    return input.new_empty(reference.ROW_HEADER + 2 * input.shape[1], dtype=_acc(input.dtype))
+    return input.new_empty(reference_steps.row_width(input.shape[1]), dtype=_acc(input.dtype))
+
+
+def _merged(input: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(output, mean, mean_lo, invstd, var, info, grad_info)`` of both merges: shapes from
+    ``input``, statistics in the input's acc dtype on ``like``'s device."""
+    acc, channels = _acc(input.dtype), input.shape[1]
+    stats = [like.new_empty(channels, dtype=acc) for _ in range(4)]
+    return (_dense_like(input), *stats, *(like.new_empty(4, dtype=acc) for _ in range(2)))
 
 
 def _merge_normalize_fake(
     input: torch.Tensor, rows: torch.Tensor, *_settings: Any
 ) -> tuple[torch.Tensor, ...]:
-    """The outputs' shapes depend on ``input`` and ``rows`` only (the other arguments, those of
-    :func:`.reference.merge_normalize`, are updated in place or are scalars)."""
-    channels = input.shape[1]
-    stats = [rows.new_empty(channels) for _ in range(3)]
-    return (_dense_like(input), *stats, rows.new_empty(4))
+    """The outputs' shapes depend on ``input`` only (the other arguments, those of
+    :func:`.reference_steps.merge_normalize`, are updated in place or are scalars)."""
+    return _merged(input, rows)
+
+
+def _reduce_sums_fake(input: torch.Tensor, *_settings: Any) -> torch.Tensor:
+    return input.new_empty(reference_steps.REDUCE_HEADER + 2 * input.shape[1], dtype=torch.float64)
+
+
+def _reduce_merge_normalize_fake(input: torch.Tensor, *_rest: Any) -> tuple[torch.Tensor, ...]:
+    """As :func:`_merge_normalize_fake` (arguments: :func:`.reference_steps
+    .reduce_merge_normalize`'s)."""
+    return _merged(input, input)
 
 
 def _grad_sums_fake(
@@ -67,7 +87,7 @@ def _grad_sums_fake(
     *_activation: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shapes from ``input``, dtypes from ``mean`` and ``weight`` (the activation arguments,
-    ``bias, act, act_param``, change neither)."""
+    ``bias, act, act_param``, and ``mean_lo`` change neither)."""
     channels = input.shape[1]
     param_dtype = weight.dtype if weight is not None else mean.dtype
     return (
@@ -79,13 +99,15 @@ def _grad_sums_fake(
 
 def _grad_input_fake(grad_out: torch.Tensor, input: torch.Tensor, *_rest: Any) -> torch.Tensor:
     """The input gradient has the input's shape and layout (the other arguments: those of
-    :func:`.reference.grad_input`)."""
+    :func:`.reference_steps.grad_input`)."""
     return _dense_like(input)
 
 
 _FAKES = {
     "syncbn::stats_row": _stats_row_fake,
     "syncbn::merge_normalize": _merge_normalize_fake,
+    "syncbn::reduce_sums": _reduce_sums_fake,
+    "syncbn::reduce_merge_normalize": _reduce_merge_normalize_fake,
     "syncbn::grad_sums": _grad_sums_fake,
     "syncbn::grad_input": _grad_input_fake,
 }

@@ -1,10 +1,10 @@
-"""Pure-PyTorch reference of the BatchNorm primitives and fused steps: the kernels' twin.
+"""Pure-PyTorch reference of the BatchNorm primitives: the kernels' twin (the fused steps, the
+``syncbn::`` operators, are :mod:`.reference_steps`).
 
-The same five primitives and four fused steps as the C++/CUDA extension in ``csrc/`` (the fused
-steps are its ``syncbn::`` operators) with identical signatures and semantics (see
-``csrc/syncbn.h``). They run on any device and dtype, serve as the test oracle for the kernels, and
-are the fallback when the extension cannot be built (``SYNCBN_IMPL=ref``); plain torch code, so
-``torch.compile`` traces them too.
+The same five primitives as the C++/CUDA extension in ``csrc/`` with identical signatures and
+semantics (see ``csrc/syncbn.h``). They run on any device and dtype, serve as the test oracle for
+the kernels, and are the fallback when the extension cannot be built (``SYNCBN_IMPL=ref``); plain
+torch code, so ``torch.compile`` traces them too.
 
 Conventions:
     * ``input`` has shape ``(N, C, *)``; statistics are per channel (dim 1).
@@ -17,30 +17,31 @@ from __future__ import annotations
 
 import torch
 
-from .activations import activate, activation_grad, check_activation
+from .activations import activate
 
 __all__ = [
+    "CALL_ORDER_MARK",
+    "TAG_LIMIT",
     "acc_dtype",
+    "finish_merge",
+    "local_count",
+    "merge_infos",
+    "split_mean",
+    "update_state",
+    "affine",
+    "backward_elemt",
+    "backward_reduce",
+    "centered",
+    "check_group_count",
     "local_stats",
     "merge_stats",
     "normalize",
-    "backward_reduce",
-    "backward_elemt",
-    "ROW_HEADER",
-    "TAG_LIMIT",
-    "CALL_ORDER_MARK",
-    "check_group_count",
-    "stats_row",
-    "merge_normalize",
-    "grad_sums",
-    "grad_input",
     "per_channel",
     "reduce_dims",
+    "scale",
     "update_running",
 ]
 
-# Values in front of the statistics in a gathered row: [count, samples, layer_tag, call_tag].
-ROW_HEADER = 4
 # Tags travel in the statistics' float dtype: below 2**24 they are exact even in float32.
 TAG_LIMIT = 1 << 24
 # How a call-order mismatch found while merging starts its message (C++ kernels and this file).
@@ -53,6 +54,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def reduce_dims(input: torch.Tensor) -> list[int]:
+    """The dims a per-channel statistic reduces over: all but dim 1."""
     return [0, *range(2, input.dim())]
 
 
@@ -117,41 +119,30 @@ def normalize(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``y = (x - mean) * invstd * weight + bias`` per channel, in ``input``'s dtype and layout."""
-    return _affine(input, mean, _scale(input, invstd, weight), bias).to(input.dtype)
+    return affine(centered(input, mean), input, scale(input, invstd, weight), bias).to(input.dtype)
 
 
-def _scale(input: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
-    """``invstd * weight`` in the acc dtype."""
+def scale(input: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """``invstd * weight`` in the acc dtype of ``input``."""
     return invstd if weight is None else invstd * weight.to(acc_dtype(input.dtype))
 
 
-def _affine(
-    input: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+def centered(
+    input: torch.Tensor, mean: torch.Tensor, mean_lo: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``z = (x - mean) * scale + bias`` in the acc dtype (not rounded)."""
-    acc = acc_dtype(input.dtype)
-    z = (input.to(acc) - per_channel(mean, input)) * per_channel(scale, input)
-    if bias is not None:
-        z = z + per_channel(bias.to(acc), input)
-    return z
+    """``(x - mean) - mean_lo`` in the acc dtype: with a mean split into ``mean + mean_lo`` (two
+    acc-dtype numbers), ``x - mean`` is exact for ``x`` near the mean, so the deviation keeps the
+    acc dtype's relative precision even when ``|mean| >> std``."""
+    x = input.to(acc_dtype(input.dtype)) - per_channel(mean, input)
+    return x if mean_lo is None else x - per_channel(mean_lo, input)
 
 
-def _activation_input_grad(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    act: int,
-    act_param: float,
+def affine(
+    xmu: torch.Tensor, input: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``dy * act'(z)`` in the acc dtype (``grad_out`` itself without an activation): the
-    gradient at the activation's input, z recomputed from ``input``."""
-    if act == 0:
-        return grad_out
-    z = _affine(input, mean, _scale(input, invstd, weight), bias)
-    return grad_out.to(z.dtype) * activation_grad(z, act, act_param)
+    """``z = xmu * scale + bias`` in the acc dtype (not rounded), ``xmu`` from :func:`centered`."""
+    z = xmu * per_channel(scale, input)
+    return z if bias is None else z + per_channel(bias.to(z.dtype), input)
 
 
 def backward_reduce(
@@ -178,7 +169,7 @@ def backward_reduce(
     # must depend on dy, or the partitioner may hoist this rank's backward collective into the
     # forward graph, where it would pair with another rank's forward collective.
     sum_dy = dy.sum(dims)
-    sum_dy_xmu = (dy * (input.to(acc) - per_channel(mean, input))).sum(dims)
+    sum_dy_xmu = (dy * centered(input, mean)).sum(dims)
     param_dtype = weight.dtype if weight is not None else acc
     grad_weight = (sum_dy_xmu * invstd).to(param_dtype) if weight_grad else None
     grad_bias = sum_dy.to(param_dtype) if bias_grad else None
@@ -205,113 +196,9 @@ def backward_elemt(
     n = count.to(acc).reshape(()).clamp_min(1)
     mean_dy = sum_dy / n
     k = sum_dy_xmu / n * invstd * invstd
-    iw = invstd if weight is None else invstd * weight.to(acc)
-    xmu = input.to(acc) - per_channel(mean, input)
+    xmu = centered(input, mean)
     dx = grad_out.to(acc) - per_channel(mean_dy, input) - xmu * per_channel(k, input)
-    return (dx * per_channel(iw, input)).to(input.dtype)
-
-
-# ------------------------------------------------------------------------------------------------
-# Fused steps (the syncbn:: operators of the extension)
-# ------------------------------------------------------------------------------------------------
-
-
-def stats_row(input: torch.Tensor, layer_tag: int, calls: torch.Tensor) -> torch.Tensor:
-    """This rank's row for the forward collective, ``[count, samples, layer_tag, call_tag,
-    mean[C], m2[C]]`` in the acc dtype; ``calls`` (one int64 element) is the layer's call counter,
-    written as the call tag and incremented in place."""
-    mean, m2 = local_stats(input)
-    count = input.numel() // input.shape[1]
-    header = torch.stack(
-        [
-            mean.new_full((), float(count)),
-            mean.new_full((), float(input.shape[0])),
-            mean.new_full((), float(layer_tag % TAG_LIMIT)),
-            (calls.reshape(()) % TAG_LIMIT).to(mean.dtype),
-        ]
-    )
-    calls.add_(1)
-    return torch.cat([header, mean, m2])
-
-
-def merge_normalize(
-    input: torch.Tensor,
-    rows: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    nonfinite: torch.Tensor | None,
-    momentum: float | None,
-    eps: float,
-    unbiased: bool,
-    act: int = 0,
-    act_param: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge the gathered rows, update the running statistics, normalize (and apply the
-    activation ``act``, see :mod:`.activations`, before rounding to the input's dtype).
-
-    Returns ``(output, mean, invstd, var, info)`` with ``info = [count, samples, order_ok,
-    finite]``. On CPU tensors a call-order mismatch raises (message starting with
-    :data:`CALL_ORDER_MARK`) and a group with a single value per channel raises torch's
-    ValueError; on other devices these need a host sync, so only ``info[2]`` reports the order.
-    The running statistics are left alone when the merged statistics are not finite or the group
-    is empty; ``num_batches_tracked`` advances unless they are not finite, ``nonfinite`` counts the
-    skips.
-    """
-    check_activation(act, act_param)
-    channels = input.shape[1]
-    table = rows.view(-1, ROW_HEADER + 2 * channels)
-    tags = table[:, 2:ROW_HEADER]
-    order_ok = (tags == tags[0]).all()
-    counts = table[:, 0]
-    total = counts.sum()
-    if input.device.type == "cpu" and not torch.compiler.is_compiling():
-        _check_cpu_merge(tags, order_ok, total, input, table.shape[0])
-    mean, invstd, var = merge_stats(
-        counts,
-        table[:, ROW_HEADER : ROW_HEADER + channels],
-        table[:, ROW_HEADER + channels :],
-        eps,
-        unbiased,
-    )
-    finite = torch.isfinite(mean).all() & torch.isfinite(var).all()
-    with torch.no_grad():
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(finite.to(num_batches_tracked.dtype))
-        if nonfinite is not None:
-            nonfinite.add_((~finite).to(nonfinite.dtype))
-        if running_mean is not None and running_var is not None:
-            update_running(
-                running_mean,
-                running_var,
-                mean,
-                var,
-                finite & (total > 0),
-                momentum,
-                num_batches_tracked,
-            )
-    info = torch.stack([total, table[:, 1].sum(), order_ok.to(mean.dtype), finite.to(mean.dtype)])
-    z = _affine(input, mean, _scale(input, invstd, weight), bias)
-    output = activate(z, act, act_param).to(input.dtype)
-    return output, mean, invstd, var, info
-
-
-def _check_cpu_merge(
-    tags: torch.Tensor,
-    order_ok: torch.Tensor,
-    total: torch.Tensor,
-    input: torch.Tensor,
-    world: int,
-) -> None:
-    if not bool(order_ok):
-        calls = "; ".join(
-            f"row {i}: layer tag {int(layer)} call #{int(call) + 1}"
-            for i, (layer, call) in enumerate(tags.tolist())
-        )
-        raise RuntimeError(f"{CALL_ORDER_MARK} tags differ ({calls})")
-    check_group_count(int(total.item()), input, world)
+    return (dx * per_channel(scale(input, invstd, weight), input)).to(input.dtype)
 
 
 def check_group_count(total: int, input: torch.Tensor, world_size: int) -> None:
@@ -344,47 +231,79 @@ def update_running(
         running.copy_(torch.where(keep, updated, running))
 
 
-def grad_sums(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None = None,
-    act: int = 0,
-    act_param: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sums, grad_weight, grad_bias)``: the local ``[sum_dy[C], sum_dy_xmu[C]]`` packed for the
-    collective, and the local parameter gradients (weight dtype, acc dtype without weight). With
-    an activation, ``dy * act'(z)`` stands for ``dy`` (``z`` recomputed with ``bias``)."""
-    check_activation(act, act_param)
-    dz = _activation_input_grad(grad_out, input, mean, invstd, weight, bias, act, act_param)
-    sum_dy, sum_dy_xmu, grad_weight, grad_bias = backward_reduce(
-        dz, input, mean, invstd, weight, True, True
-    )
-    assert grad_weight is not None and grad_bias is not None
-    return torch.cat([sum_dy, sum_dy_xmu]), grad_weight, grad_bias
+# ------------------------------------------------------------------------------------------------
+# The merges' shared steps (reference_steps.py)
+# ------------------------------------------------------------------------------------------------
 
 
-def grad_input(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
+def local_count(input: torch.Tensor) -> int:
+    """Values per channel in ``input``."""
+    return input.numel() // input.shape[1] if input.shape[1] else 0
+
+
+def split_mean(mean64: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float64 mean as two acc-dtype numbers ``(hi, lo)`` with ``hi + lo`` = the mean."""
+    hi = mean64.to(acc)
+    return hi, (mean64 - hi.double()).to(acc)
+
+
+def update_state(
+    state: tuple[torch.Tensor | None, ...],
     mean: torch.Tensor,
-    invstd: torch.Tensor,
+    var: torch.Tensor,
+    finite: torch.Tensor,
+    nonempty: torch.Tensor,
+    momentum: float | None,
+) -> None:
+    """The running-stat update and counters of both merges: ``num_batches_tracked`` advances
+    unless the statistics are not finite, ``nonfinite`` counts those, and the running statistics
+    move only with finite statistics of a non-empty group."""
+    running_mean, running_var, num_batches_tracked, nonfinite = state
+    with torch.no_grad():
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(finite.to(num_batches_tracked.dtype))
+        if nonfinite is not None:
+            nonfinite.add_((~finite).to(nonfinite.dtype))
+        if running_mean is not None and running_var is not None:
+            update_running(
+                running_mean,
+                running_var,
+                mean,
+                var,
+                finite & nonempty,
+                momentum,
+                num_batches_tracked,
+            )
+
+
+def finish_merge(
+    input: torch.Tensor,
+    mean64: torch.Tensor,
+    invstd64: torch.Tensor,
+    var64: torch.Tensor,
     weight: torch.Tensor | None,
-    sums: torch.Tensor,
-    info: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    act: int = 0,
-    act_param: float = 0.0,
-) -> torch.Tensor:
-    """The input gradient from ``R`` rows of sums (``[R * 2C]``, summed in row order) and the
-    group count ``info[0]`` (``dy * act'(z)`` for ``dy`` with an activation, as in
-    :func:`grad_sums`)."""
-    check_activation(act, act_param)
-    channels = input.shape[1]
-    total = sums.view(-1, 2 * channels).sum(0)
-    dz = _activation_input_grad(grad_out, input, mean, invstd, weight, bias, act, act_param)
-    return backward_elemt(
-        dz, input, mean, invstd, weight, total[:channels], total[channels:], info[:1]
-    )
+    bias: torch.Tensor | None,
+    act: int,
+    act_param: float,
+) -> tuple[torch.Tensor, ...]:
+    """``(output, mean, mean_lo, invstd, var)`` from the float64 group statistics."""
+    acc = acc_dtype(input.dtype)
+    mean, mean_lo = split_mean(mean64, acc)
+    invstd = invstd64.to(acc)
+    z = affine(centered(input, mean, mean_lo), input, scale(input, invstd, weight), bias)
+    return activate(z, act, act_param).to(input.dtype), mean, mean_lo, invstd, var64.to(acc)
+
+
+def merge_infos(
+    count: torch.Tensor,
+    samples: torch.Tensor,
+    order_ok: torch.Tensor,
+    finite: torch.Tensor,
+    grad_count: torch.Tensor,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``info = [count, samples, order_ok, finite]`` and ``grad_info``, the same with the count the
+    input gradient divides by."""
+    flags = [samples.double(), order_ok.double(), finite.double()]
+    info = torch.stack([count.double(), *flags]).to(acc)
+    return info, torch.stack([grad_count.double(), *flags]).to(acc)

@@ -1,5 +1,5 @@
 // Python bindings of the emulation extension: the CUDA entry points of csrc/*.cu (five primitives,
-// four fused steps) on CPU tensors, the emulator's controls, and its self-test kernels. Every entry
+// six fused steps) on CPU tensors, the emulator's controls, and its self-test kernels. Every entry
 // point runs with heap poisoning on, so an output element a kernel never writes reads as NaN.
 #include <torch/extension.h>
 
@@ -66,34 +66,57 @@ at::Tensor stats_row(const at::Tensor& input, int64_t layer_tag, const at::Tenso
   return syncbn::stats_row_cuda(input, layer_tag, calls);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_normalize(
+syncbn::MergedOutputs merge_normalize(
     const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param) {
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights) {
   const PoisonScope poison;
   return syncbn::merge_normalize_cuda(
       input, rows, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased, act, act_param);
+      momentum, eps, unbiased, act, act_param, equal_rank_weights);
+}
+
+at::Tensor reduce_sums(
+    const at::Tensor& input, const c10::optional<at::Tensor>& shift, int64_t layer_tag,
+    const at::Tensor& calls, bool equal_rank_weights) {
+  const PoisonScope poison;
+  return syncbn::reduce_sums_cuda(input, shift, layer_tag, calls, equal_rank_weights);
+}
+
+syncbn::MergedOutputs reduce_merge_normalize(
+    const at::Tensor& input, const at::Tensor& total, const at::Tensor& sent,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
+    const c10::optional<at::Tensor>& num_batches_tracked,
+    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
+    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param) {
+  const PoisonScope poison;
+  return syncbn::reduce_merge_normalize_cuda(
+      input, total, sent, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
+      momentum, eps, unbiased, equal_rank_weights, world_size, act, act_param);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& mean_lo) {
   const PoisonScope poison;
-  return syncbn::grad_sums_cuda(grad_out, input, mean, invstd, weight, bias, act, act_param);
+  return syncbn::grad_sums_cuda(
+      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo);
 }
 
 at::Tensor grad_input(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param) {
+    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& mean_lo) {
   const PoisonScope poison;
   return syncbn::grad_input_cuda(
-      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param);
+      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param, mean_lo);
 }
 
 void set_schedule(const std::string& order, uint64_t seed) {
@@ -168,13 +191,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_normalize", &merge_normalize, py::arg("input"), py::arg("rows"),
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
         py::arg("num_batches_tracked"), py::arg("nonfinite"), py::arg("momentum"),
-        py::arg("eps"), py::arg("unbiased"), py::arg("act") = 0, py::arg("act_param") = 0.0);
+        py::arg("eps"), py::arg("unbiased"), py::arg("act") = 0, py::arg("act_param") = 0.0,
+        py::arg("equal_rank_weights") = false);
+  m.def("reduce_sums", &reduce_sums, py::arg("input"), py::arg("shift"), py::arg("layer_tag"),
+        py::arg("calls"), py::arg("equal_rank_weights"));
+  m.def("reduce_merge_normalize", &reduce_merge_normalize, py::arg("input"), py::arg("total"),
+        py::arg("sent"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"),
+        py::arg("running_var"), py::arg("num_batches_tracked"), py::arg("nonfinite"),
+        py::arg("momentum"), py::arg("eps"), py::arg("unbiased"), py::arg("equal_rank_weights"),
+        py::arg("world_size"), py::arg("act") = 0, py::arg("act_param") = 0.0);
   m.def("grad_sums", &grad_sums, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0,
-        py::arg("act_param") = 0.0);
+        py::arg("act_param") = 0.0, py::arg("mean_lo") = py::none());
   m.def("grad_input", &grad_input, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"),
-        py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("act_param") = 0.0);
+        py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("act_param") = 0.0,
+        py::arg("mean_lo") = py::none());
   m.def("set_schedule", &set_schedule, "Thread and block order: forward, reverse or random",
         py::arg("order"), py::arg("seed") = 0);
   m.def("take_diagnostics", &simt::take_diagnostics, "Diagnostics since the last call");
