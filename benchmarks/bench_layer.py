@@ -8,7 +8,9 @@
 One step = ``y = layer(x); torch.autograd.grad(y, (x, weight, bias), dy)``. Implementations:
 
 * ``ours``: :class:`syncbn_lightning.SyncBatchNorm` with ``force_sync=True`` and
-  ``SYNCBN_IMPL=ext``: every kernel and both collectives of a real group;
+  ``SYNCBN_IMPL=ext``: every kernel and both collectives of a real group (the gather exchange);
+* ``ours_reduce``: the same with ``exchange="reduce"`` forced (its all-reduce of shifted float64
+  sums; what ``auto`` picks in GPU groups of more than 8 ranks);
 * ``torch_sync``: ``nn.SyncBatchNorm`` forced through torch's sync Function
   (:class:`_common.ForcedTorchSyncBatchNorm`): its kernels and both collectives;
 * ``plain``: ``nn.BatchNorm2d`` (cuDNN), no synchronization: the floor.
@@ -60,7 +62,7 @@ import syncbn_lightning
 from syncbn_lightning.ops import dispatch as syncbn_impl
 from syncbn_lightning.ops.activations import ACTIVATIONS, make_activation
 
-IMPLS = ("ours", "torch_sync", "plain")
+IMPLS = ("ours", "ours_reduce", "torch_sync", "plain")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYOUTS = ("NCHW", "CL")
 # (shape, dtype, layout): the issue's five rows, then ResNet-50's other stages and a detection
@@ -106,11 +108,13 @@ class Case:
 def _layer(impl: str, channels: int, device: torch.device, act: str | None) -> nn.Module:
     """The implementation's layer, followed by ``act`` (ours fuses it); its BatchNorm is
     ``layer.bn`` for the parameters."""
-    if impl == "ours":
+    if impl in ("ours", "ours_reduce"):
+        # ours: the gather exchange (auto's choice in one rank); ours_reduce: reduce forced.
+        options = {"force_sync": True, "exchange": "reduce" if impl == "ours_reduce" else "auto"}
         if act is None:
-            bn: nn.Module = syncbn_lightning.SyncBatchNorm(channels, force_sync=True)
+            bn: nn.Module = syncbn_lightning.SyncBatchNorm(channels, **options)
         else:
-            bn = syncbn_lightning.SyncBatchNormAct(channels, act=act, force_sync=True)
+            bn = syncbn_lightning.SyncBatchNormAct(channels, act=act, **options)
             assert bn.fused_activation is not None, act
         layer = _WithBN(bn, None)
     else:
@@ -217,17 +221,20 @@ def _report(cases: Sequence[Case], args: argparse.Namespace, device: torch.devic
         f"median of {args.samples} samples of {args.replays} graph replays each\n",
     ]
     head = [f"{impl} µs" for impl in args.impls]
-    ratios = ["torch_sync/ours", "ours/plain", "ours/copy"]
+    ratios = ["torch_sync/ours", "ours_reduce/ours", "ours/plain", "ours/copy"]
     lines.append("| shape dtype layout | MiB | " + " | ".join(head + ratios) + " |")
     lines.append("|---|---:|" + "---:|" * (len(head) + len(ratios)))
     goals: list[str] = []
     for case in cases:
-        ours, sync, plain = (case.ms.get(i) for i in ("ours", "torch_sync", "plain"))
+        ours, reduce, sync, plain = (
+            case.ms.get(i) for i in ("ours", "ours_reduce", "torch_sync", "plain")
+        )
         copy_ratio = None
         if ours and case.copy_ms:
             copy_ratio = (STEP_TRAFFIC / COPY_TRAFFIC) * case.copy_ms / ours
         cells = [f"{case.ms[i] * 1e3:.1f}" for i in args.impls]
-        cells += [ratio_text(sync, ours), ratio_text(ours, plain), value_text(copy_ratio)]
+        cells += [ratio_text(sync, ours), ratio_text(reduce, ours), ratio_text(ours, plain)]
+        cells.append(value_text(copy_ratio))
         lines.append(f"| {case.label()} | {case.nbytes / MIB:.0f} | " + " | ".join(cells) + " |")
         if ours and sync:
             ok = sync / ours >= SPEEDUP_GOAL

@@ -9,7 +9,9 @@ One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The
 * ``plain``: the model's own ``nn.BatchNorm2d`` (cuDNN on a GPU): the floor;
 * ``ours``: converted by :func:`syncbn_lightning.convert_sync_batchnorm`, every layer with
   ``force_sync=True`` and ``SYNCBN_IMPL=ext``, so a one-rank group pays every kernel and
-  collective of a real group;
+  collective of a real group (the gather exchange, ``auto``'s choice in one rank);
+* ``ours_reduce``: the same with ``exchange="reduce"`` forced (the exchange ``auto`` picks in
+  GPU groups of more than 8 ranks);
 * ``torch_sync`` (CUDA only): ``nn.SyncBatchNorm`` forced through torch's own sync Function
   (``torch.nn.modules._functions.SyncBatchNorm``) the same way.
 
@@ -56,7 +58,7 @@ from torch import nn
 import syncbn_lightning
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
-IMPLS = ("plain", "ours", "torch_sync")
+IMPLS = ("plain", "ours", "ours_reduce", "torch_sync")
 MODES = ("eager", "graph")
 
 
@@ -98,8 +100,9 @@ def _timm() -> Any:
 
 
 def _with_impl(model: nn.Module, impl: str, name: str) -> nn.Module:
-    if impl == "ours":
-        model = syncbn_lightning.convert_sync_batchnorm(model)
+    if impl in ("ours", "ours_reduce"):
+        exchange = "reduce" if impl == "ours_reduce" else "auto"
+        model = syncbn_lightning.convert_sync_batchnorm(model, exchange=exchange)
         for module in model.modules():
             if isinstance(module, syncbn_lightning.SyncBatchNorm):
                 module.force_sync = True

@@ -4,9 +4,11 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh tests layer model sanitize
 #
 # Steps, in the order given: tests (pytest -m gpu over every file with a gpu test), layer
-# (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW b64, bf16 channels-last b32/b128),
-# sanitize (compute-sanitizer memcheck and racecheck over the non-slow tests of test_cuda.py and
-# test_cuda_act.py, the two-rank spawn test left out). Full outputs go to $OUT (default ./gpu_out); the console gets tails.
+# (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW
+# b64, bf16 channels-last b32/b128), sanitize (compute-sanitizer over the non-slow tests of
+# test_cuda.py, test_cuda_act.py and test_cuda_fused.py, the two-rank spawn test left out;
+# SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the build. Full outputs go to $OUT
+# (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
@@ -49,10 +51,10 @@ for step in "$@"; do
     tail -14 "$OUT/model_bf16.md"
     ;;
   sanitize)
-    for tool in memcheck racecheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python -m pytest -q \
         -p no:cacheprovider -m "gpu and not slow" -k "not two_ranks" tests/test_cuda.py \
-        tests/test_cuda_act.py \
+        tests/test_cuda_act.py tests/test_cuda_fused.py \
         >"$OUT/sanitizer_$tool.txt" 2>&1
       rc=$?
       echo "$tool rc=$rc"
