@@ -193,3 +193,18 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
         {},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_uses_extension_carries_the_mark_of_assume_constant_result() -> None:
+    """``uses_extension`` is marked by hand (sparing ``import syncbn_lightning`` the import of
+    ``torch._dynamo``); the mark must be what the decorator sets, or torch.compile would trace
+    into it (a graph break) instead of baking its answer into the graph."""
+
+    def probe() -> bool:
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert vars(marked)  # the decorator marks the function itself
+    assert {key: getattr(syncbn_impl.uses_extension, key, None) for key in vars(marked)} == vars(
+        marked
+    )

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -29,15 +28,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import (
-    CONF_DIR,
-    ConfigError,
-    build,
-    check_command_line,
-    exit_on_config_error,
-    validate,
-    world,
-)
+from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -282,13 +273,12 @@ def _run_rank(config_file: str) -> None:
 
 
 def entry() -> None:
-    """``syncbn-train`` / ``python train.py``: a job (Hydra), or one of its ranks when started by
-    the launcher."""
+    """A job (Hydra), or one of its ranks when started by the launcher. ``syncbn-train`` and
+    ``python train.py`` check the command line's config before they get here
+    (:func:`.cli.entry`)."""
     if os.environ.get(RANK_CONFIG_ENV):
         _run_rank(os.environ[RANK_CONFIG_ENV])
     else:
-        with exit_on_config_error():  # unknown keys: one line, before Hydra's own message
-            check_command_line(sys.argv[1:])
         main()
 
 
