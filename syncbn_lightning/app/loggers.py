@@ -277,6 +277,7 @@ def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], history: Path |
     """Rank 0: custom line charts of the report panels (``charts/<panel>``, from the job's
     metrics history file ``history``, see :func:`metrics_history`), the final metrics in the run
     summary, ``finish()``. Returns the run directories."""
+    from .readings import reading
     from .report import PANELS, panel_series
 
     dirs = []
@@ -290,13 +291,16 @@ def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], history: Path |
                 lines = panel_series(panel, series)
                 if not lines:
                     continue
+                text = reading(panel.name, series)
+                if text is not None:
+                    run.summary[f"readings/{panel.name}"] = text
                 run.log(
                     {
                         f"charts/{panel.name}": wandb.plot.line_series(
                             xs=[[s for s, _ in pts] for pts in lines.values()],
                             ys=[[v for _, v in pts] for pts in lines.values()],
                             keys=list(lines),
-                            title=panel.title,
+                            title=f"{panel.title}: {text}" if text else panel.title,
                             xname="step",
                         )
                     }

@@ -207,7 +207,8 @@ def _fit_and_evaluate(
         csv = metrics_history(trainer)  # <output_dir>/metrics.jsonl, whatever the loggers
         runs = finish_wandb(trainer, metrics, csv)
         _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
-        _report(trainer, metrics, out, runs, csv)
+        figures = _png_report(out) if cfg.get("report", True) and csv is not None else []
+        _report(trainer, metrics, out, runs, csv, figures)
     return metrics
 
 
@@ -236,8 +237,29 @@ def _scalars(values: Any) -> dict[str, float]:
     }
 
 
+def _png_report(out: Path) -> list[tuple[Path, list[str]]]:
+    """Rank 0, at the end of the job (``report: true``): the PNG report into ``<out>/report/``
+    (:func:`~syncbn_lightning.app.report.render`), each figure with its reading. Returns the
+    figures and their readings; a failure is logged, not raised (the training is done)."""
+    from .report import PANELS, panel_readings, read_run, render
+
+    try:
+        paths = render(out)
+        runs = read_run(out)
+    except (OSError, ValueError) as e:
+        log.warning("report: not written (%s)", e)
+        return []
+    panels = {p.name: p for p in PANELS}
+    return [(path, panel_readings(panels[path.stem], runs)) for path in paths]
+
+
 def _report(
-    trainer: pl.Trainer, metrics: dict[str, float], out: Path, runs: list[str], csv: Path | None
+    trainer: pl.Trainer,
+    metrics: dict[str, float],
+    out: Path,
+    runs: list[str],
+    csv: Path | None,
+    figures: list[tuple[Path, list[str]]],
 ) -> None:
     keys = [k for k in ("val/mAP", "val/mAP50", "val/acc") if k in metrics]
     keys += [k for k in ("bn/norm_batch_size", "bn/global_batch_size") if k in metrics]
@@ -247,7 +269,13 @@ def _report(
         log.info("checkpoints: %s (best: %s)", ckpt.dirpath, ckpt.best_model_path or "-")
     for run in runs:
         log.info("W&B run files: %s  (offline runs: `wandb sync %s` uploads them)", run, run)
-    if csv is not None:
+    for path, readings in figures:
+        log.info("%s: %s", path.stem, "; ".join(readings) or "-")
+    if figures:
+        log.info(
+            "PNG report: %s (%d figures, each with the reading above)", out / "report", len(figures)
+        )
+    elif csv is not None:
         log.info("PNG report: syncbn-report %s", out)
 
 
