@@ -111,6 +111,13 @@ class JobWandbLogger(WandbLogger):
     continues (:func:`wandb_logger`'s ``ckpt_path``).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # WandbLogger passes anonymous=None, which W&B >= 0.22 answers with a warning that the
+        # setting has no effect: leave it out (nothing else changes).
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
+
     @override
     def log_hyperparams(self, params: Any) -> None:
         """Nothing: :func:`setup_wandb` logged the job's config (which holds these)."""
@@ -148,6 +155,9 @@ def wandb_logger(
         # WandbLogger(offline=True) would set WANDB_MODE=dryrun over the user's choice.
         logger_args["mode"] = "disabled"
     logger_args.update(_stored_run(ckpt_path))
+    # No run summary (~30 lines) nor header chatter on the console: the job's last lines say
+    # where the run is and how to upload it (docs/service.md; .console).
+    logger_args.setdefault("settings", {"quiet": True})
     return JobWandbLogger(offline=is_offline, log_model=log_model, **logger_args)
 
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
 from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
+from .console import quiet_third_party
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -285,6 +286,7 @@ def _report(
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point: one job per call (a multirun calls it once per job)."""
+    quiet_third_party()
     with exit_on_config_error():
         metrics = train(cfg)
     return metrics.get(cfg.model.monitor)  # the objective for Hydra sweepers
@@ -297,6 +299,7 @@ def _run_rank(config_file: str) -> None:
         level=logging.INFO,
         format=f"[rank {os.environ.get('LOCAL_RANK')}][%(asctime)s][%(name)s] %(message)s",
     )
+    quiet_third_party()
     train(OmegaConf.load(config_file))
 
 
