@@ -12,7 +12,7 @@ Examples::
     python train.py --cfg job                          # print the composed config, run nothing
 """
 
-from syncbn_lightning.app.train import entry
+from syncbn_lightning.app.cli import entry
 
 if __name__ == "__main__":
     entry()

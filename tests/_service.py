@@ -8,6 +8,26 @@ import sys
 import textwrap
 from pathlib import Path
 
+
+def wandb_transaction_log(run_dir: Path) -> bytes:
+    """The bytes of the ``run-*.wandb`` file of the offline W&B run in ``run_dir``, once W&B has
+    written all of it.
+
+    ``run.finish()`` does not wait for that: it waits for the run's exit record to be handled,
+    then only *informs* W&B's service process that the run is done (``inform_finish``, sent
+    without waiting for an answer), and the service closes the run's stream, flushing the last
+    records of the file (the final ``run.log`` calls, the summary), some time later. Under load
+    a test reading the file right after ``finish()`` intermittently misses them.
+    ``wandb.teardown()`` is what W&B documents as "waits for W&B to finish": it shuts the
+    service down and waits for the process to exit, after it closed every stream.
+    """
+    import wandb
+
+    wandb.teardown()
+    (run_file,) = run_dir.glob("run-*.wandb")
+    return run_file.read_bytes()
+
+
 #: Variables a launcher or an earlier in-process run (Lightning's ddp_spawn) leaves behind; they
 #: change how a job rendezvouses, so tests of the service start without them.
 RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK")

@@ -46,7 +46,7 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
         for o in objects
     )
     # Every primitive's and fused step's CUDA twin is defined with the signature its caller uses
-    # (bindings.cpp for the primitives, ops.cpp for the syncbn:: operators).
+    # (primitives.cpp for the primitives, ops.cpp for the fused steps).
     for name in (
         "local_stats", "merge_stats", "normalize", "backward_reduce", "backward_elemt",
         "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "grad_sums",

@@ -32,8 +32,10 @@ from syncbn_lightning.app.panels import (
     STEP_METRIC,
     Panel,
     covering_panels,
+    how_to_read,
     spec,
 )
+from syncbn_lightning.app.readings import RULES
 from syncbn_lightning.nn.running_stats import LAYER_METRICS, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,8 +159,15 @@ def test_workspace_is_built_offline_as_wandb_stores_it() -> None:
     sections = section_spec["panelBankConfig"]["sections"]
     assert [s["name"] for s in sections] == [s.name for s in SECTIONS]
     for built, section in zip(sections, SECTIONS, strict=True):
-        assert len(built["panels"]) == len(section.panels)
-        for panel, wanted in zip(built["panels"], section.panels, strict=True):
+        *charts, notes = built["panels"]
+        # Beside the charts, how to read them: descriptions and reading thresholds.
+        assert notes["viewType"] == "Markdown Panel"
+        assert notes["config"]["value"] == how_to_read(section)
+        for panel in section.panels:
+            assert panel.title in notes["config"]["value"]
+            if panel.name in RULES:
+                assert RULES[panel.name] in notes["config"]["value"]
+        for panel, wanted in zip(charts, section.panels, strict=True):
             config = panel["config"]
             if wanted.kind == "table":
                 assert panel["viewType"] == "Weave"

@@ -80,3 +80,21 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "api" / "index.html").read_text().count("SyncBatchNorm") > 5
+
+
+def test_one_first_build_time_is_quoted_everywhere() -> None:
+    """The README, Getting started, the kernels page and the build's own announcement quote the
+    same measured first-build time (``MEASURED_BUILD_S``), and no page quotes another."""
+    from syncbn_lightning.ops.build import MEASURED_BUILD_S
+
+    quote = f"first build took {MEASURED_BUILD_S} s"
+    for path in (README, DOCS / "getting-started.md", DOCS / "kernels.md"):
+        text = " ".join(path.read_text().split())  # across line breaks
+        assert quote in text, f"{path.name} does not quote {quote!r}"
+    for path in USER_DOCS:
+        text = " ".join(path.read_text().split())
+        others = {
+            int(n)
+            for n in re.findall(r"(?:first|C\+\+) build (?:took|takes) (?:about )?(\d+) s", text)
+        }
+        assert others <= {MEASURED_BUILD_S}, f"{path.name} quotes {sorted(others)} s"

@@ -206,6 +206,12 @@ def test_revert_direct_layer_one_dim_input() -> None:
         back(torch.randn(4))
 
 
+def test_jit_script_names_revert() -> None:
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).eval()
+    with expect_row():
+        torch.jit.script(model)
+
+
 # ----------------------------------------------------------------------------- 5. groups
 
 

@@ -206,9 +206,19 @@ def test_config_wandb_log_model_unknown(tmp_path: Path) -> None:
         _validate(tmp_path, "logger.wandb.log_model=sometimes")
 
 
-def test_config_logger_unknown_option(tmp_path: Path) -> None:
+def test_config_logger_unknown_option() -> None:
     with expect_row():
-        _validate(tmp_path, "logger=banana")
+        check_command_line(["logger=banana"])
+
+
+def test_config_recipe_unknown() -> None:
+    with expect_row():
+        check_command_line(["recipe=does_not_exist"])
+
+
+def test_config_override_syntax() -> None:
+    with expect_row():
+        check_command_line(["bn.momentum=["])
 
 
 # ----------------------------------------------------------------------------- 9. datasets

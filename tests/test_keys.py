@@ -9,6 +9,7 @@ constructor is valid without any list to update.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,14 @@ from hydra import compose, initialize_config_dir
 
 from syncbn_lightning import SyncBNCallback
 from syncbn_lightning.app.config import ConfigError, check_command_line, validate
-from syncbn_lightning.app.keys import UnknownKeyError, accepted_keys, check_overrides
+from syncbn_lightning.app.keys import (
+    UnknownKeyError,
+    _imported_signature,
+    accepted_keys,
+    check_overrides,
+    source_signature,
+)
+from syncbn_lightning.lightning.arguments import check_callback_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -88,12 +96,61 @@ def test_command_line_names_the_closest_key(argv: list[str], message: str) -> No
         ["+data.synthetic.clutter=2"],  # deeper additions: left to generate_shapes' own check
         ["bn=local,sync", "-m", "bn.momentum=0.2"],
         ["model.width=8", "logger=none"],  # other groups are not this check's
-        ["bn=nonexistent", "bn.grup_size=2"],  # Hydra's own error names the missing option
         ["--help"],
     ],
 )
 def test_command_line_accepts_valid_keys(argv: list[str]) -> None:
-    check_command_line(argv)
+    check_overrides(argv, str(CONF))  # the keys (values: test_cli.py)
+
+
+def test_a_missing_group_option_is_named_before_the_keys() -> None:
+    """The keys of ``bn`` are checked against the option the command line picks: a missing
+    option is the error, in one line listing the options there are."""
+    with pytest.raises(ConfigError, match=r"^bn=nonexistent: no such option of bn: use one of "):
+        check_command_line(["bn=nonexistent", "bn.grup_size=2"])
+
+
+def _targets() -> list[str]:
+    """The ``_target_`` of every option of the checked groups in ``conf/``."""
+    found = set()
+    for group in ("bn", "trainer", "data"):
+        for option in (CONF / group).glob("*.yaml"):
+            for line in option.read_text().splitlines():
+                if line.startswith("_target_:"):
+                    found.add(line.split(":", 1)[1].split("#")[0].strip())
+    return sorted(found)
+
+
+@pytest.mark.parametrize("target", _targets())
+def test_source_signatures_match_the_imported_ones(target: str) -> None:
+    """The keys read from a target's source, without importing it (the command line's check
+    runs before Lightning is imported), are those :func:`inspect.signature` gives; so is where
+    its ``**kwargs`` go. (Run in a fresh interpreter: here the modules are imported already and
+    the source reading would step aside.)"""
+    code = f"""
+import json, sys
+from syncbn_lightning.app.keys import source_signature
+names, forwards = source_signature({target!r})
+print(json.dumps([sorted(names), forwards, "lightning" in sys.modules]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    names, forwards, lightning_imported = json.loads(done.stdout)
+    imported = _imported_signature(target)
+    assert imported is not None
+    assert (set(names), forwards) == imported
+    assert not lightning_imported
+    assert source_signature(target) is None  # imported here: the caller inspects it
+
+
+def test_the_callback_and_its_argument_check_take_the_same_arguments() -> None:
+    callback = inspect.signature(SyncBNCallback).parameters
+    check = inspect.signature(check_callback_arguments).parameters
+    assert [(p.name, p.kind, p.default) for p in callback.values()] == [
+        (p.name, p.kind, p.default) for p in check.values()
+    ]
 
 
 def test_a_key_added_to_a_config_is_valid_at_once(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Layer 7: a multirun (``python train.py -m ...``) validates every job's config before the first
-job starts (``syncbn_lightning.app.config.ValidateSweep``, a Hydra callback).
+job starts (``syncbn_lightning.app.config.ValidateJobs``, a Hydra callback).
 
 The command line is run as users run it (a subprocess); a sweep with one bad combination must fail
 at once with the one-line error the single job would give, having trained and written nothing.

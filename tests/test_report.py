@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from _lightning import BNNet, quiet_trainer
+from _service import wandb_transaction_log
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image
 
@@ -379,7 +380,16 @@ def test_wandb_only_job_writes_the_history_the_report_draws(
     assert "val/mAP" in series and "train/loss" in series
     steps = [s for s, _ in series["train/loss"]]
     assert cfg.trainer.devices == 2 and steps == sorted(set(steps))  # one writer: global rank 0
+    # The job wrote its report (report: true), each figure with its reading.
+    figures = sorted((out / "report").glob("*.png"))
+    assert {"batch_size", "drift", "gap", "map", "loss"} <= {p.stem for p in figures}
+    for figure in figures:
+        with Image.open(figure) as image:
+            assert image.text.get("Description"), figure.name
+    norm = round(metrics["bn/norm_batch_size"])
+    with Image.open(out / "report" / "batch_size.png") as image:
+        assert image.text["Description"].startswith(f"norm batch {norm} ")
     written = [p.stem for p in render(out)]
     assert {"batch_size", "drift", "gap", "map", "loss"} <= set(written)
-    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
-    assert b"charts/batch_size" in run_file.read_bytes()
+    (run_dir,) = out.glob("wandb/offline-run-*")
+    assert b"charts/batch_size" in wandb_transaction_log(run_dir)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .panels import GROUP_BY, SECTIONS, STEP_METRIC, Panel, Section, spec
+from .panels import GROUP_BY, SECTIONS, STEP_METRIC, Panel, Section, how_to_read, spec
 from .wandb_auth import LOGIN_HINT, has_wandb_credentials
 
 __all__ = ["View", "build_report", "build_workspace", "main"]
@@ -70,6 +70,14 @@ def _panel(panel: Panel) -> Any:
     return wr.LinePlot(**options)
 
 
+def _notes(section: Section) -> Any:
+    """A text panel beside the section's charts: what each shows and the thresholds of its
+    reading (the line every PNG figure and W&B run chart states, docs/dashboards.md)."""
+    import wandb_workspaces.reports.v2 as wr
+
+    return wr.MarkdownPanel(markdown=how_to_read(section))
+
+
 @dataclass(frozen=True)
 class View:
     """What a dashboard shows.
@@ -109,7 +117,7 @@ def build_workspace(entity: str, project: str, view: View = View()) -> Any:
         sections=[
             ws.Section(
                 name=section.name,
-                panels=[_panel(p) for p in section.panels],
+                panels=[*(_panel(p) for p in section.panels), _notes(section)],
                 is_open=True,
                 panel_settings=ws.SectionPanelSettings(x_axis=STEP_METRIC),
             )
@@ -133,6 +141,7 @@ def build_report(entity: str, project: str, view: View = View()) -> Any:
         runset = wr.Runset(entity=entity, project=project, groupby=groupby)
         panels = [_panel(p) for p in section.panels]
         blocks += [wr.H2(text=section.name), wr.PanelGrid(runsets=[runset], panels=panels)]
+        blocks.append(wr.MarkdownBlock(text=how_to_read(section)))
     return wr.Report(
         entity=entity,
         project=project,

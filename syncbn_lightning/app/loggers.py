@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
 from .metrics_csv import HISTORY_FILE, read_history
-from .wandb_auth import LOGIN_HINT, has_wandb_credentials, netrc_login, wandb_mode_offline
+from .wandb_auth import check_wandb
 
 __all__ = [
     "HISTORY_FILE",
@@ -77,53 +77,6 @@ OmegaConf.register_new_resolver("syncbn.launch_dir", launch_dir, replace=True)
 # ----------------------------------------------------------------------------- W&B logger
 
 
-def _wandb_offline(setting: Any) -> bool:
-    """``auto``: offline when ``WANDB_MODE`` says so, or unless ``WANDB_API_KEY`` is set or
-    ``~/.netrc`` has a W&B login (``wandb login`` writes it). Not W&B's full lookup
-    (:func:`.wandb_auth.has_wandb_credentials`, used to refuse ``offline=false``): in CI a
-    multirun's ranks went online with it and failed in ``wandb.init`` for want of a key."""
-    if setting != "auto":
-        return bool(setting)
-    if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
-        return True
-    base_url = os.environ.get("WANDB_BASE_URL", "")
-    return not (os.environ.get("WANDB_API_KEY") or netrc_login(base_url))
-
-
-def check_wandb(offline: Any, log_model: Any) -> bool:
-    """Check ``offline`` and ``log_model`` of ``logger.wandb``; returns whether the run is offline.
-
-    Needs no network: an online run (``offline=false``) without W&B credentials on this machine
-    is refused here, before any rank starts, instead of failing in ``wandb.init`` on rank 0
-    (``WANDB_MODE=offline`` or ``disabled`` need none).
-
-    Raises:
-        ValueError: the message starts with the offending argument's name.
-    """
-    if offline not in ("auto", True, False):
-        raise ValueError(f"offline={offline!r}: use auto, true or false")
-    if log_model not in (True, False, "all"):
-        raise ValueError(f"log_model={log_model!r}: use false, true (at the end) or all")
-    is_offline = _wandb_offline(offline)
-    if not is_offline and not wandb_mode_offline() and not has_wandb_credentials():
-        raise ValueError(
-            f"offline=false: this machine has no W&B API key for an online run; {LOGIN_HINT}, "
-            f"or log offline with offline=auto (or true) and upload later with `wandb sync`"
-        )
-    if log_model and is_offline:
-        cause = (
-            "offline=true"
-            if offline is True
-            else "offline=auto: no W&B login, or WANDB_MODE=offline"
-        )
-        raise ValueError(
-            f"log_model={log_model!r}: checkpoints cannot be uploaded from an offline run "
-            f"({cause}); log in (wandb login) and set offline=auto or false, or leave "
-            f"log_model=false"
-        )
-    return is_offline
-
-
 def _stored_run(ckpt_path: str | None) -> dict[str, str]:
     """The W&B run (id, name, group) stored next to ``ckpt_path``; empty when there is none."""
     if ckpt_path is None:
@@ -157,6 +110,13 @@ class JobWandbLogger(WandbLogger):
     checkpoint it stores the run (:data:`WANDB_RUN_FILE`), which a job resuming that checkpoint
     continues (:func:`wandb_logger`'s ``ckpt_path``).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # WandbLogger passes anonymous=None, which W&B >= 0.22 answers with a warning that the
+        # setting has no effect: leave it out (nothing else changes).
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     @override
     def log_hyperparams(self, params: Any) -> None:
@@ -195,6 +155,9 @@ def wandb_logger(
         # WandbLogger(offline=True) would set WANDB_MODE=dryrun over the user's choice.
         logger_args["mode"] = "disabled"
     logger_args.update(_stored_run(ckpt_path))
+    # No run summary (~30 lines) nor header chatter on the console: the job's last lines say
+    # where the run is and how to upload it (docs/service.md; .console).
+    logger_args.setdefault("settings", {"quiet": True})
     return JobWandbLogger(offline=is_offline, log_model=log_model, **logger_args)
 
 
@@ -324,6 +287,7 @@ def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], history: Path |
     """Rank 0: custom line charts of the report panels (``charts/<panel>``, from the job's
     metrics history file ``history``, see :func:`metrics_history`), the final metrics in the run
     summary, ``finish()``. Returns the run directories."""
+    from .readings import reading
     from .report import PANELS, panel_series
 
     dirs = []
@@ -337,13 +301,16 @@ def finish_wandb(trainer: pl.Trainer, metrics: dict[str, float], history: Path |
                 lines = panel_series(panel, series)
                 if not lines:
                     continue
+                text = reading(panel.name, series)
+                if text is not None:
+                    run.summary[f"readings/{panel.name}"] = text
                 run.log(
                     {
                         f"charts/{panel.name}": wandb.plot.line_series(
                             xs=[[s for s, _ in pts] for pts in lines.values()],
                             ys=[[v for _, v in pts] for pts in lines.values()],
                             keys=list(lines),
-                            title=panel.title,
+                            title=f"{panel.title}: {text}" if text else panel.title,
                             xname="step",
                         )
                     }

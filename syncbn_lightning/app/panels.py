@@ -28,6 +28,8 @@ from typing import Any
 
 from syncbn_lightning.nn.running_stats import LAYER_METRICS, summarize
 
+from .readings import RULES
+
 __all__ = [
     "GROUP_BY",
     "PANELS",
@@ -36,6 +38,7 @@ __all__ = [
     "Panel",
     "Section",
     "covering_panels",
+    "how_to_read",
     "panel_metrics",
     "spec",
 ]
@@ -302,7 +305,8 @@ def spec(
     Returns:
         ``{"entity", "project", "name", "x_axis", "group_by", "sections": [{"name", "panels":
         [{"name", "title", "kind", "metrics", "ylabel", "log_y", "from_zero",
-        "description"}]}]}``.
+        "description", "reading"}]}]}``; ``reading`` states the thresholds of the panel's
+        one-line reading (empty for W&B-only panels).
     """
     return {
         "entity": entity,
@@ -319,7 +323,20 @@ def spec(
 def _panel_dict(panel: Panel) -> dict[str, Any]:
     data = asdict(panel)
     data["metrics"] = list(panel.metrics)
+    data["reading"] = RULES.get(panel.name, "")
     return data
+
+
+def how_to_read(section: Section) -> str:
+    """Markdown for a section's text panel: each panel's description and, for the panels of the
+    PNG report, the thresholds of its one-line reading (:data:`.readings.RULES`)."""
+    lines = []
+    for panel in section.panels:
+        line = f"**{panel.title}**: {panel.description}"
+        if panel.name in RULES:
+            line += f" *Reading:* {RULES[panel.name]}."
+        lines.append(f"- {line}")
+    return "\n".join(lines)
 
 
 def panel_metrics(panel: Panel, logged: Mapping[str, Any]) -> list[str]:

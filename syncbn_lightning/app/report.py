@@ -16,7 +16,9 @@ several jobs every line's label starts with the job's label: the overrides that 
 Hydra sweep apart (``bn.group_size=2: val/mAP``, read from each job's ``.hydra/overrides.yaml``),
 else its directory (``0: val/mAP``). The jobs of a sweep overlay in one figure: one colour per job,
 one line style per metric. Figures go to ``DIR`` (default ``RUN_DIR/report/``); a panel with no
-data writes no file.
+data writes no file. Under its title each figure states what to conclude, one line per job
+computed from its numbers (:mod:`.readings`), also stored as the PNG's ``Description``. Every
+``syncbn-train`` job writes its report at the end (``report: true``).
 
 PNGs (the line panels of :data:`~.panels.SECTIONS`, also the W&B dashboard's; see
 ``docs/dashboards.md``):
@@ -58,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from .metrics_csv import Series, find_metrics_files, read_history, read_metrics, read_run
 from .panels import PANELS, Panel, panel_metrics
+from .readings import reading
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -69,6 +72,7 @@ __all__ = [
     "find_metrics_files",
     "main",
     "panel_lines",
+    "panel_readings",
     "panel_series",
     "read_history",
     "read_metrics",
@@ -152,6 +156,25 @@ def panel_lines(
     return {line.label: line.points for line in _lines(panel, runs)}
 
 
+def panel_readings(
+    panel: Panel, runs: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]]
+) -> list[str]:
+    """The reading of ``panel`` for each job of ``runs`` (:func:`.readings.reading`), prefixed
+    with the job's label when there are several; jobs without one are left out.
+
+    Example:
+        >>> gap = next(p for p in PANELS if p.name == "gap")
+        >>> panel_readings(gap, {"": {"bn/gap_mean_max": [(5, 0.8), (9, 0.04)]}})
+        ['bn/gap_mean_max 0.04 < 0.1: evaluation normalizes as training did']
+    """
+    found = []
+    for job, metrics in runs.items():
+        text = reading(panel.name, metrics)
+        if text is not None:
+            found.append(f"{job}: {text}" if job else text)
+    return found
+
+
 def _y_scale(values: Sequence[float]) -> tuple[str, dict[str, Any]]:
     """``(scale, kwargs)`` for ``Axes.set_yscale`` on a log panel with these (finite) values.
 
@@ -167,8 +190,9 @@ def _y_scale(values: Sequence[float]) -> tuple[str, dict[str, Any]]:
     return "symlog", {"linthresh": min(magnitudes)}
 
 
-def _figure(panel: Panel, lines: Sequence[_Line]) -> Figure:
-    """Draw ``lines`` into a new Agg-backed figure (no pyplot, so no global backend state)."""
+def _figure(panel: Panel, lines: Sequence[_Line], readings: Sequence[str] = ()) -> Figure:
+    """Draw ``lines`` into a new Agg-backed figure (no pyplot, so no global backend state), with
+    ``readings`` under the title."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -205,7 +229,11 @@ def _figure(panel: Panel, lines: Sequence[_Line]) -> Figure:
         ax.set_yscale(scale, **kwargs)
     if panel.from_zero and finite_values and min(finite_values) >= 0:
         ax.set_ylim(bottom=0, top=max(finite_values) * 1.1 or 1.0)
-    ax.set_title(panel.title)
+    if readings:
+        fig.suptitle(panel.title)
+        ax.set_title("\n".join(readings), fontsize="medium", style="italic")
+    else:
+        ax.set_title(panel.title)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
     ax.grid(True, alpha=0.3)
@@ -238,7 +266,8 @@ def render(
 
     Returns:
         The written paths ``<out_dir>/<panel.name>.png``, in panel order. Panels without data (or
-        with only non-finite values) are skipped and write nothing.
+        with only non-finite values) are skipped and write nothing. Each figure carries its
+        reading (:func:`panel_readings`) under the title and in the PNG's ``Description``.
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist or holds no metrics file.
@@ -258,11 +287,13 @@ def render(
         if not lines:
             log.debug("panel %r: no data, skipped", panel.name)
             continue
-        fig = _figure(panel, lines)
+        readings = panel_readings(panel, runs)
+        fig = _figure(panel, lines, readings)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{panel.name}.png"
-        fig.savefig(path)
-        log.info("wrote %s (%d lines)", path, len(lines))
+        # The readings also as the PNG's Description text chunk (PIL: Image.open(p).text).
+        fig.savefig(path, metadata={"Title": panel.title, "Description": "\n".join(readings)})
+        log.debug("wrote %s (%d lines)", path, len(lines))
         written.append(path)
     if not written:
         log.warning(

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -29,15 +28,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import (
-    CONF_DIR,
-    ConfigError,
-    build,
-    check_command_line,
-    exit_on_config_error,
-    validate,
-    world,
-)
+from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
+from .console import quiet_third_party
 from .launch import (
     RANK_CONFIG_ENV,
     RankLauncher,
@@ -216,7 +208,8 @@ def _fit_and_evaluate(
         csv = metrics_history(trainer)  # <output_dir>/metrics.jsonl, whatever the loggers
         runs = finish_wandb(trainer, metrics, csv)
         _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
-        _report(trainer, metrics, out, runs, csv)
+        figures = _png_report(out) if cfg.get("report", True) and csv is not None else []
+        _report(trainer, metrics, out, runs, csv, figures)
     return metrics
 
 
@@ -245,8 +238,29 @@ def _scalars(values: Any) -> dict[str, float]:
     }
 
 
+def _png_report(out: Path) -> list[tuple[Path, list[str]]]:
+    """Rank 0, at the end of the job (``report: true``): the PNG report into ``<out>/report/``
+    (:func:`~syncbn_lightning.app.report.render`), each figure with its reading. Returns the
+    figures and their readings; a failure is logged, not raised (the training is done)."""
+    from .report import PANELS, panel_readings, read_run, render
+
+    try:
+        paths = render(out)
+        runs = read_run(out)
+    except (OSError, ValueError) as e:
+        log.warning("report: not written (%s)", e)
+        return []
+    panels = {p.name: p for p in PANELS}
+    return [(path, panel_readings(panels[path.stem], runs)) for path in paths]
+
+
 def _report(
-    trainer: pl.Trainer, metrics: dict[str, float], out: Path, runs: list[str], csv: Path | None
+    trainer: pl.Trainer,
+    metrics: dict[str, float],
+    out: Path,
+    runs: list[str],
+    csv: Path | None,
+    figures: list[tuple[Path, list[str]]],
 ) -> None:
     keys = [k for k in ("val/mAP", "val/mAP50", "val/acc") if k in metrics]
     keys += [k for k in ("bn/norm_batch_size", "bn/global_batch_size") if k in metrics]
@@ -256,7 +270,13 @@ def _report(
         log.info("checkpoints: %s (best: %s)", ckpt.dirpath, ckpt.best_model_path or "-")
     for run in runs:
         log.info("W&B run files: %s  (offline runs: `wandb sync %s` uploads them)", run, run)
-    if csv is not None:
+    for path, readings in figures:
+        log.info("%s: %s", path.stem, "; ".join(readings) or "-")
+    if figures:
+        log.info(
+            "PNG report: %s (%d figures, each with the reading above)", out / "report", len(figures)
+        )
+    elif csv is not None:
         log.info("PNG report: syncbn-report %s", out)
 
 
@@ -266,6 +286,7 @@ def _report(
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point: one job per call (a multirun calls it once per job)."""
+    quiet_third_party()
     with exit_on_config_error():
         metrics = train(cfg)
     return metrics.get(cfg.model.monitor)  # the objective for Hydra sweepers
@@ -278,17 +299,17 @@ def _run_rank(config_file: str) -> None:
         level=logging.INFO,
         format=f"[rank {os.environ.get('LOCAL_RANK')}][%(asctime)s][%(name)s] %(message)s",
     )
+    quiet_third_party()
     train(OmegaConf.load(config_file))
 
 
 def entry() -> None:
-    """``syncbn-train`` / ``python train.py``: a job (Hydra), or one of its ranks when started by
-    the launcher."""
+    """A job (Hydra), or one of its ranks when started by the launcher. ``syncbn-train`` and
+    ``python train.py`` check the command line's config before they get here
+    (:func:`.cli.entry`)."""
     if os.environ.get(RANK_CONFIG_ENV):
         _run_rank(os.environ[RANK_CONFIG_ENV])
     else:
-        with exit_on_config_error():  # unknown keys: one line, before Hydra's own message
-            check_command_line(sys.argv[1:])
         main()
 
 

@@ -17,9 +17,17 @@ import contextlib
 import logging
 import netrc
 import os
+from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["LOGIN_HINT", "has_wandb_credentials", "netrc_login", "wandb_mode_offline"]
+__all__ = [
+    "LOGIN_HINT",
+    "check_wandb",
+    "has_wandb_credentials",
+    "netrc_login",
+    "wandb_mode_offline",
+    "wandb_offline",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +77,50 @@ def netrc_login(base_url: str) -> bool:
     with contextlib.suppress(FileNotFoundError, netrc.NetrcParseError, OSError):
         return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
     return False
+
+
+def wandb_offline(setting: Any) -> bool:
+    """``auto``: offline when ``WANDB_MODE`` says so, or unless ``WANDB_API_KEY`` is set or
+    ``~/.netrc`` has a W&B login (``wandb login`` writes it). Not W&B's full lookup
+    (:func:`has_wandb_credentials`, used to refuse ``offline=false``): in CI a
+    multirun's ranks went online with it and failed in ``wandb.init`` for want of a key."""
+    if setting != "auto":
+        return bool(setting)
+    if os.environ.get("WANDB_MODE") in ("offline", "dryrun"):
+        return True
+    base_url = os.environ.get("WANDB_BASE_URL", "")
+    return not (os.environ.get("WANDB_API_KEY") or netrc_login(base_url))
+
+
+def check_wandb(offline: Any, log_model: Any) -> bool:
+    """Check ``offline`` and ``log_model`` of ``logger.wandb``; returns whether the run is offline.
+
+    Needs no network: an online run (``offline=false``) without W&B credentials on this machine
+    is refused here, before any rank starts, instead of failing in ``wandb.init`` on rank 0
+    (``WANDB_MODE=offline`` or ``disabled`` need none).
+
+    Raises:
+        ValueError: the message starts with the offending argument's name.
+    """
+    if offline not in ("auto", True, False):
+        raise ValueError(f"offline={offline!r}: use auto, true or false")
+    if log_model not in (True, False, "all"):
+        raise ValueError(f"log_model={log_model!r}: use false, true (at the end) or all")
+    is_offline = wandb_offline(offline)
+    if not is_offline and not wandb_mode_offline() and not has_wandb_credentials():
+        raise ValueError(
+            f"offline=false: this machine has no W&B API key for an online run; {LOGIN_HINT}, "
+            f"or log offline with offline=auto (or true) and upload later with `wandb sync`"
+        )
+    if log_model and is_offline:
+        cause = (
+            "offline=true"
+            if offline is True
+            else "offline=auto: no W&B login, or WANDB_MODE=offline"
+        )
+        raise ValueError(
+            f"log_model={log_model!r}: checkpoints cannot be uploaded from an offline run "
+            f"({cause}); log in (wandb login) and set offline=auto or false, or leave "
+            f"log_model=false"
+        )
+    return is_offline

@@ -23,12 +23,12 @@ from ..distributed.groups import (
     GroupSize,
     new_sync_group,
     resolve_group_size,
-    validate_group_size,
 )
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.convert import revert_sync_batchnorm
 from ..nn.precise_bn import update_bn_stats
 from ..nn.running_stats import average_running_stats, running_stat_layers
+from .arguments import check_callback_arguments
 from .batches import default_precise_forward, loader_batch_size
 from .ddp_setup import (
     LayerSettings,
@@ -41,17 +41,6 @@ from .layer_sync import SyncBNLayerSync
 from .monitoring import BatchNormMonitor
 
 __all__ = ["SyncBNCallback"]
-
-_NONFINITE_ACTIONS = ("warn", "raise", "ignore")
-_PRECISE_AT = ("fit_end", "validation")
-_SINGLE_PROCESS = ("leave", "monitor")
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class SyncBNCallback(LayerSettings, BatchNormMonitor):
@@ -175,25 +164,25 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         stats_mode: Literal["N", "default"] | None = None,
         exchange: Literal["auto", "gather", "reduce"] | None = None,
     ) -> None:
-        validate_group_size(group_size)
-        if on_nonfinite not in _NONFINITE_ACTIONS:
-            raise ValueError(
-                f"on_nonfinite must be one of {_NONFINITE_ACTIONS} (what to do when a batch's "
-                f"synchronized statistics are NaN/inf), got {on_nonfinite!r}"
-            )
-        if single_process not in _SINGLE_PROCESS:
-            raise ValueError(
-                f"single_process must be one of {_SINGLE_PROCESS} (what to do in a run of one "
-                f"process: leave BatchNorm alone, or monitor it), got {single_process!r}"
-            )
-        self._set_layer_settings(momentum, eps, impl, stats_mode, exchange)
-        _positive_int("target_norm_batch", target_norm_batch)
-        _positive_int("log_every_n_steps", log_every_n_steps, allow_none=True)
-        _positive_int("precise_bn_batches", precise_bn_batches, minimum=0)
-        if precise_bn_at not in _PRECISE_AT:
-            raise ValueError(f"precise_bn_at must be one of {_PRECISE_AT}, got {precise_bn_at!r}")
-        if precise_bn_forward is not None and not callable(precise_bn_forward):
-            raise TypeError("precise_bn_forward must be a callable fn(module, batch)")
+        options = check_callback_arguments(
+            group_size,
+            momentum=momentum,
+            eps=eps,
+            impl=impl,
+            target_norm_batch=target_norm_batch,
+            log_every_n_steps=log_every_n_steps,
+            drift=drift,
+            reconcile=reconcile,
+            precise_bn_batches=precise_bn_batches,
+            precise_bn_at=precise_bn_at,
+            precise_bn_forward=precise_bn_forward,
+            revert_on_fit_end=revert_on_fit_end,
+            on_nonfinite=on_nonfinite,
+            single_process=single_process,
+            stats_mode=stats_mode,
+            exchange=exchange,
+        )
+        self._set_layer_settings(momentum, eps, impl, stats_mode, exchange, options)
         self.group_size = group_size
         self.target_norm_batch = target_norm_batch
         self.log_every_n_steps = log_every_n_steps

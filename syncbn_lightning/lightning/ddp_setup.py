@@ -11,9 +11,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..functional.options import KEEP, SyncOptions
+from ..functional.options import SyncOptions
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.convert import configure_sync_layers, convert_with
+from .arguments import overrides
 
 __all__ = [
     "LayerSettings",
@@ -23,31 +24,6 @@ __all__ = [
     "refuse_buffer_broadcast",
     "refuse_other_layer_sync",
 ]
-
-
-def overrides(
-    momentum: float | None,
-    eps: float | None,
-    impl: str | None,
-    stats_mode: str | None,
-    exchange: str | None,
-) -> SyncOptions:
-    """The callback's and the plugin's settings as one validated :class:`SyncOptions` to apply to
-    every layer: ``None`` keeps a layer's own momentum, eps, stats_mode and exchange; ``impl`` is
-    set on every layer (``None``: the ``SYNCBN_IMPL`` environment variable)."""
-
-    def keep(value: Any) -> Any:
-        return KEEP if value is None else value
-
-    return SyncOptions(
-        momentum=keep(momentum),
-        eps=keep(eps),
-        impl=impl,
-        stats_mode=keep(stats_mode),
-        exchange=keep(exchange),
-        force_sync=False,
-        unbiased_running_var=KEEP,
-    )
 
 
 class LayerSettings:
@@ -69,8 +45,13 @@ class LayerSettings:
         impl: str | None,
         stats_mode: str | None,
         exchange: str | None,
+        options: SyncOptions | None = None,
     ) -> None:
-        self.sync_options = overrides(momentum, eps, impl, stats_mode, exchange)
+        """Set :attr:`sync_options` (``options``, already validated from these arguments, or
+        :func:`overrides` of them) and the arguments it came from."""
+        if options is None:
+            options = overrides(momentum, eps, impl, stats_mode, exchange)
+        self.sync_options = options
         self.momentum, self.eps, self.impl = momentum, eps, self.sync_options.impl
         self.stats_mode, self.exchange = stats_mode, exchange
 

@@ -238,6 +238,23 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         check_dims(input)
 
+    def __prepare_scriptable__(self) -> SyncBatchNorm:
+        """``torch.jit.script`` asks every submodule first: refuse with the ways that work.
+
+        TorchScript cannot compile this layer (its settings object, its process group, the
+        synchronized path); in eval mode it computes what plain BatchNorm computes, and the
+        export paths that trace a call (``torch.export``, ONNX, ``torch.jit.trace``) take it as
+        it is. Scripting a reverted copy gives the same eval-mode module.
+        """
+        raise TypeError(
+            f"torch.jit.script cannot compile {self._get_name()} (its synchronized forward holds "
+            f"a process group and settings TorchScript has no type for): script "
+            f"revert_sync_batchnorm(copy.deepcopy(model)).eval() instead, plain BatchNorm layers "
+            f"with the same tensors (what these layers compute in eval mode), or export the model "
+            f"in eval mode with torch.export.export, torch.onnx.export or torch.jit.trace "
+            f"(docs/library.md, Export)"
+        )
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._forward(input, None)[0]
 

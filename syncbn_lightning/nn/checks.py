@@ -46,7 +46,9 @@ def check_input(
             f"SyncBatchNorm input must be floating point (float16, bfloat16, float32, "
             f"float64), got {input.dtype}: convert it, e.g. input.float()"
         )
-    if input.shape[1] != num_features:
+    # While torch.jit.trace records, the comparison of a traced size would only warn that it
+    # becomes a constant of the trace (it is one: the layer's channel count).
+    if not torch.jit.is_tracing() and input.shape[1] != num_features:
         raise ValueError(
             f"SyncBatchNorm input has {input.shape[1]} channels (dim 1) but the layer was "
             f"built with num_features={num_features}: use "

@@ -129,7 +129,6 @@ _choice_lock = threading.Lock()
 _choices: dict[tuple[str, str], bool] = {}
 
 
-@torch.compiler.assume_constant_result
 def uses_extension(device_type: str, impl: str | None = None) -> bool:
     """Whether layers on ``device_type`` with implementation ``impl`` (``None``: ``SYNCBN_IMPL``)
     run the ``syncbn::`` operators (else the reference).
@@ -146,3 +145,10 @@ def uses_extension(device_type: str, impl: str | None = None) -> bool:
             choice = ops_for_device(device_type, key[0]) is not reference
             _choices[key] = choice
     return choice
+
+
+# What @torch.compiler.assume_constant_result does (it sets this mark, which torch.compile reads
+# when it traces a call), without that decorator's `import torch._dynamo`: about 1 s of every
+# `import syncbn_lightning`, half of a command line's config check. tests/test_backend.py checks
+# that the decorator still sets exactly this mark.
+uses_extension._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -1,11 +1,17 @@
-// Python bindings: one entry per primitive, dispatching on the input's device to the `_cpu` or
-// `_cuda` twin declared in syncbn.h. Builds without CUDA (no WITH_CUDA) reject CUDA tensors with
-// a message; the Python backend never sends them here in that case.
+// The five primitives as `syncbn::` operators, each dispatching on the input's device to the
+// `_cpu` or `_cuda` twin declared in syncbn.h. Builds without CUDA (no WITH_CUDA) reject CUDA
+// tensors with a message; the Python backend never sends them here in that case.
 //
-// torch/python.h (pybind11 and torch's type casters) rather than torch/extension.h, which adds the
-// whole C++ frontend (torch/all.h) unused here: a third of this file's compile time, the longest of
-// the extension's first build.
-#include <torch/python.h>
+// Registered with the dispatcher (torch/library.h), not bound with pybind11: the extension is then
+// a plain shared library that torch.ops.load_library loads, and no file includes torch/python.h,
+// which took 15 of the 44 s of compiler time of the first build (the longest file by far; pybind11
+// and torch's Python type casters). Python calls them as torch.ops.syncbn.<name> (ops/build.py
+// gathers them, with `with_cuda`, in the object load_extension() returns).
+//
+// Each is registered as one kernel for every dispatch key (m.def with the function), as the pybind
+// functions were: tensors on any device reach the argument checks (a meta tensor gets "must be a
+// CPU tensor"), and autograd does not record them (their outputs have no grad_fn).
+#include <torch/library.h>
 
 #include "syncbn.h"
 
@@ -13,12 +19,10 @@ namespace syncbn {
 namespace {
 
 #ifdef WITH_CUDA
-constexpr bool kWithCuda = true;
 // Returns from the enclosing entry point with the CUDA twin for CUDA tensors.
 #define SYNCBN_CUDA_BRANCH(tensor, call) \
   if ((tensor).is_cuda()) return call
 #else
-constexpr bool kWithCuda = false;
 #define SYNCBN_CUDA_BRANCH(tensor, call) reject_cuda(tensor)
 
 void reject_cuda(const at::Tensor& t) {
@@ -67,21 +71,27 @@ at::Tensor backward_elemt(
 }  // namespace
 }  // namespace syncbn
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "syncbn_lightning kernels: Welford statistics, merge, normalize, backward";
-  m.attr("with_cuda") = syncbn::kWithCuda;
-  m.def("local_stats", &syncbn::local_stats, "Per-channel (mean, m2) of the local batch",
-        py::arg("input"));
-  m.def("merge_stats", &syncbn::merge_stats,
-        "Count-weighted merge of per-rank stats -> (mean, invstd, running var)", py::arg("counts"),
-        py::arg("means"), py::arg("m2s"), py::arg("eps"), py::arg("unbiased"));
-  m.def("normalize", &syncbn::normalize, "(x - mean) * invstd * weight + bias", py::arg("input"),
-        py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("bias"));
-  m.def("backward_reduce", &syncbn::backward_reduce,
-        "Local (sum_dy, sum_dy_xmu, grad_weight, grad_bias)", py::arg("grad_out"),
-        py::arg("input"), py::arg("mean"), py::arg("invstd"), py::arg("weight"),
-        py::arg("weight_grad"), py::arg("bias_grad"));
-  m.def("backward_elemt", &syncbn::backward_elemt, "Input gradient from group-wide sums",
-        py::arg("grad_out"), py::arg("input"), py::arg("mean"), py::arg("invstd"),
-        py::arg("weight"), py::arg("sum_dy"), py::arg("sum_dy_xmu"), py::arg("count"));
+TORCH_LIBRARY_FRAGMENT(syncbn, m) {
+  // Per-channel (mean, m2) of the local batch.
+  m.def("local_stats(Tensor input) -> (Tensor, Tensor)", &syncbn::local_stats);
+  // Count-weighted merge of per-rank stats -> (mean, invstd, running var).
+  m.def(
+      "merge_stats(Tensor counts, Tensor means, Tensor m2s, float eps, bool unbiased) "
+      "-> (Tensor, Tensor, Tensor)",
+      &syncbn::merge_stats);
+  // (x - mean) * invstd * weight + bias.
+  m.def(
+      "normalize(Tensor input, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) "
+      "-> Tensor",
+      &syncbn::normalize);
+  // Local (sum_dy, sum_dy_xmu, grad_weight, grad_bias); skipped grads are None.
+  m.def(
+      "backward_reduce(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+      "bool weight_grad, bool bias_grad) -> (Tensor, Tensor, Tensor, Tensor)",
+      &syncbn::backward_reduce);
+  // Input gradient from group-wide sums.
+  m.def(
+      "backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+      "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor",
+      &syncbn::backward_elemt);
 }

@@ -1,0 +1,151 @@
+"""Layer 7: a bad config on the command line (``python train.py``, ``syncbn-train``) is refused
+within 3 s, in one line, with exit code 2, and leaves nothing on disk.
+
+The command runs as a user runs it, in a fresh interpreter from an empty working directory,
+without ``hydra.run.dir``: a refused config must not leave the default ``outputs/<date>/<time>/``
+behind. The check needs neither Lightning nor W&B (``syncbn_lightning.app.checks``); the 3 s
+include the interpreter's start and the import of torch.
+
+Two bounds. The CPU time the command used (user + system, every thread, the kernel's accounting
+of the child) stays under 3 s whatever the machine's load: that is the command's own cost, and on
+an idle machine its wall time is about that (1.9 s of CPU, 1.9 s wall measured on the 2-core
+development machine). The wall time stays under 3 s whenever the command did not queue for a CPU
+that other processes held (its run-queue wait, from ``/proc/self/schedstat``, under a tenth of
+its wall time); on a loaded machine (the fast suite must also pass with every core busy) the
+neighbours' share of the CPUs is not the command's to bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from _service import RENDEZVOUS_VARS
+
+from syncbn_lightning.app.checks import check_command_line
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: What the first check must not import (seconds each), and what it needs none of.
+HEAVY_MODULES = ("lightning", "wandb", "matplotlib", "pycocotools", "torch._dynamo")
+
+
+#: Runs ``train.py`` (argv[2:]) and writes its main thread's run-queue wait, in ns, to argv[1].
+_TIMED = """
+import atexit, runpy, sys
+def _waited(path):
+    with open(path, "w") as f:
+        f.write(open("/proc/self/schedstat").read().split()[1])
+atexit.register(_waited, sys.argv[1])
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@dataclass
+class Timed:
+    """A finished ``train.py`` command and its times in seconds."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    wall: float
+    cpu: float
+    waited: float
+
+
+def _train(cwd: Path, *args: str) -> Timed:
+    """``python train.py ARGS`` in ``cwd``, timed."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    env.pop("SYNCBN_RANK_CONFIG", None)
+    env.update(WANDB_SILENT="true", PYTHONPATH=str(ROOT))
+    waited = cwd.parent / f"{cwd.name}.waited"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _TIMED, str(waited), str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    seconds_waited = int(waited.read_text()) / 1e9
+    return Timed(proc.returncode, proc.stdout, proc.stderr, wall, cpu, seconds_waited)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bn.grup_size=2"], "unknown key bn.grup_size: did you mean bn.group_size?"),
+        (["recipe=does_not_exist"], "recipe=does_not_exist: no such option of recipe: use one of "),
+        (["bn.momentum=2"], "bn.momentum=2: momentum must be in [0, 1]"),
+        (["bn.eps=-1"], "bn.eps=-1: eps must be a finite float > 0"),
+        (["bn.group_size=3"], "bn.group_size=3: group_size=3 means 3 ranks per sync group"),
+    ],
+    ids=["unknown_key", "unknown_recipe", "momentum", "eps", "group_size"],
+)
+def test_a_bad_config_is_refused_in_3_s_in_one_line_leaving_nothing(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    run = _train(workdir, *args)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stdout == ""
+    assert run.stderr.splitlines() == [run.stderr.rstrip("\n")], run.stderr  # one line
+    assert run.stderr.startswith(f"error: {message}"), run.stderr
+    assert list(workdir.iterdir()) == []  # no outputs/<date>/<time>/, no data
+    times = f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU"
+    assert run.cpu < 3.0, times
+    if run.waited < 0.1 * run.wall:  # the CPUs were there to be had
+        assert run.wall < 3.0, times
+
+
+def test_a_value_only_the_model_checks_is_refused_before_any_directory(tmp_path: Path) -> None:
+    """A value refused by a constructor (here the datamodule's) needs the heavy imports, and so
+    is found later, but still before Hydra creates the run's directory."""
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    run = _train(workdir, "data.batch_size=0")
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr == "error: data.batch_size must be an int >= 1, got 0\n"
+    assert list(workdir.iterdir()) == []
+
+
+def test_the_command_line_check_imports_no_heavy_module() -> None:
+    code = f"""
+import json, sys
+from syncbn_lightning.app.checks import check_command_line
+check_command_line(["recipe=classifier_sanity", "bn.group_size=2", "trainer.devices=4"])
+print(json.dumps([m for m in {HEAVY_MODULES!r} if m in sys.modules]))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bn.group_size=2", "trainer.devices=4"],
+        ["recipe=classifier_sanity", "logger=none"],
+        ["bn=local,sync", "-m", "bn.momentum=0.2"],
+        ["--help"],
+        ["--cfg", "job", "bn.grup_size=2"],  # Hydra prints the config (and its own error)
+    ],
+)
+def test_good_command_lines_pass(argv: list[str]) -> None:
+    check_command_line(argv)
