@@ -6,13 +6,16 @@ without ``hydra.run.dir``: a refused config must not leave the default ``outputs
 behind. The check needs neither Lightning nor W&B (``syncbn_lightning.app.checks``); the 3 s
 include the interpreter's start and the import of torch.
 
-Two bounds. The CPU time the command used (user + system, every thread, the kernel's accounting
-of the child) stays under 3 s whatever the machine's load: that is the command's own cost, and on
-an idle machine its wall time is about that (1.9 s of CPU, 1.9 s wall measured on the 2-core
-development machine). The wall time stays under 3 s whenever the command did not queue for a CPU
-that other processes held (its run-queue wait, from ``/proc/self/schedstat``, under a tenth of
-its wall time); on a loaded machine (the fast suite must also pass with every core busy) the
-neighbours' share of the CPUs is not the command's to bound.
+Two bounds. The wall time stays under 3 s whenever the command did not queue for a CPU that other
+processes held (its run-queue wait, from ``/proc/self/schedstat``, under a tenth of its wall time):
+on the idle 2-core development machine it takes 2.3 s wall, 2.4 s of CPU, of which 2.2 s is
+starting Python and importing torch. On a loaded machine (the fast suite must also pass with every
+core busy) the neighbours' share of the CPUs is not the command's to bound, and its CPU time (user
++ system, the kernel's accounting of the child) grows too, measured 3.2-4.3 s with both cores busy:
+so the CPU bound is relative, at most 2 times the CPU of a bare ``import torch`` run the same way
+just before (the floor every command of the service pays). Importing Lightning as well, the mistake
+this guards against, costs another 3.3 s (5.5 s for ``import lightning.pytorch`` alone) and fails
+it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 #: What the first check must not import (seconds each), and what it needs none of.
 HEAVY_MODULES = ("lightning", "wandb", "matplotlib", "pycocotools", "torch._dynamo")
 
+
+#: The check's CPU time, at most this many times a bare ``import torch``'s (module docstring).
+FLOOR_FACTOR = 2.0
 
 #: Runs ``train.py`` (argv[2:]) and writes its main thread's run-queue wait, in ns, to argv[1].
 _TIMED = """
@@ -61,8 +67,8 @@ class Timed:
     waited: float
 
 
-def _train(cwd: Path, *args: str) -> Timed:
-    """``python train.py ARGS`` in ``cwd``, timed."""
+def _run_timed(cwd: Path, script: Path, *args: str) -> Timed:
+    """``python SCRIPT ARGS`` in ``cwd``, timed."""
     env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
     env.pop("SYNCBN_RANK_CONFIG", None)
     env.update(WANDB_SILENT="true", PYTHONPATH=str(ROOT))
@@ -70,7 +76,7 @@ def _train(cwd: Path, *args: str) -> Timed:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-c", _TIMED, str(waited), str(ROOT / "train.py"), *args],
+        [sys.executable, "-c", _TIMED, str(waited), str(script), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -82,6 +88,20 @@ def _train(cwd: Path, *args: str) -> Timed:
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     seconds_waited = int(waited.read_text()) / 1e9
     return Timed(proc.returncode, proc.stdout, proc.stderr, wall, cpu, seconds_waited)
+
+
+def _train(cwd: Path, *args: str) -> Timed:
+    """``python train.py ARGS`` in ``cwd``, timed."""
+    return _run_timed(cwd, ROOT / "train.py", *args)
+
+
+def _torch_floor(tmp_path: Path) -> Timed:
+    """A bare ``import torch``, run and timed as :func:`_train` runs ``train.py``."""
+    script = tmp_path / "floor.py"
+    script.write_text("import torch\n")
+    workdir = tmp_path / "floor"
+    workdir.mkdir()
+    return _run_timed(workdir, script)
 
 
 @pytest.mark.parametrize(
@@ -106,8 +126,12 @@ def test_a_bad_config_is_refused_in_3_s_in_one_line_leaving_nothing(
     assert run.stderr.splitlines() == [run.stderr.rstrip("\n")], run.stderr  # one line
     assert run.stderr.startswith(f"error: {message}"), run.stderr
     assert list(workdir.iterdir()) == []  # no outputs/<date>/<time>/, no data
-    times = f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU"
-    assert run.cpu < 3.0, times
+    floor = _torch_floor(tmp_path)
+    times = (
+        f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU; "
+        f"import torch: {floor.cpu:.2f} s CPU"
+    )
+    assert run.cpu < FLOOR_FACTOR * floor.cpu, times
     if run.waited < 0.1 * run.wall:  # the CPUs were there to be had
         assert run.wall < 3.0, times
 
