@@ -83,14 +83,25 @@ def test_batch_sizes_and_drift_in_csv_logger(tmp_path):
 
 
 def test_wandb_offline_run_holds_metrics(tmp_path, monkeypatch):
+    import wandb
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="syncbn-test")
-    fit_ranks(
-        tmp_path, "wandb", 2, [SyncBNCallback()], max_steps=2, logger=logger, log_every_n_steps=1
-    )
+    try:
+        fit_ranks(
+            tmp_path,
+            "wandb",
+            2,
+            [SyncBNCallback()],
+            max_steps=2,
+            logger=logger,
+            log_every_n_steps=1,
+        )
+    finally:
+        # Rank 0 is this process: its run stays wandb.run (a later WandbLogger would reuse it).
+        wandb.finish()
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     with open(run_file, "rb") as f:
         blob = f.read()

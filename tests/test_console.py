@@ -88,6 +88,9 @@ def test_the_service_wandb_run_is_quiet_and_not_anonymous(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_SILENT", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    import wandb
+
+    wandb.finish()  # no run of an earlier test in this process: the logger would reuse it
     logger = wandb_logger(offline=True, project="console-test", save_dir=str(tmp_path))
     assert "anonymous" not in logger._wandb_init
     run = logger.experiment
