@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from syncbn_lightning._files import shipped_dir
 from syncbn_lightning.distributed.groups import resolve_group_size
@@ -89,6 +90,21 @@ def exit_on_config_error() -> Iterator[None]:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def config_errors_in_one_line() -> Iterator[None]:
+    """OmegaConf's errors (a missing ``???`` value, a bad interpolation) and the ``ValueError`` /
+    ``TypeError`` of a check or constructor, raised in the block, as one-line
+    :class:`ConfigError`; a ``ConfigError`` passes unchanged."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
+    except (OmegaConfBaseException, ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -196,9 +212,7 @@ def check_config(cfg: DictConfig) -> None:
         ConfigError: one line naming the offending key and how to fix it; a config error of
             OmegaConf (a missing ``???`` value, a bad interpolation) in the same form.
     """
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    try:
+    with config_errors_in_one_line():
         try:
             check_keys(cfg)  # first: an unknown key would otherwise surface as another key's error
         except UnknownKeyError as e:
@@ -217,12 +231,6 @@ def check_config(cfg: DictConfig) -> None:
         if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
         _check_wandb(cfg)
-    except ConfigError:
-        raise
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
-    except (OmegaConfBaseException, ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -21,7 +21,6 @@ from hydra.errors import InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from typing_extensions import override
 
 from syncbn_lightning.lightning.callback import SyncBNCallback
@@ -31,6 +30,7 @@ from .checks import (
     ConfigError,
     check_command_line,
     check_config,
+    config_errors_in_one_line,
     exit_on_config_error,
     global_batch,
     world,
@@ -95,15 +95,9 @@ def validate(cfg: DictConfig) -> None:
         ConfigError: one line naming the offending key and how to fix it.
     """
     check_config(cfg)
-    try:
+    with config_errors_in_one_line():
         build(cfg, "data")
         build(cfg, "model")
-    except ConfigError:
-        raise
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is required (it is ??? in the config): set it") from None
-    except (OmegaConfBaseException, ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 # ----------------------------------------------------------------------------- multirun
