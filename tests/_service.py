@@ -8,6 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
 
 def wandb_transaction_log(run_dir: Path) -> bytes:
     """The bytes of the ``run-*.wandb`` file of the offline W&B run in ``run_dir``, once W&B has
@@ -72,3 +77,33 @@ def write_script(tmp_path: Path, name: str, body: str) -> list[str]:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return [sys.executable, str(path)]
+
+
+# A run small enough for 2 cores: 16 training images, 8 for validation, one epoch.
+TINY = [
+    "data.synthetic.num_train=16",
+    "data.synthetic.num_val=8",
+    "data.synthetic.progress=false",
+    "trainer.max_epochs=1",
+    "trainer.check_val_every_n_epoch=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "bn.precise_bn_batches=2",
+    "launch.timeout_s=60",
+]
+
+
+def compose_train(overrides: list[str]) -> DictConfig:
+    """``python train.py OVERRIDES`` composed with Hydra's compose API."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def tiny_cfg(tmp: Path, data_dir: Path, *overrides: str) -> DictConfig:
+    """The config of a :data:`TINY` run writing to ``tmp/out``, data generated in ``data_dir``."""
+    paths = [f"paths.output_dir={tmp / 'out'}", f"paths.data_dir={data_dir}"]
+    tiny = TINY
+    if "data=coco" in overrides:  # no generator settings on a real dataset
+        tiny = [o for o in TINY if not o.startswith("data.synthetic")]
+    return compose_train([*paths, *tiny, *overrides])

@@ -176,6 +176,21 @@ def test_config_model_optimizer_unknown(tmp_path: Path) -> None:
         _validate(tmp_path, "model.optim.name=lamb")
 
 
+def test_config_model_norm_unknown(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "model.norm=ln")
+
+
+def test_config_frozen_bn_without_pretrained_backbone(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "recipe=detection_frozen")
+
+
+def test_config_init_backbone_missing(tmp_path: Path) -> None:
+    with expect_row():
+        _validate(tmp_path, "recipe=detection_frozen", "model.init_backbone=/nonexistent.ckpt")
+
+
 def test_config_ckpt_path_missing(tmp_path: Path) -> None:
     with expect_row():
         _validate(tmp_path, "ckpt_path=/nonexistent.ckpt")

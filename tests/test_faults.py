@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _service import RENDEZVOUS_VARS, listening_sockets
+from _service import RENDEZVOUS_VARS, TINY, listening_sockets
 from hydra import compose, initialize_config_dir
 
 import syncbn_lightning.app.train as app
@@ -30,19 +30,12 @@ import syncbn_lightning.app.train as app
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 ABORT_S = 20  # launch.abort_after_s of the killed job: the bound on how long it may linger
-# A short, quick job: the classifier on 16 training images (2 steps per epoch on 4 ranks).
+# A short, quick job: the classifier on 16 training images (2 steps per epoch on 4 ranks); the
+# tests set the epochs.
 QUICK = [
     "model=classifier",
     "logger=csv",
-    "data.synthetic.num_train=16",
-    "data.synthetic.num_val=8",
-    "data.synthetic.progress=false",
-    "trainer.check_val_every_n_epoch=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "bn.precise_bn_batches=2",
-    "launch.timeout_s=60",
+    *(o for o in TINY if not o.startswith("trainer.max_epochs=")),
 ]
 
 

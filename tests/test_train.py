@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _service import RENDEZVOUS_VARS
-from hydra import compose, initialize_config_dir
+from _service import RENDEZVOUS_VARS, TINY
+from _service import tiny_cfg as _cfg
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 import syncbn_lightning.app.config as app_config
 import syncbn_lightning.app.train as app
@@ -30,19 +30,6 @@ from syncbn_lightning.app.tasks.shapes import generate_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-# A run small enough for 2 cores: 16 training images, 8 for validation, one epoch.
-TINY = [
-    "data.synthetic.num_train=16",
-    "data.synthetic.num_val=8",
-    "data.synthetic.progress=false",
-    "trainer.max_epochs=1",
-    "trainer.check_val_every_n_epoch=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "bn.precise_bn_batches=2",
-    "launch.timeout_s=60",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -57,19 +44,6 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("data")
-
-
-def _compose(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("train", overrides=overrides)
-
-
-def _cfg(tmp: Path, data_dir: Path, *overrides: str) -> DictConfig:
-    paths = [f"paths.output_dir={tmp / 'out'}", f"paths.data_dir={data_dir}"]
-    tiny = TINY
-    if "data=coco" in overrides:  # no generator settings on a real dataset
-        tiny = [o for o in TINY if not o.startswith("data.synthetic")]
-    return _compose([*paths, *tiny, *overrides])
 
 
 def _metrics_csv(out: Path) -> list[dict[str, str]]:
@@ -178,6 +152,17 @@ def test_every_config_composes_and_validates(
         extra += ["data.train_split=train", "data.val_split=val"]
     cfg = _cfg(tmp_path, data_dir, f"{group}={option}", *extra)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # every interpolation
+    if option == "detection_frozen":  # frozen statistics need pretrained ones
+        with pytest.raises(app.ConfigError, match=r"^model.norm=frozen_bn .* model.init_backbone="):
+            app.validate(cfg)
+        with pytest.raises(app.ConfigError, match=r"^model.init_backbone=/nowhere: no such"):
+            app.validate(
+                _cfg(tmp_path, data_dir, f"{group}={option}", "model.init_backbone=/nowhere")
+            )
+        (tmp_path / "pre.ckpt").write_bytes(b"")
+        cfg = _cfg(
+            tmp_path, data_dir, f"{group}={option}", f"model.init_backbone={tmp_path / 'pre.ckpt'}"
+        )
     if group == "trainer" and option == "gpu" and not torch.cuda.is_available():
         with pytest.raises(app.ConfigError, match=r"^trainer.accelerator=gpu .* 0 CUDA GPU"):
             app.validate(cfg)

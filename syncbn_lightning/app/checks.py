@@ -205,8 +205,8 @@ def _check_wandb(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """Check what can be checked without Lightning: the keys under ``bn``, ``trainer`` and
     ``data``, the world size, the Trainer's strategy and devices, every ``bn`` argument and the
-    group size, the data files and the derived global batch, ``launch``, ``ckpt_path`` and the
-    W&B settings.
+    group size, the data files and the derived global batch, ``launch``, ``ckpt_path``,
+    ``model.init_backbone`` and the W&B settings.
 
     Raises:
         ConfigError: one line naming the offending key and how to fix it; a config error of
@@ -230,6 +230,12 @@ def check_config(cfg: DictConfig) -> None:
             )
         if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
             raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
+        init = cfg.model.get("init_backbone")
+        if init and not Path(init).is_file():
+            raise ConfigError(
+                f"model.init_backbone={init}: no such checkpoint file; give the checkpoint of a "
+                "recipe=backbone_pretrain run"
+            )
         _check_wandb(cfg)
 
 

@@ -21,6 +21,8 @@ from torch import nn
 
 from .base import ScaledLRModule
 from .coco_eval import coco_map, load_coco
+from .norms import check_norm, make_norm
+from .pretrained import load_backbone
 
 __all__ = ["CenterNet", "CenterNetHead", "ConvBNReLU", "TinyBackbone", "decode", "make_targets"]
 
@@ -28,21 +30,22 @@ STRIDE = 4
 
 
 class ConvBNReLU(nn.Sequential):
-    """``Conv2d(bias=False) -> BatchNorm2d -> ReLU``."""
+    """``Conv2d(bias=False) -> BatchNorm2d -> ReLU`` (another normalization with ``norm``, one
+    of :data:`~.norms.NORMS`)."""
 
-    def __init__(self, cin: int, cout: int, k: int = 3, stride: int = 1) -> None:
+    def __init__(self, cin: int, cout: int, k: int = 3, stride: int = 1, norm: str = "bn") -> None:
         super().__init__(
             nn.Conv2d(cin, cout, k, stride, k // 2, bias=False),
-            nn.BatchNorm2d(cout),
+            make_norm(norm, cout),
             nn.ReLU(inplace=True),
         )
 
 
 class _Residual(nn.Module):
-    def __init__(self, c: int) -> None:
+    def __init__(self, c: int, norm: str = "bn") -> None:
         super().__init__()
-        self.body = nn.Sequential(ConvBNReLU(c, c), nn.Conv2d(c, c, 3, 1, 1, bias=False))
-        self.bn = nn.BatchNorm2d(c)
+        self.body = nn.Sequential(ConvBNReLU(c, c, norm=norm), nn.Conv2d(c, c, 3, 1, 1, bias=False))
+        self.bn = make_norm(norm, c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(x + self.bn(self.body(x)))
@@ -51,21 +54,22 @@ class _Residual(nn.Module):
 class TinyBackbone(nn.Module):
     """Four stride-2 stages (strides 2, 4, 8, 16) and a top-down neck back to stride 4.
 
-    Returns one ``2 x width``-channel feature map at stride 4.
+    Returns one ``2 x width``-channel feature map at stride 4. ``norm``: every normalization
+    layer's kind (:data:`~.norms.NORMS`).
     """
 
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, norm: str = "bn") -> None:
         super().__init__()
-        w = width
-        self.stem = ConvBNReLU(3, w, stride=2)
-        self.s4 = nn.Sequential(ConvBNReLU(w, 2 * w, stride=2), _Residual(2 * w))
-        self.s8 = nn.Sequential(ConvBNReLU(2 * w, 4 * w, stride=2), _Residual(4 * w))
-        self.s16 = nn.Sequential(ConvBNReLU(4 * w, 8 * w, stride=2), _Residual(8 * w))
-        self.lat8 = ConvBNReLU(4 * w, 4 * w, k=1)
-        self.top8 = ConvBNReLU(8 * w, 4 * w, k=1)
-        self.lat4 = ConvBNReLU(2 * w, 2 * w, k=1)
-        self.top4 = ConvBNReLU(4 * w, 2 * w, k=1)
-        self.out = ConvBNReLU(2 * w, 2 * w)
+        w, n = width, norm
+        self.stem = ConvBNReLU(3, w, stride=2, norm=n)
+        self.s4 = nn.Sequential(ConvBNReLU(w, 2 * w, stride=2, norm=n), _Residual(2 * w, n))
+        self.s8 = nn.Sequential(ConvBNReLU(2 * w, 4 * w, stride=2, norm=n), _Residual(4 * w, n))
+        self.s16 = nn.Sequential(ConvBNReLU(4 * w, 8 * w, stride=2, norm=n), _Residual(8 * w, n))
+        self.lat8 = ConvBNReLU(4 * w, 4 * w, k=1, norm=n)
+        self.top8 = ConvBNReLU(8 * w, 4 * w, k=1, norm=n)
+        self.lat4 = ConvBNReLU(2 * w, 2 * w, k=1, norm=n)
+        self.top4 = ConvBNReLU(4 * w, 2 * w, k=1, norm=n)
+        self.out = ConvBNReLU(2 * w, 2 * w, norm=n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c4 = self.s4(self.stem(x))
@@ -79,12 +83,14 @@ class TinyBackbone(nn.Module):
 class CenterNetHead(nn.Module):
     """Heatmap (logits, one channel per class), size (w, h in feature cells) and offset heads."""
 
-    def __init__(self, channels: int, num_classes: int, prior: float = 0.1) -> None:
+    def __init__(
+        self, channels: int, num_classes: int, prior: float = 0.1, norm: str = "bn"
+    ) -> None:
         super().__init__()
         c = channels
-        self.heatmap = nn.Sequential(ConvBNReLU(c, c), nn.Conv2d(c, num_classes, 1))
-        self.size = nn.Sequential(ConvBNReLU(c, c), nn.Conv2d(c, 2, 1))
-        self.offset = nn.Sequential(ConvBNReLU(c, c), nn.Conv2d(c, 2, 1))
+        self.heatmap = nn.Sequential(ConvBNReLU(c, c, norm=norm), nn.Conv2d(c, num_classes, 1))
+        self.size = nn.Sequential(ConvBNReLU(c, c, norm=norm), nn.Conv2d(c, 2, 1))
+        self.offset = nn.Sequential(ConvBNReLU(c, c, norm=norm), nn.Conv2d(c, 2, 1))
         # Start every location at a low object probability, as CenterNet does, so that the focal
         # loss of the many background cells does not swamp the first steps.
         nn.init.constant_(self.heatmap[-1].bias, -math.log((1 - prior) / prior))
@@ -192,6 +198,13 @@ class CenterNet(ScaledLRModule):
         size_weight: weight of the L1 size loss (CenterNet: 0.1).
         offset_weight: weight of the L1 offset loss (CenterNet: 1).
         top_k: detections kept per image at validation (COCO counts 100).
+        norm: the normalization of every layer (:data:`~.norms.NORMS`): ``bn`` (BatchNorm,
+            which ``SyncBNCallback`` syncs), ``gn`` (GroupNorm) or ``frozen_bn`` (BatchNorm with
+            fixed statistics and affine; needs ``init_backbone``: the heads' frozen layers are
+            the identity, as detectron2's heads have no normalization).
+        init_backbone: a checkpoint of ``BackboneClassifier`` (``recipe=backbone_pretrain``)
+            whose backbone, normalization statistics included, initializes this one when
+            fitting starts (a resumed run then loads its own checkpoint over it).
         optim: see :class:`~syncbn_lightning.app.tasks.base.ScaledLRModule`.
 
     Note:
@@ -217,6 +230,8 @@ class CenterNet(ScaledLRModule):
         top_k: int = 100,
         optim: dict[str, Any] | None = None,
         monitor: str = "val/mAP",
+        norm: str = "bn",
+        init_backbone: str | None = None,
     ) -> None:
         super().__init__(optim, monitor)
         if num_classes < 1 or width < 1 or top_k < 1:
@@ -224,14 +239,23 @@ class CenterNet(ScaledLRModule):
                 f"model.num_classes, model.width and model.top_k must be >= 1, got "
                 f"{num_classes}, {width}, {top_k}"
             )
+        if check_norm(norm) == "frozen_bn" and not init_backbone:
+            raise ValueError(
+                "model.norm=frozen_bn fixes every normalization's statistics and affine, which "
+                "without pretrained values are the identity (no normalization at all): set "
+                "model.init_backbone=<the checkpoint of a recipe=backbone_pretrain run>, "
+                "or use model.norm=bn or gn"
+            )
         self.save_hyperparameters()
-        self.backbone = TinyBackbone(width)
-        self.head = CenterNetHead(2 * width, num_classes)
+        self.backbone = TinyBackbone(width, norm)
+        self.head = CenterNetHead(2 * width, num_classes, norm=norm)
         self._val_dets: list[dict[str, Any]] = []
         self._val_ids: list[int] = []
         self._coco: Any = None
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.hparams.get("init_backbone"):
+            load_backbone(self.backbone, self.hparams.init_backbone)
         dm = getattr(self.trainer, "datamodule", None)
         classes = getattr(dm, "num_classes", None)
         if classes is not None and classes != self.hparams.num_classes:

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import ScaledLRModule
-from .centernet import ConvBNReLU
+from .centernet import ConvBNReLU, TinyBackbone
 
-__all__ = ["ShapeClassifier", "largest_object_labels"]
+__all__ = ["BackboneClassifier", "ShapeClassifier", "largest_object_labels"]
 
 
 def largest_object_labels(targets: list[dict[str, Any]]) -> torch.Tensor:
@@ -43,6 +43,7 @@ class ShapeClassifier(ScaledLRModule):
     Args:
         num_classes: classes (the datamodule's categories).
         width: channels of the first stage.
+        norm: every normalization layer's kind (:data:`~.norms.NORMS`), ``bn`` by default.
         optim: see :class:`~syncbn_lightning.app.tasks.base.ScaledLRModule`.
 
     Note:
@@ -57,6 +58,7 @@ class ShapeClassifier(ScaledLRModule):
         width: int = 16,
         optim: dict[str, Any] | None = None,
         monitor: str = "val/acc",
+        norm: str = "bn",
     ) -> None:
         super().__init__(optim, monitor)
         if num_classes < 2 or width < 1:
@@ -64,19 +66,27 @@ class ShapeClassifier(ScaledLRModule):
                 f"model.num_classes must be >= 2 and model.width >= 1, got {num_classes}, {width}"
             )
         self.save_hyperparameters()
+        channels = self._build_features(width, norm)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def _build_features(self, width: int, norm: str) -> int:
+        """Create the feature extractor; return its output channels."""
         w = width
         self.features = nn.Sequential(
-            ConvBNReLU(3, w, stride=2),
-            ConvBNReLU(w, w),
-            ConvBNReLU(w, 2 * w, stride=2),
-            ConvBNReLU(2 * w, 2 * w),
-            ConvBNReLU(2 * w, 4 * w, stride=2),
-            ConvBNReLU(4 * w, 4 * w),
+            ConvBNReLU(3, w, stride=2, norm=norm),
+            ConvBNReLU(w, w, norm=norm),
+            ConvBNReLU(w, 2 * w, stride=2, norm=norm),
+            ConvBNReLU(2 * w, 2 * w, norm=norm),
+            ConvBNReLU(2 * w, 4 * w, stride=2, norm=norm),
+            ConvBNReLU(4 * w, 4 * w, norm=norm),
         )
-        self.fc = nn.Linear(4 * w, num_classes)
+        return 4 * w
+
+    def _features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.features(images)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.features(images).amax((2, 3)))
+        return self.fc(self._features(images).amax((2, 3)))
 
     def _step(self, batch: Any, stage: str) -> torch.Tensor:
         images, targets = batch
@@ -95,3 +105,18 @@ class ShapeClassifier(ScaledLRModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._step(batch, "val")
+
+
+class BackboneClassifier(ShapeClassifier):
+    """The detector's backbone (``CenterNet``'s :class:`~.centernet.TinyBackbone`, neck included)
+    with global max pooling and a linear layer: the model ``recipe=backbone_pretrain`` trains, so
+    that ``CenterNet(init_backbone=<its checkpoint>)`` starts from pretrained weights and
+    BatchNorm statistics. Same arguments and metrics as :class:`ShapeClassifier`.
+    """
+
+    def _build_features(self, width: int, norm: str) -> int:
+        self.backbone = TinyBackbone(width, norm)
+        return 2 * width
+
+    def _features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.backbone(images)
