@@ -29,7 +29,8 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
-from syncbn_lightning.distributed.groups import resolve_group_size
+from syncbn_lightning.distributed.groups import DEFAULT_TARGET_NORM_BATCH, resolve_group_size
+from syncbn_lightning.lightning.callback import auto_group_summary
 
 # Real Trainers on several gloo processes (20-80 s each on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -271,3 +272,17 @@ def test_ddp_popen_launcher_in_a_subprocess(tmp_path):
     for key, value in bn_state(ranks[0]["state"]).items():
         assert torch.equal(ranks[1]["state"][key], value), key
     assert ranks[0]["callback_metrics"]["SyncBNCallback"]["bn/global_batch_size"] == 4.0
+
+
+def test_auto_summary_says_which_norm_batch_and_why() -> None:
+    line = auto_group_summary(2, 2, 8, DEFAULT_TARGET_NORM_BATCH)
+    assert line == (
+        "SyncBNCallback: group_size='auto' -> normalization batch 4 (2 ranks x 2 samples): the "
+        "smallest group of the 8 ranks reaching target_norm_batch=4 (the default: the knee "
+        "measured in docs/choosing-normalization.md)"
+    )
+    line = auto_group_summary(2, 2, 2, 16)
+    assert line.endswith(
+        "normalization batch 4 (2 ranks x 2 samples): no group of the 2 ranks reaches "
+        "target_norm_batch=16: the whole world (set by you)"
+    )

@@ -65,7 +65,10 @@ def shape_keys() -> dict[str, set[str]]:
 
 def test_recipes_are_found() -> None:
     assert RECIPES == [
+        "backbone_pretrain",
         "classifier_sanity",
+        "detection_frozen",
+        "detection_gn",
         "detection_group2",
         "detection_large_batch",
         "detection_local_bn",
@@ -148,13 +151,21 @@ def test_small_batches_chosen_on_purpose_do_not_warn(recipe: str, devices: int |
 
 @pytest.mark.parametrize(
     "overrides",
-    [["~recipe"], ["bn=local"], ["recipe=detection_group2", "bn=local"]],
-    ids=["no_recipe", "local_under_default", "local_under_group2"],
+    [["~recipe", "bn=local"], ["bn=local"], ["recipe=detection_group2", "bn=local"]],
+    ids=["local_without_recipe", "local_under_default", "local_under_group2"],
 )
 def test_small_batches_nobody_chose_still_warn(overrides: list[str]) -> None:
-    """Without a recipe (target 32), or a grouping smaller than the recipe's, the warning stays."""
+    """Below the default target (4, the measured knee) without a recipe, or with a grouping
+    smaller than the recipe's, the warning stays."""
     cfg = _compose(*overrides)
     assert _norm_batch(cfg) < cfg.bn.target_norm_batch
+
+
+def test_the_default_run_reaches_the_default_target() -> None:
+    """``python train.py ~recipe``: 2 processes x 2 images over the world, 4 per normalization,
+    the knee ``bn.target_norm_batch`` defaults to: no warning."""
+    cfg = _compose("~recipe")
+    assert _norm_batch(cfg) == cfg.bn.target_norm_batch == 4
 
 
 @pytest.mark.slow

@@ -36,8 +36,10 @@ Points = Sequence[tuple[int, float]]
 #: Below this many samples per normalization, batch statistics are noisy (BatchNorm's accuracy
 #: falls off below 16 per GPU in the GroupNorm paper's ImageNet study; Wu & He, 2018).
 NORM_BATCH_NOISY = 16
-#: From this many samples per normalization on, they are reliable (``bn.target_norm_batch``'s
-#: default).
+#: From this many samples per normalization on, they are reliable (the per-GPU batch of 32 the
+#: GroupNorm paper's BatchNorm baseline uses). Literature thresholds for any task, unlike
+#: ``bn.target_norm_batch``'s default: the knee measured on our small detection task
+#: (docs/choosing-normalization.md).
 NORM_BATCH_RELIABLE = 32
 #: The running statistics have settled when their drift fell to this fraction of its first
 #: measurement.

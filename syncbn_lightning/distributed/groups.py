@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 __all__ = [
+    "DEFAULT_TARGET_NORM_BATCH",
     "GroupSize",
     "check_process_group",
     "group_name_of",
@@ -24,6 +25,15 @@ __all__ = [
 ]
 
 GroupSize = int | Literal["node", "auto"] | None
+
+DEFAULT_TARGET_NORM_BATCH = 4
+"""The normalization batch ``group_size="auto"`` aims for unless told otherwise (the callback's
+and ``bn.target_norm_batch``'s default): the knee of the small-batch experiment's norm-batch
+sweep, the smallest normalization batch from which no larger one was better there by more than
+1 point and two standard errors (``docs/choosing-normalization.md``, which also says how far a
+small synthetic task carries; ``tests/test_choice_docs.py`` keeps the two equal). It was 32
+before that measurement.
+"""
 _GROUP_SIZE_HELP = (
     "None (the whole world), an int that divides the world size, 'node' (the processes of one "
     "machine) or 'auto' (the smallest group reaching target_norm_batch samples)"
@@ -106,7 +116,7 @@ def resolve_group_size(
     world_size: int,
     processes_per_node: int,
     per_rank_batch: int | None = None,
-    target_norm_batch: int = 32,
+    target_norm_batch: int = DEFAULT_TARGET_NORM_BATCH,
 ) -> int:
     """The number of ranks per sync group that ``group_size`` means in this run.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..distributed.groups import validate_group_size
+from ..distributed.groups import DEFAULT_TARGET_NORM_BATCH, validate_group_size
 from ..functional.options import KEEP, SyncOptions
 
 __all__ = [
@@ -66,7 +66,7 @@ def check_callback_arguments(
     momentum: float | None = None,
     eps: float | None = None,
     impl: str | None = None,
-    target_norm_batch: int = 32,
+    target_norm_batch: int = DEFAULT_TARGET_NORM_BATCH,
     log_every_n_steps: int | None = None,
     drift: bool = True,
     reconcile: bool = True,

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from ..distributed.collectives import gather_rows
 from ..distributed.groups import (
+    DEFAULT_TARGET_NORM_BATCH,
     GroupSize,
     new_sync_group,
     resolve_group_size,
@@ -74,7 +75,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
-            ``"auto"`` aims for and below which the callback warns once. Default: 32.
+            ``"auto"`` aims for and below which the callback warns once. Default: 4, the knee
+            measured by the small-batch experiment (``docs/choosing-normalization.md``).
         log_every_n_steps: optimizer steps between measurements (the first step is always
             measured). None: the Trainer's ``log_every_n_steps``, so that every row Lightning
             writes holds values measured at its step; a larger value leaves the last measured
@@ -151,7 +153,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         momentum: float | None = None,
         eps: float | None = None,
         impl: str | None = None,
-        target_norm_batch: int = 32,
+        target_norm_batch: int = DEFAULT_TARGET_NORM_BATCH,
         log_every_n_steps: int | None = None,
         drift: bool = True,
         reconcile: bool = True,
@@ -289,10 +291,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         group = new_sync_group(size) if size < self._world else None
         for bn in self._layers:
             bn.process_group = group
-        rank_zero_info(
-            f"SyncBNCallback: group_size='auto' -> {size} ranks x {batch} samples = "
-            f"{size * batch} samples per BN forward (target_norm_batch={self.target_norm_batch})"
-        )
+        rank_zero_info(auto_group_summary(size, int(batch), self._world, self.target_norm_batch))
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -369,3 +368,22 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         batches = (trainer.strategy.batch_to_device(b) for b in loader)
         used = update_bn_stats(pl_module, batches, num, forward=lambda b: forward(pl_module, b))
         rank_zero_info(f"SyncBNCallback: PreciseBN recomputed running stats over {used} batches")
+
+
+def auto_group_summary(size: int, batch: int, world: int, target: int) -> str:
+    """The line the callback logs when ``group_size="auto"`` is decided: the normalization batch
+    it chose, and why (the target, and where the target's default comes from)."""
+    norm = size * batch
+    if norm >= target:
+        why = f"the smallest group of the {world} ranks reaching target_norm_batch={target}"
+    else:
+        why = f"no group of the {world} ranks reaches target_norm_batch={target}: the whole world"
+    origin = (
+        "the default: the knee measured in docs/choosing-normalization.md"
+        if target == DEFAULT_TARGET_NORM_BATCH
+        else "set by you"
+    )
+    return (
+        f"SyncBNCallback: group_size='auto' -> normalization batch {norm} ({size} ranks x "
+        f"{batch} samples): {why} ({origin})"
+    )
