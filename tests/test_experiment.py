@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from experiments.small_batch import analysis, runner
+from experiments.small_batch import analysis, choice, runner
 from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 from syncbn_lightning.app.tasks.shapes import generate_shapes
 
@@ -189,9 +189,8 @@ def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
 def test_unknown_variant_is_refused_by_name() -> None:
     proc = _run("--variants", "syncbn", "batchnorm", timeout=120)
     assert proc.returncode != 0
-    assert "unknown variant 'batchnorm'; choose from local_bn, group2, syncbn, large_batch" in (
-        proc.stderr
-    )
+    names = "local_bn, group2, syncbn, large_batch, local_bn_b8, group2_b8, syncbn_b8, gn, "
+    assert f"unknown variant 'batchnorm'; choose from {names}pre_frozen" in proc.stderr
 
 
 @pytest.mark.slow
@@ -243,3 +242,56 @@ def test_smoke_experiment_end_to_end_and_resume(tmp_path: Path) -> None:
     assert sorted(p.name for p in (job / "checkpoints").glob("last*")) == ["last.ckpt"]
     assert [p.name for p in (job / "csv").iterdir()] == ["version_0"]
     assert json.loads((docs / "results.json").read_text())["jobs_run_now"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_smoke_pretrained_and_group_norm_variants(tmp_path: Path) -> None:
+    """A pretrained variant first trains its seed's backbone pretraining job, then starts from
+    its checkpoint; GroupNorm and frozen BN report n/a where PreciseBN cannot change them."""
+    dirs = [f"--runs-dir={tmp_path / 'runs'}", f"--docs-dir={tmp_path / 'docs'}",
+            f"--data-dir={tmp_path / 'data'}"]  # fmt: skip
+    proc = _run("--preset", "smoke", "--seeds", "0", "--variants", "gn", "pre_frozen", *dirs)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("pretrain seed 0: training") < proc.stdout.index("pre_frozen seed 0")
+    raw = json.loads((tmp_path / "docs" / "results.json").read_text())
+    assert raw["jobs_run_now"] == 3 and [p["seed"] for p in raw["pretrain"]] == [0]
+    ckpt = tmp_path / "runs" / "pretrain" / "seed0" / "checkpoints" / "last.ckpt"
+    record = json.loads(
+        (tmp_path / "runs" / "pre_frozen" / "seed0" / "experiment.json").read_text()
+    )
+    assert f"model.init_backbone={ckpt}" in record["overrides"]
+    assert {r["variant"] for r in raw["choice"]} == {"gn", "pre_frozen"}
+    table = (tmp_path / "docs" / "results.md").read_text()
+    assert "| GroupNorm, 4 proc x 2 img | per image (GN) | 1 |" in table
+    assert "| n/a | n/a | n/a | n/a |" in table and "## What each choice costs" in table
+    assert (tmp_path / "docs" / "norm_choice.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _points(**segments: dict[int, tuple[float, float]]) -> dict[int, dict[int, tuple]]:
+    """``gb8={2: (mean, std)}`` -> ``{8: {2: (mean, std, 3)}}`` (3 seeds each)."""
+    return {int(k[2:]): {n: (*ms, 3) for n, ms in v.items()} for k, v in segments.items()}
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        # 2 -> 4 is a finding (+6 points, std 1); 4 -> 8 and the 4 x 8 curve are flat: 4.
+        (_points(gb8={2: (35, 1), 4: (41, 1), 8: (41.5, 1)}, gb32={8: (41, 1), 32: (41.5, 1)}), 4),
+        # +1.5 points, but within two standard errors (std 3 over 3 seeds): not a finding.
+        (_points(gb8={2: (35, 1), 4: (40, 3), 8: (41.5, 3)}), 4),
+        # +1.5 points with std 0.5: a finding, so the knee moves to 8.
+        (_points(gb8={2: (35, 1), 4: (40, 0.5), 8: (41.5, 0.5)}), 8),
+        # Tight but under 1 point: not a finding.
+        (_points(gb8={2: (35, 0.1), 4: (40.9, 0.1), 8: (41.0, 0.1)}), 4),
+        # The 4 x 8 curve still climbs from 8 to 16: the knee is 16.
+        (_points(gb8={2: (35, 1), 4: (41, 1), 8: (41, 1)}, gb32={8: (38, 0.5), 16: (41, 0.5)}), 16),
+        # Still improving at the largest: the largest.
+        (_points(gb8={2: (30, 0.5), 4: (35, 0.5), 8: (40, 0.5)}), 8),
+    ],
+)
+def test_knee_is_the_smallest_norm_batch_no_larger_one_is_better_than(
+    points: dict[int, dict[int, tuple]], expected: int
+) -> None:
+    assert choice.knee(points) == expected

@@ -15,26 +15,24 @@ evaluations of the same final weights per job:
 from __future__ import annotations
 
 import json
-import math
-import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from syncbn_lightning.app.report import find_metrics_files, read_metrics
 
-from .variants import RECORD_FILE, Variant
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-
-EVALS: tuple[tuple[str, str], ...] = (
-    ("ema", "EMA"),
-    ("precise", "PreciseBN"),
-    ("batch", "batch stats"),
+from .choice import (
+    KNEE_SIGMAS,
+    KNEE_TOLERANCE,
+    choice_rows,
+    choice_table,
+    knee,
+    norm_batch_text,
+    sweep_points,
 )
-"""Evaluation keys and their column names."""
+from .jobs import Job, spread
+from .plots import plot
+from .variants import EVALS, FAMILIES, PRETRAIN, RECORD_FILE, Variant
 
 CURVES = (
     "val/mAP",
@@ -46,17 +44,6 @@ CURVES = (
     "bn/gap_std_avg",
 )
 """The CSV metrics kept per job for the plots."""
-
-
-@dataclass
-class Job:
-    """One finished job's numbers: ``scores[eval][metric]`` in points, wall time, curves."""
-
-    seed: int
-    scores: dict[str, dict[str, float]]
-    wall_s: float
-    steps: int
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def _points(value: float) -> float:
@@ -89,35 +76,45 @@ def load_job(run_dir: Path, seed: int) -> Job:
     return Job(seed, scores, float(record["wall_s"]), int(results["global_step"]), curves)
 
 
-def spread(values: Sequence[float]) -> tuple[float, float]:
-    """``(mean, sample std)``; the std is 0 for a single value and NaN for none."""
-    if not values:
-        return math.nan, math.nan
-    mean = statistics.fmean(values)
-    return mean, statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def _cell(values: Sequence[float]) -> str:
     mean, std = spread(values)
     return f"{mean:.1f} ± {std:.1f}"
 
 
+def _has_batch_stats(variant: Variant) -> bool:
+    """Whether the variant's layers have running statistics that PreciseBN and the batch-stats
+    probe change (not GroupNorm, not frozen BatchNorm: those two evaluations equal the first)."""
+    return bool(variant.norm_batch)
+
+
 def table(jobs: Mapping[Variant, Sequence[Job]]) -> str:
-    """The results table (markdown): per variant, mAP and mAP50 per evaluation, wall time."""
+    """The results table (markdown): per variant, mAP and mAP50 per evaluation, wall time.
+    Evaluations that cannot differ from EMA (GroupNorm, frozen BN) read ``n/a``."""
     head = ["variant", "norm. batch", "seeds"]
     for _, name in EVALS:
         head += [f"mAP {name}", f"mAP50 {name}"]
     head += ["wall time / job"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, runs in jobs.items():
-        cells = [variant.label, str(variant.norm_batch), str(len(runs))]
+        cells = [variant.label, norm_batch_text(variant), str(len(runs))]
         for key, _ in EVALS:
             for metric in ("mAP", "mAP50"):
-                cells.append(_cell([j.scores[key][metric] for j in runs]))
+                applies = key == "ema" or _has_batch_stats(variant)
+                cells.append(_cell([j.scores[key][metric] for j in runs]) if applies else "n/a")
         mean_wall, _ = spread([j.wall_s for j in runs])
         cells.append(f"{mean_wall:.0f} s")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def family_tables(jobs: Mapping[Variant, Sequence[Job]]) -> str:
+    """:func:`table` per family of variants (:data:`~.variants.FAMILIES`), each under its title."""
+    parts = []
+    for family, title in FAMILIES.items():
+        members = {v: runs for v, runs in jobs.items() if v.family == family}
+        if members:
+            parts += [f"### {title}", "", table(members), ""]
+    return "\n".join(parts).rstrip()
 
 
 def seed_table(jobs: Mapping[Variant, Sequence[Job]]) -> str:
@@ -174,7 +171,7 @@ def goals(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
                 }
             )
     for variant, runs in jobs.items():
-        if not runs:
+        if not runs or not _has_batch_stats(variant):
             continue
         ema = spread([j.scores["ema"]["mAP"] for j in runs])[0]
         precise = spread([j.scores["precise"]["mAP"] for j in runs])[0]
@@ -186,128 +183,6 @@ def goals(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def _aligned(runs: Sequence[Job], metric: str) -> tuple[list[int], list[list[float]]]:
-    """Steps logged by every seed, and each seed's values at those steps."""
-    per_seed = [dict(j.curves.get(metric, [])) for j in runs]
-    if not per_seed or not all(per_seed):
-        return [], []
-    steps = sorted(set.intersection(*(set(p) for p in per_seed)))
-    return steps, [[p[s] for p in per_seed] for s in steps]
-
-
-def _band(ax: Axes, runs: Sequence[Job], metric: str, label: str, color: str, scale: float) -> bool:
-    """Seed mean as a line, min..max over seeds as a band. Returns whether anything was drawn."""
-    steps, values = _aligned(runs, metric)
-    finite = [(s, v) for s, v in zip(steps, values, strict=True) if all(map(math.isfinite, v))]
-    if not finite:
-        return False
-    xs = [s for s, _ in finite]
-    marker = "o" if len(xs) < 20 else None  # a few points (short runs) stay visible
-    means = [scale * statistics.fmean(v) for _, v in finite]
-    ax.plot(xs, means, label=label, color=color, marker=marker, markersize=3)
-    if len(runs) > 1:
-        low = [scale * min(v) for _, v in finite]
-        high = [scale * max(v) for _, v in finite]
-        ax.fill_between(xs, low, high, color=color, alpha=0.2, linewidth=0)
-    return True
-
-
-def plot(jobs: Mapping[Variant, Sequence[Job]], out_dir: Path) -> list[Path]:
-    """Write the PNGs into ``out_dir``; return their paths.
-
-    * ``map_over_steps.png``: validation mAP (EMA statistics) over optimizer steps,
-    * ``final_map.png``: final mAP per variant and evaluation, seed means and each seed,
-    * ``norm_batch_size.png``: ``bn/norm_batch_size`` (``bn/global_batch_size`` in the title),
-    * ``drift_gap.png``: running-statistics drift and train/test gap (averages over layers).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    color = {v: colors[i % len(colors)] for i, v in enumerate(jobs)}
-    written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for v, runs in jobs.items():
-        _band(ax, runs, "val/mAP", v.label, color[v], 100.0)
-    ax.set(
-        xlabel="optimizer step",
-        ylabel="val mAP (points)",
-        title="Validation mAP with the EMA statistics (mean; band: min..max over seeds)",
-    )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "map_over_steps.png")
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    width = 0.8 / len(EVALS)
-    for i, (key, name) in enumerate(EVALS):
-        for x, (_, runs) in enumerate(jobs.items()):
-            values = [j.scores[key]["mAP"] for j in runs]
-            if not values:
-                continue
-            pos = x - 0.4 + width * (i + 0.5)
-            ax.bar(pos, statistics.fmean(values), width, color=colors[i], alpha=0.7,
-                   label=name if x == 0 else None)  # fmt: skip
-            ax.plot([pos] * len(values), values, "k.", markersize=4)
-    ax.set_xticks(range(len(jobs)), [v.name for v in jobs])
-    ax.set(ylabel="val mAP (points)", title="Final mAP by evaluation statistics (dots: seeds)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    save(fig, "final_map.png")
-
-    fig, ax = plt.subplots(figsize=(9.5, 3.8))
-    for i, (v, runs) in enumerate(jobs.items()):
-        width = 1.5 + 2.0 * (len(jobs) - 1 - i)  # earlier lines wider: equal values stay visible
-        steps, values = _aligned(runs, "bn/norm_batch_size")
-        if steps:
-            ax.plot(steps, [statistics.fmean(x) for x in values], color=color[v],
-                    linewidth=width, alpha=0.8, label=v.label)  # fmt: skip
-    globals_ = {x for runs in jobs.values() for j in runs for _, x in j.curves.get(
-        "bn/global_batch_size", [])}  # fmt: skip
-    shown = ", ".join(f"{g:g}" for g in sorted(globals_)) or "-"
-    ax.set(
-        xlabel="optimizer step",
-        ylabel="samples per BN forward",
-        title=f"bn/norm_batch_size (bn/global_batch_size: {shown} in every job)",
-    )
-    ax.set_yscale("log", base=2)
-    ax.set_ylim(1.4, 11.5)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    save(fig, "norm_batch_size.png")
-
-    panels = (
-        ("bn/drift_mean_avg", "EMA drift of the running mean"),
-        ("bn/drift_var_avg", "EMA drift of the running var"),
-        ("bn/gap_mean_avg", "train/test gap: mean"),
-        ("bn/gap_std_avg", "train/test gap: std"),
-    )
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
-    for ax, (metric, title) in zip(axes.flat, panels, strict=True):
-        for v, runs in jobs.items():
-            _band(ax, runs, metric, v.name, color[v], 1.0)
-        ax.set_yscale("log")
-        ax.set(title=f"{title} ({metric}, avg over layers)", xlabel="optimizer step")
-        ax.title.set_fontsize(9)
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    save(fig, "drift_gap.png")
-    return written
 
 
 # ----------------------------------------------------------------------------- report
@@ -336,6 +211,61 @@ def collect(
     return jobs
 
 
+def pretraining(runs_dir: Path, seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """The backbone pretraining jobs of ``seeds`` that finished: final ``val/acc`` (points),
+    optimizer steps and wall time."""
+    out = []
+    for seed in seeds:
+        run_dir = runs_dir / PRETRAIN / f"seed{seed}"
+        try:
+            results = json.loads((run_dir / "results.json").read_text())
+            record = json.loads((run_dir / RECORD_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        acc = _points(results["final"]["val/acc"])
+        out.append(
+            {
+                "seed": seed,
+                "val_acc": round(acc, 2),
+                "steps": int(results["global_step"]),
+                "wall_s": float(record["wall_s"]),
+            }
+        )
+    return out
+
+
+def knee_section(jobs: Mapping[Variant, Sequence[Job]]) -> tuple[list[str], dict[str, Any]]:
+    """The report's lines on the norm-batch sweep and its knee, and their ``results.json``
+    entry (``{}`` when the sweep did not run)."""
+    points = sweep_points(jobs)
+    if not points:
+        return [], {}
+    found = knee(points)
+    lines = ["## The knee of the norm-batch sweep", ""]
+    for batch, per in sorted(points.items()):
+        means = ", ".join(f"{n} img: {per[n][0]:.2f} ± {per[n][1]:.2f}" for n in sorted(per))
+        lines.append(f"* global batch {batch}: mAP (EMA) by norm. batch: {means}")
+    lines += [
+        "",
+        f"Knee: **{found}** images per normalization (rule: the smallest norm. batch from "
+        f"which no larger one at the same global batch is better by more than "
+        f"{KNEE_TOLERANCE:g} point and {KNEE_SIGMAS:g} standard errors).",
+        "",
+    ]
+    entry = {
+        "norm_batch": found,
+        "tolerance_points": KNEE_TOLERANCE,
+        "sigmas": KNEE_SIGMAS,
+        "points": {
+            str(b): {
+                str(n): [round(m, 4), round(sd, 4), k] for n, (m, sd, k) in sorted(per.items())
+            }
+            for b, per in sorted(points.items())
+        },
+    }
+    return lines, entry
+
+
 def write_report(
     runs_dir: Path,
     docs_dir: Path,
@@ -349,7 +279,12 @@ def write_report(
     docs_dir.mkdir(parents=True, exist_ok=True)
     plot(jobs, docs_dir)
     checked = goals(jobs)
+    pretrained = pretraining(runs_dir, seeds) if any(v.pretrained for v in jobs) else []
+    knee_lines, knee_entry = knee_section(jobs)
+    rows = choice_rows(jobs)
     total = sum(j.wall_s for runs in jobs.values() for j in runs)
+    total += sum(p["wall_s"] for p in pretrained)
+    count = sum(len(r) for r in jobs.values()) + len(pretrained)
     m = meta["machine"]
     lines = [
         "# Small-batch detection experiment: results",
@@ -357,11 +292,28 @@ def write_report(
         f"Command: `{meta['command']}` (preset `{meta['preset']}`). "
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}, {m['gpu']}; "
         f"Python {m['python']}, torch {m['torch']}, lightning {m['lightning']}. "
-        f"Training time of the {sum(len(r) for r in jobs.values())} jobs: {total / 60:.1f} min.",
+        f"Training time of the {count} jobs: {total / 60:.1f} min.",
         "",
         "mAP in points, mean ± sample std over seeds " + ", ".join(map(str, seeds)) + ".",
         "",
-        table(jobs),
+        family_tables(jobs),
+        "",
+        *(
+            [
+                "Backbone pretraining (`recipe=backbone_pretrain`, one per seed), final val "
+                "accuracy: "
+                + ", ".join(f"seed {p['seed']}: {p['val_acc']:.1f}%" for p in pretrained)
+                + f" ({pretrained[0]['steps']} steps, about "
+                f"{sum(p['wall_s'] for p in pretrained) / len(pretrained):.0f} s each).",
+                "",
+            ]
+            if pretrained
+            else []
+        ),
+        *knee_lines,
+        "## What each choice costs",
+        "",
+        choice_table(rows),
         "",
         "## Goals",
         "",
@@ -381,11 +333,17 @@ def write_report(
         "seeds": list(seeds),
         "training_wall_s": round(total, 1),
         "goals": checked,
+        "knee": knee_entry,
+        "choice": rows,
+        "pretrain": pretrained,
         "variants": {
             v.name: {
                 "label": v.label,
                 "overrides": list(v.overrides),
                 "norm_batch": v.norm_batch,
+                "family": v.family,
+                "global_batch": v.global_batch,
+                "pretrained": v.pretrained,
                 "jobs": [
                     {"seed": j.seed, "scores": j.scores, "wall_s": j.wall_s, "steps": j.steps}
                     for j in runs

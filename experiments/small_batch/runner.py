@@ -34,16 +34,16 @@ from syncbn_lightning.app.tasks.centernet import CenterNet
 from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 
 from .analysis import write_report
-from .variants import RECORD_FILE, VARIANTS, Variant
+from .variants import PRETRAIN, RECORD_FILE, VARIANTS, Variant
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_RUNS = REPO / "experiments" / "small_batch" / "runs"
 DEFAULT_DOCS = REPO / "docs" / "small_batch"
-"""The variants, in table order. All have the global batch 8 (hence the same learning rate)."""
 
 PRESETS: dict[str, tuple[str, ...]] = {
-    # The experiment: 512 training images, 16 epochs of 64 steps (1024 optimizer steps),
-    # validation every 2 epochs, PreciseBN over 32 steps' worth of images (256 = half the set).
+    # The experiment: 512 training images, 16 epochs (1024 optimizer steps at global batch 8,
+    # 256 at 32), validation every 2 epochs, PreciseBN over 32 steps' worth of images (256 =
+    # half the set).
     "full": (
         "data=shapes_hard",
         "trainer.max_epochs=16",
@@ -63,6 +63,13 @@ PRESETS: dict[str, tuple[str, ...]] = {
 }
 """Overrides shared by every job of a preset (before the variant's own)."""
 
+PRETRAIN_PRESETS: dict[str, tuple[str, ...]] = {
+    # recipe=backbone_pretrain as it is: 2048 one-object images, 1 process x 64, 20 epochs.
+    "full": (),
+    "smoke": ("data.synthetic.num_train=64", "data.synthetic.num_val=16", "trainer.max_epochs=1"),
+}
+"""Overrides of the backbone pretraining job of a preset (``recipe=backbone_pretrain``)."""
+
 SERVICE: tuple[str, ...] = (
     "logger=csv",
     "trainer.enable_progress_bar=false",
@@ -72,9 +79,31 @@ SERVICE: tuple[str, ...] = (
 """Overrides every job gets: CSV metrics for the plots, quiet logs, the closing evaluation."""
 
 
-def job_overrides(preset: str, variant: Variant, seed: int, extra: Sequence[str] = ()) -> list[str]:
-    """The ``train.py`` overrides of one job (without its output and data paths)."""
-    return [*PRESETS[preset], *SERVICE, *variant.overrides, f"seed={seed}", *extra]
+def job_overrides(
+    preset: str,
+    variant: Variant,
+    seed: int,
+    extra: Sequence[str] = (),
+    runs_dir: Path | None = None,
+) -> list[str]:
+    """The ``train.py`` overrides of one job (without its output and data paths); a pretrained
+    variant starts from ``<runs_dir>/pretrain/seed<k>/checkpoints/last.ckpt``."""
+    init: list[str] = []
+    if variant.pretrained:
+        if runs_dir is None:
+            raise ValueError(f"variant {variant.name} is pretrained: give runs_dir")
+        init = [f"model.init_backbone={pretrain_checkpoint(runs_dir, seed)}"]
+    return [*PRESETS[preset], *SERVICE, *variant.overrides, f"seed={seed}", *init, *extra]
+
+
+def pretrain_overrides(preset: str, seed: int) -> list[str]:
+    """The ``train.py`` overrides of one seed's backbone pretraining job."""
+    return [*SERVICE, "recipe=backbone_pretrain", *PRETRAIN_PRESETS[preset], f"seed={seed}"]
+
+
+def pretrain_checkpoint(runs_dir: Path, seed: int) -> Path:
+    """Where the backbone pretraining of ``seed`` leaves the checkpoint the detectors start from."""
+    return runs_dir / PRETRAIN / f"seed{seed}" / "checkpoints" / "last.ckpt"
 
 
 def _variant(name: str) -> Variant:
@@ -93,9 +122,10 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def run_job(
-    run_dir: Path, overrides: list[str], data_dir: Path, timeout_s: float
+    run_dir: Path, overrides: list[str], data_dir: Path, timeout_s: float, probe: bool = True
 ) -> dict[str, Any]:
-    """Train one job (``python train.py``) into ``run_dir``; return its ``experiment.json``.
+    """Train one job (``python train.py``) into ``run_dir``; return its ``experiment.json``
+    (with the :func:`batch_stat_probe` of a detector unless ``probe`` is false).
 
     Whatever ``run_dir`` held before (an older run of the job, a partial one) is deleted first.
 
@@ -136,7 +166,8 @@ def run_job(
             f"{run_dir}: `{' '.join(command)}` exited with {rc}; log tail:\n{_tail(log_path)}"
         )
     record = {"overrides": overrides, "wall_s": round(wall, 1)}
-    record["probe"] = batch_stat_probe(run_dir)
+    if probe:
+        record["probe"] = batch_stat_probe(run_dir)
     (run_dir / RECORD_FILE).write_text(json.dumps(record, indent=1) + "\n")
     return record
 
@@ -231,9 +262,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.small_batch",
         description=(
-            "Train local BN / SyncBN / SyncBN group_size=2 (4 processes x 2 images) and a "
-            "1 x 8 plain-BN reference on the harder synthetic shapes, for each seed; evaluate "
-            "each with EMA, PreciseBN and per-batch statistics; write the table and plots."
+            "Train the small-batch variants (local BN / SyncBN groups of 2 / SyncBN world at "
+            "4 processes x 2 and x 8 images, a 1 x 8 plain-BN reference, GroupNorm, and a "
+            "pretrained backbone with frozen BN, local BN or SyncBN) on the harder synthetic "
+            "shapes, for each seed; evaluate each with EMA, PreciseBN and per-batch statistics; "
+            "write the tables, the knee of the norm-batch sweep and the plots."
         ),
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -280,16 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _reproduce_command(args)
     start = time.monotonic()
     ran = 0
+    jobs: list[tuple[str, int, list[str], bool]] = []
+    if any(v.pretrained for v in args.variants):
+        jobs += [(PRETRAIN, s, pretrain_overrides(args.preset, s), False) for s in args.seeds]
     for variant in args.variants:
         for seed in args.seeds:
-            run_dir = runs_dir / variant.name / f"seed{seed}"
-            overrides = job_overrides(args.preset, variant, seed, args.override)
-            if args.analyze_only or (not args.force and _reusable(run_dir, overrides)):
-                continue
-            print(f"[small_batch] {variant.name} seed {seed}: training ...", flush=True)
-            record = run_job(run_dir, overrides, args.data_dir.resolve(), args.timeout_s)
-            ran += 1
-            print(f"[small_batch] {variant.name} seed {seed}: {record['wall_s']} s", flush=True)
+            overrides = job_overrides(args.preset, variant, seed, args.override, runs_dir)
+            jobs.append((variant.name, seed, overrides, True))
+    for name, seed, overrides, probe in jobs:
+        run_dir = runs_dir / name / f"seed{seed}"
+        if args.analyze_only or (not args.force and _reusable(run_dir, overrides)):
+            continue
+        print(f"[small_batch] {name} seed {seed}: training ...", flush=True)
+        record = run_job(run_dir, overrides, args.data_dir.resolve(), args.timeout_s, probe)
+        ran += 1
+        print(f"[small_batch] {name} seed {seed}: {record['wall_s']} s", flush=True)
     elapsed = time.monotonic() - start
     # The report covers every variant finished for these seeds, not only the ones run now, so
     # that rerunning one variant keeps the others in the table.

@@ -7,9 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RECORD_FILE", "VARIANTS", "Variant"]
+__all__ = ["EVALS", "FAMILIES", "PRETRAIN", "RECORD_FILE", "VARIANTS", "Variant"]
 
 RECORD_FILE = "experiment.json"
+
+EVALS: tuple[tuple[str, str], ...] = (
+    ("ema", "EMA"),
+    ("precise", "PreciseBN"),
+    ("batch", "batch stats"),
+)
+"""Evaluation keys and their column names."""
+
+PRETRAIN = "pretrain"
+"""Directory name of the per-seed backbone pretraining jobs (``recipe=backbone_pretrain``)."""
 
 
 @dataclass(frozen=True)
@@ -20,38 +30,98 @@ class Variant:
         name: short id (directory name, table key).
         label: what the table and the plots call it.
         overrides: ``train.py`` overrides that select it (on top of the preset's).
-        norm_batch: images each BatchNorm layer normalizes over in training.
+        norm_batch: images each normalization layer's statistics come from in training
+            (``None``: GroupNorm, per image; ``0``: frozen, none).
+        family: which table it belongs to (:data:`FAMILIES`).
+        global_batch: images per optimizer step over all processes.
+        pretrained: starts from the same seed's backbone pretraining (``model.init_backbone``).
     """
 
     name: str
     label: str
     overrides: tuple[str, ...]
-    norm_batch: int
+    norm_batch: int | None
+    family: str = "batchnorm"
+    global_batch: int = 8
+    pretrained: bool = False
 
+
+FAMILIES: dict[str, str] = {
+    "batchnorm": "BatchNorm from scratch, global batch 8",
+    "sweep": "SyncBN norm-batch sweep at global batch 32 (4 proc x 8 img)",
+    "groupnorm": "GroupNorm from scratch, global batch 8",
+    "pretrained": "pretrained backbone, global batch 8",
+}
+"""The tables of the report, in order: family -> title."""
+
+_4X2 = ("trainer.devices=4",)
+_4X8 = ("trainer.devices=4", "data.batch_size=8")
 
 VARIANTS: tuple[Variant, ...] = (
-    Variant(
-        "local_bn",
-        "local BN, 4 proc x 2 img",
-        ("recipe=detection_local_bn", "trainer.devices=4"),
-        2,
-    ),
+    Variant("local_bn", "local BN, 4 proc x 2 img", ("recipe=detection_local_bn", *_4X2), 2),
     Variant(
         "group2",
         "SyncBN group_size=2, 4 proc x 2 img",
-        ("recipe=detection_group2", "trainer.devices=4", "bn.group_size=2"),
+        ("recipe=detection_group2", *_4X2, "bn.group_size=2"),
         4,
     ),
-    Variant(
-        "syncbn",
-        "SyncBN world, 4 proc x 2 img",
-        ("recipe=detection_small_batch", "trainer.devices=4"),
-        8,
-    ),
+    Variant("syncbn", "SyncBN world, 4 proc x 2 img", ("recipe=detection_small_batch", *_4X2), 8),
     Variant(
         "large_batch",
         "plain BN, 1 proc x 8 img (reference)",
         ("recipe=detection_large_batch", "trainer.devices=1", "data.batch_size=8"),
         8,
+    ),
+    # The sweep goes on at a larger global batch: with 2 images per process, 4 processes reach a
+    # normalization batch of 8 at most. Same 16 epochs (256 steps), learning rate scaled linearly
+    # (x4); local BN at 8 images links the two global batches.
+    Variant(
+        "local_bn_b8",
+        "local BN, 4 proc x 8 img",
+        ("recipe=detection_local_bn", *_4X8),
+        8,
+        "sweep",
+        32,
+    ),
+    Variant(
+        "group2_b8",
+        "SyncBN group_size=2, 4 proc x 8 img",
+        ("recipe=detection_group2", *_4X8, "bn.group_size=2"),
+        16,
+        "sweep",
+        32,
+    ),
+    Variant(
+        "syncbn_b8",
+        "SyncBN world, 4 proc x 8 img",
+        ("recipe=detection_small_batch", *_4X8),
+        32,
+        "sweep",
+        32,
+    ),
+    Variant("gn", "GroupNorm, 4 proc x 2 img", ("recipe=detection_gn", *_4X2), None, "groupnorm"),
+    Variant(
+        "pre_frozen",
+        "pretrained, frozen BN, 4 proc x 2 img",
+        ("recipe=detection_frozen", *_4X2),
+        0,
+        "pretrained",
+        pretrained=True,
+    ),
+    Variant(
+        "pre_local_bn",
+        "pretrained, local BN, 4 proc x 2 img",
+        ("recipe=detection_local_bn", *_4X2),
+        2,
+        "pretrained",
+        pretrained=True,
+    ),
+    Variant(
+        "pre_syncbn",
+        "pretrained, SyncBN world, 4 proc x 2 img",
+        ("recipe=detection_small_batch", *_4X2),
+        8,
+        "pretrained",
+        pretrained=True,
     ),
 )
