@@ -60,12 +60,7 @@ def sweep_points(jobs: Mapping[Variant, Sequence[Job]]) -> dict[int, dict[int, P
     (multi-process, from scratch; the one-process reference is not part of it)."""
     points: dict[int, dict[int, Point]] = {}
     for v, runs in jobs.items():
-        if (
-            v.family in SWEEP_FAMILIES
-            and v.norm_batch
-            and runs
-            and "trainer.devices=1" not in (v.overrides)
-        ):
+        if v.family in SWEEP_FAMILIES and v.norm_batch and runs and not v.one_process:
             points.setdefault(v.global_batch, {})[v.norm_batch] = (*_stats(runs), len(runs))
     return points
 
@@ -88,12 +83,8 @@ def knee(points: Mapping[int, Mapping[int, Point]]) -> int:
     if not sizes:
         raise ValueError("the norm-batch sweep has no finished variant")
     for n in sizes:
-        still_improving = False
-        for per in points.values():
-            larger = {m: point for m, point in per.items() if m >= n}
-            if larger and any(better(p, larger[min(larger)]) for p in larger.values()):
-                still_improving = True
-        if not still_improving:
+        larger = [{m: p for m, p in per.items() if m >= n} for per in points.values()]
+        if not any(better(p, at[min(at)]) for at in larger if at for p in at.values()):
             return n
     return sizes[-1]
 

@@ -32,8 +32,8 @@ import lightning.pytorch as pl
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 
-from .runner import machine
-from .variants import VARIANTS
+from .runner import machine, variant_named
+from .variants import Variant
 
 __all__ = ["CollectiveProfile", "collective_time_us"]
 
@@ -108,12 +108,12 @@ class CollectiveProfile(pl.Callback):
 
 
 def profile_variant(
-    name: str, start: int, steps: int, data_dir: Path, debug: bool = False
+    variant: Variant, start: int, steps: int, data_dir: Path, debug: bool = False
 ) -> dict[str, float]:
-    """Run variant ``name``'s job for ``start + steps`` steps with :class:`CollectiveProfile`;
+    """Run ``variant``'s job for ``start + steps`` steps with :class:`CollectiveProfile`;
     return per-step milliseconds (mean over ranks): ``step``, ``collectives``, ``other`` and
     collective ``calls`` per step."""
-    variant = next(v for v in VARIANTS if v.name == name)
+    name = variant.name
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile"
         target = "experiments.small_batch.cost.CollectiveProfile"
@@ -154,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     parser.add_argument("--debug", action="store_true", help="rank 0's time by event name")
     args = parser.parse_args(argv)
+    variants = [variant_named(n) for n in args.variants]  # an unknown name fails before any job
     m = machine()
     lines = [
         f"Command: `python -m experiments.small_batch.cost --start {args.start} --steps "
@@ -164,10 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for name in args.variants:
-        r = profile_variant(name, args.start, args.steps, args.data_dir.resolve(), args.debug)
+    for variant in variants:
+        r = profile_variant(variant, args.start, args.steps, args.data_dir.resolve(), args.debug)
         row = (
-            f"| {name} | {r['step']:.0f} | {r['collectives']:.0f} | {r['other']:.0f} | "
+            f"| {variant.name} | {r['step']:.0f} | {r['collectives']:.0f} | {r['other']:.0f} | "
             f"{r['calls']:.0f} |"
         )
         lines.append(row)

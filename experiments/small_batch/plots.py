@@ -152,8 +152,7 @@ def norm_choice_figure(plt: Any, jobs: Mapping[Variant, Sequence[Job]]) -> Any:
             continue
         mean, std = spread([j.scores["ema"]["mAP"] for j in runs])
         wall = statistics.fmean(j.wall_s for j in runs)
-        multi = "trainer.devices=1" not in v.overrides
-        if v.norm_batch and multi:
+        if v.norm_batch and not v.one_process:
             key = ("pretrained" if v.pretrained else "from scratch", v.global_batch)
             lines.setdefault(key, []).append((v.norm_batch, mean, std, wall))
         else:

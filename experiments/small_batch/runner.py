@@ -106,7 +106,8 @@ def pretrain_checkpoint(runs_dir: Path, seed: int) -> Path:
     return runs_dir / PRETRAIN / f"seed{seed}" / "checkpoints" / "last.ckpt"
 
 
-def _variant(name: str) -> Variant:
+def variant_named(name: str) -> Variant:
+    """The variant called ``name``; an unknown name exits with the list of known ones."""
     for v in VARIANTS:
         if v.name == name:
             return v
@@ -288,7 +289,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
         parser.error(f"--seeds must be distinct non-negative ints, got {args.seeds}")
-    args.variants = [_variant(n) for n in dict.fromkeys(args.variants)]
+    args.variants = [variant_named(n) for n in dict.fromkeys(args.variants)]
     return args
 
 

@@ -45,6 +45,11 @@ class Variant:
     global_batch: int = 8
     pretrained: bool = False
 
+    @property
+    def one_process(self) -> bool:
+        """Whether the variant trains in one process (the large-batch reference)."""
+        return "trainer.devices=1" in self.overrides
+
 
 FAMILIES: dict[str, str] = {
     "batchnorm": "BatchNorm from scratch, global batch 8",

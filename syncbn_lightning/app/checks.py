@@ -202,6 +202,13 @@ def _check_wandb(cfg: DictConfig) -> None:
         raise ConfigError(f"logger.wandb.{e}") from None
 
 
+def _check_checkpoint(key: str, path: str | None, fix: str = "") -> None:
+    """``path`` (the value of ``key``), when set, must be a checkpoint file: else a ConfigError
+    naming the key, followed by ``fix``."""
+    if path is not None and not Path(path).is_file():
+        raise ConfigError(f"{key}={path}: no such checkpoint file{fix}")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Check what can be checked without Lightning: the keys under ``bn``, ``trainer`` and
     ``data``, the world size, the Trainer's strategy and devices, every ``bn`` argument and the
@@ -228,14 +235,12 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"launch.abort_after_s={abort!r}: use a positive number of seconds, or null"
             )
-        if cfg.ckpt_path is not None and not Path(cfg.ckpt_path).is_file():
-            raise ConfigError(f"ckpt_path={cfg.ckpt_path}: no such checkpoint file")
-        init = cfg.model.get("init_backbone")
-        if init and not Path(init).is_file():
-            raise ConfigError(
-                f"model.init_backbone={init}: no such checkpoint file; give the checkpoint of a "
-                "recipe=backbone_pretrain run"
-            )
+        _check_checkpoint("ckpt_path", cfg.ckpt_path)
+        _check_checkpoint(
+            "model.init_backbone",
+            cfg.model.get("init_backbone") or None,  # "" is no init, as for CenterNet
+            "; give the checkpoint of a recipe=backbone_pretrain run",
+        )
         _check_wandb(cfg)
 
 
