@@ -4,6 +4,7 @@
 // Layout of this file: the kernels' Ops, dispatch.
 #include "cuda_elemt.cuh"
 #include "cuda_reduce.cuh"
+#include "grad_header.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -47,6 +48,10 @@ struct GradSumOp {
   const acc_t* __restrict__ weight = nullptr;
   const acc_t* __restrict__ bias = nullptr;
   Act act = {};
+  // The call-order header in front of the sums (may be null), written from the call's tags
+  // (grad_info[4..5]; null: zeros) by the thread that writes channel 0.
+  const acc_t* __restrict__ tags = nullptr;
+  acc_t* __restrict__ header = nullptr;
 
   __device__ Channel channel(int64_t c) const {
     if constexpr (Act::kIdentity) {
@@ -123,6 +128,9 @@ struct GradSumOp {
     const T lo = mean_lo ? static_cast<T>(mean_lo[c]) : T(0);
     out.out0[c] = static_cast<acc_t>(s[0]);
     out.out1[c] = static_cast<acc_t>(lo == T(0) ? s[1] : s[1] - lo * s[0]);
+    if (header != nullptr && c == 0) {
+      write_grad_header(tags ? double(tags[0]) : 0.0, tags ? double(tags[1]) : 0.0, header);
+    }
   }
 };
 
@@ -149,12 +157,23 @@ struct BackwardElemtOp {
   const acc_t* __restrict__ bias = nullptr;  // read only with an activation (may be null: 0)
   Act act = {};
   acc_t inv_n = acc_t(0);           // 1 / count, set by begin()
+  // The backward's call-order check (grad_input; order_ok may be null: none), made by the grid's
+  // first thread: the summed header against `ranks` times the header of the call's tags.
+  const acc_t* __restrict__ header = nullptr;
+  const acc_t* __restrict__ tags = nullptr;
+  double ranks = 0;
+  acc_t* __restrict__ order_ok = nullptr;
 
   // Once per thread, before coeff(): one read of the group count and one division, instead of
   // an FP64 division and three FP64 multiplies per element (1/32-1/64 rate on many GPUs).
   __device__ __forceinline__ void begin() {
     const acc_t n = count[0];
     inv_n = acc_t(1) / (n > acc_t(1) ? n : acc_t(1));
+    if (order_ok != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 &&
+        threadIdx.y == 0) {
+      *order_ok = grad_header_matches(header, double(tags[0]), double(tags[1]), ranks)
+                      ? acc_t(1) : acc_t(0);
+    }
   }
   __device__ __forceinline__ Coeff coeff(int64_t c) const {
     const acc_t is = invstd[c];
@@ -186,6 +205,19 @@ struct BackwardElemtOp {
   }
 };
 
+// What the reduction's and the elementwise kernel's first thread do for the header when a batch
+// is empty and neither is launched: write it from the tags (header non-null) and check the summed
+// one (order_ok non-null).
+template <typename acc_t>
+__global__ void __launch_bounds__(1) grad_header_kernel(
+    const acc_t* tags, acc_t* header, const acc_t* total, double ranks, acc_t* order_ok) {
+  const double layer = tags ? double(tags[0]) : 0.0, call = tags ? double(tags[1]) : 0.0;
+  if (header != nullptr) write_grad_header(layer, call, header);
+  if (order_ok != nullptr) {
+    *order_ok = grad_header_matches(total, layer, call, ranks) ? acc_t(1) : acc_t(0);
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -194,9 +226,21 @@ struct BackwardElemtOp {
 
 namespace detail {
 
+void grad_header_cuda(const GradHeader& h) {
+  AT_DISPATCH_FLOATING_TYPES(h.info.scalar_type(), "grad_header_cuda", [&] {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(h.info.get_device()).stream();
+    grad_header_kernel<scalar_t><<<1, 1, 0, stream>>>(
+        h.info.const_data_ptr<scalar_t>() + 4, h.header ? h.header->mutable_data_ptr<scalar_t>() : nullptr,
+        h.total ? h.total->const_data_ptr<scalar_t>() : nullptr, h.ranks,
+        h.order_ok ? h.order_ok->mutable_data_ptr<scalar_t>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act) {
+    const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act,
+    const at::Tensor& info, at::Tensor* header) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -205,7 +249,9 @@ void backward_sums_into_cuda(
           grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
           mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(mean_lo),
           data_or_null<acc_t>(act.invstd), data_or_null<acc_t>(act.weight),
-          data_or_null<acc_t>(act.bias), a};
+          data_or_null<acc_t>(act.bias), a,
+          info.defined() ? info.const_data_ptr<acc_t>() + 4 : nullptr,
+          header ? header->mutable_data_ptr<acc_t>() : nullptr};
       const Outputs<acc_t> out{
           sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>(), nullptr};
       launch_reduction(op, g, input, out);
@@ -217,14 +263,18 @@ at::Tensor backward_elemt_act_cuda(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& mean_lo_, const at::Tensor& invstd_,
     const c10::optional<at::Tensor>& weight, const at::Tensor& sum_dy_,
-    const at::Tensor& sum_dy_xmu_, const at::Tensor& count_, const ActAffine& act) {
+    const at::Tensor& sum_dy_xmu_, const at::Tensor& count_, const ActAffine& act,
+    const GradHeader* check) {
   const c10::cuda::CUDAGuard guard(input_.device());
   const ElemtOperands o =
       elemt_operands(input_, grad_out_, mean_, mean_lo_, invstd_, weight, c10::nullopt);
   const at::Tensor sum_dy = sum_dy_.contiguous(), sum_dy_xmu = sum_dy_xmu_.contiguous();
   // The count stays on the device (no .item()): the kernel reads it.
   const at::Tensor count = count_.reshape({1}).to(o.mean.scalar_type());
-  if (o.input.numel() == 0) return o.output;
+  if (o.input.numel() == 0) {
+    if (check != nullptr) grad_header_cuda(*check);
+    return o.output;
+  }
   const Geometry g = geometry_of(o.input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "backward_elemt_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -233,12 +283,18 @@ at::Tensor backward_elemt_act_cuda(
         o.output.mutable_data_ptr<scalar_t>()};
     with_activation<acc_t>(act.act, [&](const auto& a) {
       using Op = BackwardElemtOp<acc_t, std::decay_t<decltype(a)>>;
-      const Op op{
+      Op op{
           o.mean.const_data_ptr<acc_t>(),     data_or_null<acc_t>(o.mean_lo),
           o.invstd.const_data_ptr<acc_t>(),   data_or_null<acc_t>(o.weight),
           sum_dy.const_data_ptr<acc_t>(),     sum_dy_xmu.const_data_ptr<acc_t>(),
           count.const_data_ptr<acc_t>(),      data_or_null<acc_t>(act.bias),
           a};
+      if (check != nullptr) {
+        op.header = check->total->const_data_ptr<acc_t>();
+        op.tags = check->info.const_data_ptr<acc_t>() + 4;
+        op.ranks = check->ranks;
+        op.order_ok = check->order_ok->mutable_data_ptr<acc_t>();
+      }
       launch_elemt<Op, scalar_t, acc_t>(op, ptr, g, o.input);
     });
   });

@@ -310,24 +310,42 @@ at::Tensor shift_float64(const c10::optional<at::Tensor>& shift, const at::Tenso
 }
 
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {
-  const int64_t C = input.size(1);
+  const int64_t C = input.size(1), width = kGradHeader + 2 * C;
   const auto acc = acc_dtype_of(input.scalar_type());
   TORCH_CHECK(
-      sums.dim() == 1 && sums.is_contiguous() && sums.numel() >= 2 * C &&
-          sums.numel() % (2 * C) == 0 && sums.scalar_type() == acc &&
+      sums.dim() == 1 && sums.is_contiguous() && sums.numel() >= width &&
+          sums.numel() % width == 0 && sums.scalar_type() == acc &&
           sums.device() == input.device(),
-      "syncbn: `sums` must be R rows of [sum_dy[C], sum_dy_xmu[C]] (1-D, ", acc, ", on ",
-      input.device(), "), got ", sums.scalar_type(), " of shape ", sums.sizes());
+      "syncbn: `sums` must be R rows of [header[", kGradHeader, "], sum_dy[C], sum_dy_xmu[C]] ",
+      "(1-D, ", acc, ", on ", input.device(), "), got ", sums.scalar_type(), " of shape ",
+      sums.sizes());
   TORCH_CHECK(
       info.numel() == kInfoFields && info.scalar_type() == acc && info.device() == input.device(),
       "syncbn: `info` must be the merge's ", kInfoFields, "-value info tensor");
-  return sums.numel() / (2 * C);
+  return sums.numel() / width;
 }
 
 at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input) {
   const int64_t R = check_sums(sums, info, input), C = input.size(1);
   // Rows summed in rank order: the same bits on every rank of the group.
-  return R == 1 ? sums : sums.view({R, 2 * C}).sum(0);
+  return R == 1 ? sums : sums.view({R, kGradHeader + 2 * C}).sum(0);
+}
+
+at::Tensor checked_grad_info(const c10::optional<at::Tensor>& info, const at::Tensor& input) {
+  if (!info.has_value() || !info->defined()) return at::Tensor();
+  TORCH_CHECK(
+      info->dim() == 1 && info->numel() == kInfoFields && info->is_contiguous() &&
+          info->scalar_type() == acc_dtype_of(input.scalar_type()) &&
+          info->device() == input.device(),
+      "syncbn: `info` must be the merge's ", kInfoFields, "-value grad_info tensor (",
+      acc_dtype_of(input.scalar_type()), ", on ", input.device(), "), got ", info->scalar_type(),
+      " of shape ", info->sizes());
+  return *info;
+}
+
+double summed_ranks(int64_t rows, int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, "syncbn: `world_size` must be >= 1, got ", world_size);
+  return static_cast<double>(rows > 1 ? rows : world_size);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
@@ -335,7 +353,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
     const at::Tensor& input) {
   const int64_t C = input.size(1);
   auto grads = with_param_grads(
-      sums.narrow(0, 0, C), sums.narrow(0, C, C), invstd, weight, input, true, true);
+      sums.narrow(0, kGradHeader, C), sums.narrow(0, kGradHeader + C, C), invstd, weight, input,
+      true, true);
   return {sums, std::get<2>(grads), std::get<3>(grads)};
 }
 

@@ -4,6 +4,7 @@
 // primitives and the fused steps themselves).
 #pragma once
 
+#include "grad_header.h"
 #include "syncbn.h"
 
 namespace syncbn {
@@ -118,8 +119,8 @@ constexpr int64_t kChunkBits = 12;
 extern const char* const kShiftMismatch;
 // Tags travel as floats of the acc dtype: exact below 2^24 (TAG_LIMIT in Python).
 constexpr int64_t kTagLimit = int64_t(1) << 24;
-// Fields of a merge's `info` output.
-constexpr int64_t kInfoFields = 4;
+// Fields of a merge's `info` output: count, samples, order_ok, finite, layer_tag, call_tag.
+constexpr int64_t kInfoFields = 6;
 // Rows of `rows` (1-D, contiguous, the acc dtype of `input`, on its device, a multiple of the row
 // width long).
 int64_t check_rows(const at::Tensor& rows, const at::Tensor& input);
@@ -147,12 +148,19 @@ at::Tensor summed_reduce_vector(
     const at::Tensor& total, const at::Tensor& sent, int64_t world_size, const at::Tensor& input);
 // reduce_sums' optional shift as float64 [C] contiguous (checked; undefined when absent).
 at::Tensor shift_float64(const c10::optional<at::Tensor>& shift, const at::Tensor& input);
-// sums: [R * 2C] in the acc dtype; info: kInfoFields values of the acc dtype. Returns R.
+// sums: [R * (kGradHeader + 2C)] in the acc dtype; info: kInfoFields values of the acc dtype.
+// Returns R.
 int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
-// The group's [sum_dy, sum_dy_xmu] from R checked rows of sums (summed in row order when R > 1).
+// The group's [header, sum_dy, sum_dy_xmu] from R checked rows of sums (summed in row order when
+// R > 1).
 at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
-// grad_sums' result from the packed local sums: (sums, grad_weight, grad_bias), see
-// with_param_grads.
+// `info` of grad_sums: undefined, or kInfoFields values of the acc dtype on the input's device.
+at::Tensor checked_grad_info(const c10::optional<at::Tensor>& info, const at::Tensor& input);
+// The ranks whose sums `sums` holds for grad_input's check: its R rows when gathered (R > 1), else
+// `world_size` (one all-reduced row; >= 1).
+double summed_ranks(int64_t rows, int64_t world_size);
+// grad_sums' result from the packed local sums [header, sum_dy, sum_dy_xmu]: (sums, grad_weight,
+// grad_bias), see with_param_grads.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> with_packed_param_grads(
     const at::Tensor& sums, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const at::Tensor& input);
@@ -204,18 +212,20 @@ void update_running_cpu(
 // invstd, var in the acc dtype.
 void store_split_stats_cpu(
     const double* mean, const double* invstd, const double* var, int64_t C, MergeOutputs& out);
-// info = [count, samples, order_ok, finite] and grad_info (the same with grad_count) of a merge
-// on the CPU, in the outputs' dtype acc_t.
+// info = [count, samples, order_ok, finite, layer_tag, call_tag] and grad_info (the same with
+// grad_count) of a merge on the CPU, in the outputs' dtype acc_t.
 template <typename acc_t>
 void write_info(
     MergeOutputs& out, double count, double grad_count, double samples, bool order_ok,
-    bool finite) {
+    bool finite, double layer_tag, double call_tag) {
   for (at::Tensor* info : {&out.info, &out.grad_info}) {
     acc_t* f = info->mutable_data_ptr<acc_t>();
     f[0] = static_cast<acc_t>(info == &out.info ? count : grad_count);
     f[1] = static_cast<acc_t>(samples);
     f[2] = order_ok ? acc_t(1) : acc_t(0);
     f[3] = finite ? acc_t(1) : acc_t(0);
+    f[4] = static_cast<acc_t>(layer_tag);
+    f[5] = static_cast<acc_t>(call_tag);
   }
 }
 
@@ -232,18 +242,34 @@ void merge_stats_into_cuda(const MergeStatsArgs& args, double eps, bool unbiased
 void shifted_sums_into_cuda(
     const at::Tensor& input, const at::Tensor& shift64, double scale, at::Tensor& s1,
     at::Tensor& s2);
+// With `header`, the reduction also writes the call-order header of `info`'s tags (grad_info;
+// undefined: zeros) there (grad_header.h).
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu,
-    const ActAffine& act = {});
+    const ActAffine& act = {}, const at::Tensor& info = {}, at::Tensor* header = nullptr);
+// The backward's call-order header on the device: the tags are info[4..5] (grad_info); `header`
+// (may be null) receives the header of the tags; `order_ok` (may be null) whether `total`, the
+// summed header, is `ranks` times it.
+struct GradHeader {
+  const at::Tensor& info;
+  at::Tensor* header = nullptr;
+  const at::Tensor* total = nullptr;
+  double ranks = 0;
+  at::Tensor* order_ok = nullptr;
+};
+// One launch of a single thread doing that (for empty batches, where the reduction and the
+// elementwise kernel that do it otherwise are not launched).
+void grad_header_cuda(const GradHeader& h);
 // normalize_act_cpu's twin.
 NormalizeActFn normalize_act_cuda;
-// backward_elemt_cuda with a split mean and an activation (dy * act'(z) in place of dy).
+// backward_elemt_cuda with a split mean and an activation (dy * act'(z) in place of dy), and with
+// `check` the call-order check of GradHeader in the same kernel.
 at::Tensor backward_elemt_act_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& count,
-    const ActAffine& act);
+    const ActAffine& act, const GradHeader* check = nullptr);
 }  // namespace detail
 #endif
 

@@ -65,17 +65,20 @@ __device__ __forceinline__ void store_split(
   var_out[c] = static_cast<acc_t>(var);
 }
 
-// info = [count, samples, order_ok, finite] and grad_info (the same with grad_count).
+// info = [count, samples, order_ok, finite, layer_tag, call_tag] and grad_info (the same with
+// grad_count).
 template <typename acc_t>
 __device__ __forceinline__ void store_info(
     acc_t* info, acc_t* grad_info, double count, double grad_count, double samples, bool ok,
-    bool finite) {
+    bool finite, double layer_tag, double call_tag) {
   acc_t* fields[2] = {info, grad_info};
   for (int i = 0; i < 2; ++i) {
     fields[i][0] = static_cast<acc_t>(i == 0 ? count : grad_count);
     fields[i][1] = static_cast<acc_t>(samples);
     fields[i][2] = ok ? acc_t(1) : acc_t(0);
     fields[i][3] = finite ? acc_t(1) : acc_t(0);
+    fields[i][4] = static_cast<acc_t>(layer_tag);
+    fields[i][5] = static_cast<acc_t>(call_tag);
   }
 }
 

@@ -264,7 +264,7 @@ MergedOutputs merge_normalize_cpu(
         num_batches_tracked, nonfinite, momentum);
     const double local = static_cast<double>(input.numel() / C);
     const double grad_count = equal_rank_weights ? ranks * local : total;
-    write_info<scalar_t>(out, total, grad_count, samples, true, finite);
+    write_info<scalar_t>(out, total, grad_count, samples, true, finite, r[2], r[3]);
   });
   at::Tensor output =
       normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
@@ -275,36 +275,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_) {
   check_backward_args(grad_out_, input_, mean, invstd, c10::DeviceType::CPU);
   const at::Tensor lo = checked_mean_lo(mean_lo, input_);
+  const at::Tensor info = checked_grad_info(info_, input_);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const int64_t C = input.size(1);
-  at::Tensor sums = at::empty({2 * C}, mean.options());
+  at::Tensor sums = at::empty({kGradHeader + 2 * C}, mean.options());
+  AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "grad_sums_cpu", [&] {
+    scalar_t* header = sums.mutable_data_ptr<scalar_t>();
+    if (info.defined()) {
+      const scalar_t* f = info.const_data_ptr<scalar_t>();
+      write_grad_header(static_cast<double>(f[4]), static_cast<double>(f[5]), header);
+    } else {
+      std::fill_n(header, kGradHeader, scalar_t(0));
+    }
+  });
   backward_sums_into_cpu(
-      grad_out, input, mean.contiguous(), lo.defined() ? lo.contiguous() : lo, {sums}, {sums, C},
+      grad_out, input, mean.contiguous(), lo.defined() ? lo.contiguous() : lo,
+      {sums, kGradHeader}, {sums, kGradHeader + C},
       act_affine(act, act_param, invstd, weight, bias, input));
-  auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
-  return {sums, grad_weight, grad_bias};
+  return with_packed_param_grads(sums, invstd.contiguous(), weight, input);
 }
 
-at::Tensor grad_input_cpu(
+std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
   check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CPU);
   const at::Tensor lo = checked_mean_lo(mean_lo, input);
   const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input);
   const int64_t C = input.size(1);
+  const int64_t rows = check_sums(sums, info, input);
+  const double ranks = summed_ranks(rows, world_size);
   const at::Tensor total = group_sums(sums, info, input);
+  at::Tensor order_ok = at::empty({1}, info.options());
   double count = 0;
   AT_DISPATCH_FLOATING_TYPES(info.scalar_type(), "grad_input_cpu", [&] {
-    count = static_cast<double>(info.const_data_ptr<scalar_t>()[0]);
+    const scalar_t* f = info.const_data_ptr<scalar_t>();
+    count = static_cast<double>(f[0]);
+    const double layer = static_cast<double>(f[4]), call = static_cast<double>(f[5]);
+    TORCH_CHECK(
+        grad_header_matches(total.const_data_ptr<scalar_t>(), layer, call, ranks),
+        "syncbn call order: backward: the ranks' layer or call tags differ (this rank: layer tag ",
+        static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
+    *order_ok.mutable_data_ptr<scalar_t>() = scalar_t(1);  // a mismatch has thrown
   });
-  return backward_elemt_checked_cpu(
-      grad_out, input, mean, lo, invstd, weight, {total}, {total, C}, count, activation);
+  at::Tensor grad = backward_elemt_checked_cpu(
+      grad_out, input, mean, lo, invstd, weight, {total, kGradHeader},
+      {total, kGradHeader + C}, count, activation);
+  return {grad, order_ok};
 }
 
 }  // namespace syncbn

@@ -101,7 +101,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_update_kernel(
   const bool finite = !__syncthreads_or(bad);
   if (threadIdx.x == 0) {
     const double grad_count = equal_rank_weights ? ranks * local_count : total;
-    store_info(out.info, out.grad_info, total, grad_count, samples, same_order, finite);
+    store_info(
+        out.info, out.grad_info, total, grad_count, samples, same_order, finite,
+        static_cast<double>(rows[2]), static_cast<double>(rows[3]));
   }
   update_running_block(stats, C, total, finite, tracked, running_mean, running_var, state);
 }
@@ -239,44 +241,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_) {
   check_backward_args(grad_out_, input_, mean_, invstd, c10::DeviceType::CUDA);
   const at::Tensor lo = checked_mean_lo(mean_lo, input_);
+  const at::Tensor info = checked_grad_info(info_, input_);
   const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input_);
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous();
   const int64_t C = input.size(1);
-  at::Tensor sums = input.numel() == 0 ? at::zeros({2 * C}, mean.options())
-                                       : at::empty({2 * C}, mean.options());
-  at::Tensor sum_dy = sums.narrow(0, 0, C), sum_dy_xmu = sums.narrow(0, C, C);
+  at::Tensor sums = input.numel() == 0 ? at::zeros({kGradHeader + 2 * C}, mean.options())
+                                       : at::empty({kGradHeader + 2 * C}, mean.options());
+  at::Tensor header = sums.narrow(0, 0, kGradHeader);
+  at::Tensor sum_dy = sums.narrow(0, kGradHeader, C);
+  at::Tensor sum_dy_xmu = sums.narrow(0, kGradHeader + C, C);
   if (input.numel() > 0) {
     backward_sums_into_cuda(
         grad_out, input, mean, lo.defined() ? lo.contiguous() : lo, sum_dy, sum_dy_xmu,
-        activation);
+        activation, info, &header);
+  } else if (info.defined()) {
+    grad_header_cuda({info, &header});
   }
   return with_packed_param_grads(sums, invstd, weight, input);
 }
 
-at::Tensor grad_input_cuda(
+std::tuple<at::Tensor, at::Tensor> grad_input_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
   check_input(input, c10::DeviceType::CUDA);
+  check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CUDA);
   const int64_t C = input.size(1);
+  const double ranks = summed_ranks(check_sums(sums, info, input), world_size);
   const at::Tensor total = group_sums(sums, info, input);
-  const at::Tensor sum_dy = total.narrow(0, 0, C), sum_dy_xmu = total.narrow(0, C, C);
+  const at::Tensor sum_dy = total.narrow(0, kGradHeader, C);
+  const at::Tensor sum_dy_xmu = total.narrow(0, kGradHeader + C, C);
   const at::Tensor count = info.narrow(0, 0, 1);
   const at::Tensor lo = checked_mean_lo(mean_lo, input);
-  if (act == 0 && !lo.defined()) {  // the primitive, with its argument checks
-    return backward_elemt_cuda(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count);
-  }
-  check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CUDA);
-  return backward_elemt_act_cuda(
+  at::Tensor order_ok = at::empty({1}, info.options());
+  const at::Tensor tags = info.contiguous();
+  const GradHeader check{tags, nullptr, &total, ranks, &order_ok};
+  at::Tensor grad = backward_elemt_act_cuda(
       grad_out, input, mean, lo, invstd, weight, sum_dy, sum_dy_xmu, count,
-      act_affine(act, act_param, invstd, weight, bias, input));
+      act_affine(act, act_param, invstd, weight, bias, input), &check);
+  return {grad, order_ok};
 }
 
 }  // namespace syncbn

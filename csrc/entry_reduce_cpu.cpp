@@ -83,8 +83,10 @@ MergedOutputs reduce_merge_normalize_cpu(
       mean.data(), var.data(), C, t[0], finite, running_mean, running_var, num_batches_tracked,
       nonfinite, momentum);
   const double grad_count = equal_rank_weights ? t[2] * own[0] : t[0];
+  double layer = 0, call = 0;
+  reduce_tags(own, &layer, &call);
   AT_DISPATCH_FLOATING_TYPES(out.info.scalar_type(), "reduce_merge_normalize_cpu", [&] {
-    write_info<scalar_t>(out, t[0], grad_count, t[1], true, finite);
+    write_info<scalar_t>(out, t[0], grad_count, t[1], true, finite, layer, call);
   });
   at::Tensor output =
       normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);

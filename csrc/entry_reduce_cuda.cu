@@ -84,9 +84,11 @@ __global__ void __launch_bounds__(kMergeThreads) reduce_merge_kernel(
   const bool finite = !__syncthreads_or(bad);
   if (threadIdx.x == 0) {
     const double grad_count = stats.equal_rank_weights ? total[2] * sent[0] : total[0];
+    double layer = 0, call = 0;
+    reduce_tags(sent, &layer, &call);
     store_info(
         out.info, out.grad_info, total[0], grad_count, total[1],
-        checks.order_ok && checks.shift_ok, finite);
+        checks.order_ok && checks.shift_ok, finite, layer, call);
   }
   update_running_block(stats, stats.C, total[0], finite, tracked, running_mean, running_var, state);
 }

@@ -30,14 +30,17 @@ TORCH_LIBRARY(syncbn, m) {
   // `act` (activation.h; 0 = none) and `act_param` are the activation fused after the affine
   // step; its backward recomputes the pre-activation from the input, so it needs the bias.
   // `mean_lo`: the low part of the split group mean (both merges return it).
+  // `info` (grad_sums) is the merge's grad_info, whose tags head the sums; grad_input checks them
+  // over the `world_size` ranks of an all-reduced row (gathered rows: their number) and returns
+  // the check's flag beside the gradient.
   m.def(
       "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
-      "Tensor? bias=None, int act=0, float act_param=0., Tensor? mean_lo=None) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor? bias=None, int act=0, float act_param=0., Tensor? mean_lo=None, "
+      "Tensor? info=None) -> (Tensor, Tensor, Tensor)");
   m.def(
       "grad_input(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
       "Tensor sums, Tensor info, Tensor? bias=None, int act=0, float act_param=0., "
-      "Tensor? mean_lo=None) -> Tensor");
+      "Tensor? mean_lo=None, int world_size=1) -> (Tensor, Tensor)");
 }
 
 namespace {

@@ -89,9 +89,16 @@ using BackwardElemtFn = at::Tensor(
 // and sum(c^2) == P c^2, true on one rank iff every rank sent c.
 //
 // Both merges return (output, mean, mean_lo, invstd, var, info, grad_info), info = [count,
-// samples, order_ok, finite] (acc dtype, group-wide) and grad_info the same with the count the
-// input gradient divides by (R * n_r with equal rank weights: each of this rank's n_r values
-// weighs 1 / (R n_r), R the non-empty ranks).
+// samples, order_ok, finite, layer_tag, call_tag] (acc dtype, group-wide; the tags of this call)
+// and grad_info the same with the count the input gradient divides by (R * n_r with equal rank
+// weights: each of this rank's n_r values weighs 1 / (R n_r), R the non-empty ranks).
+//
+// Sums of the backward, per rank, in the acc dtype (all-reduced, or all-gathered and summed in
+// rank order by grad_input):
+//   [header[16], sum_dy[C], sum_dy_xmu[C]]                              (kGradHeader + 2 * C)
+// The header is the call's layer and call tags (grad_info[4], grad_info[5]) as 6-bit chunks, each
+// followed by its square (grad_header.h): grad_input checks that the summed header is P times its
+// own, true on one rank iff every rank sent the same call's sums.
 // Common rules of the merges:
 //   * call order: CPU throws an error starting with "syncbn call order:"; CUDA writes info[2] = 0
 //     (checked later on the host).
@@ -142,8 +149,9 @@ using ReduceMergeNormalizeFn = MergedOutputs(
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
     bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param);
 
-// Local backward sums packed for the collective, [sum_dy[C], sum_dy_xmu[C]] (acc dtype), with the
-// local grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy in the weight's dtype (acc dtype
+// Local backward sums packed for the collective, [header, sum_dy[C], sum_dy_xmu[C]] (acc dtype;
+// the header of the tags in `info`, the merge's grad_info, zeros without it), with the local
+// grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy in the weight's dtype (acc dtype
 // without weight). Returns (sums, grad_weight, grad_bias). xmu = (x - mean) - mean_lo (mean_lo
 // optional: 0).
 // With an activation (`act` != 0) the layer's output was act(z), z = xmu * invstd * weight +
@@ -153,15 +161,18 @@ using GradSumsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo);
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info);
 
-// Input gradient from R >= 1 rows of sums ([R * 2C]: all-reduced, R = 1, or gathered, summed here
-// in row order) and the count info[0] (read on the device).
-using GradInputFn = at::Tensor(
+// Input gradient from R >= 1 rows of sums ([R * (kGradHeader + 2C)]: all-reduced, R = 1, or
+// gathered, summed here in row order) and the count info[0] (read on the device), and the call-order
+// check of the backward: the summed header against P times the header of info's tags (P = R for
+// gathered rows, world_size for one all-reduced row). Returns (grad_input, order_ok[1]); CPU throws
+// an error starting with "syncbn call order:" instead of returning order_ok = 0.
+using GradInputFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo);
+    const c10::optional<at::Tensor>& mean_lo, int64_t world_size);
 
 // The twins, declared with the function types above (`LocalStatsFn local_stats_cpu;` declares the
 // function local_stats_cpu of that type): the CPU kernels always, the CUDA ones with CUDA.

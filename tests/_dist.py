@@ -9,13 +9,16 @@ raises, dies, or does not finish within ``timeout`` seconds, and never leaves pr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import queue
+import subprocess
+import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,7 +128,10 @@ def run_distributed(
                 if status != "ok" and len(errors) == 1:
                     first_error = datetime.datetime.now()
             for p in procs:
-                p.join(timeout=max(1.0, (deadline - datetime.datetime.now()).total_seconds()))
+                # After a failure the peers may be stuck in a collective (that is what the failing
+                # tests show): a few seconds, then they are killed, not the whole timeout.
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                p.join(timeout=5.0 if errors else max(1.0, remaining))
         finally:
             for p in procs:
                 if p.is_alive():
@@ -135,3 +141,22 @@ def run_distributed(
             first = min(errors)
             raise AssertionError(f"rank {first} of {world_size} failed:\n{errors[first]}")
         return [collected[r] for r in range(world_size)]
+
+
+_BURNER = "import time\nend = time.time() + 1800\nwhile time.time() < end: sum(range(9999))"
+
+
+@contextlib.contextmanager
+def busy_cores(count: int | None = None) -> Iterator[None]:
+    """Every core (or ``count``) busy with a CPU-bound process while the block runs, as
+    ``../shared/tools/with-load`` does: distributed code must hold on a busy machine."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _BURNER])
+        for _ in range(count or os.cpu_count() or 2)
+    ]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -129,14 +129,14 @@ def run_fused(
         for x in xs
     ]
     sums = [
-        ops.grad_sums(dy, x, m[1], m[3], weight, bias, act, act_param, m[2])
+        ops.grad_sums(dy, x, m[1], m[3], weight, bias, act, act_param, m[2], m[6])
         for dy, x, m in zip(grads, xs, merged, strict=True)
     ]
     gathered = torch.cat([s[0] for s in sums])
     results = []
     for r, x in enumerate(xs):
         output, mean, mean_lo, invstd, var, info, grad_info = merged[r]
-        grad_in = ops.grad_input(
+        grad_in, order_ok = ops.grad_input(
             grads[r], x, mean, invstd, weight, gathered, grad_info, bias, act, act_param, mean_lo
         )
         results.append(
@@ -157,6 +157,7 @@ def run_fused(
                 "grad_weight": sums[r][1],
                 "grad_bias": sums[r][2],
                 "grad_input": grad_in,
+                "order_ok": order_ok,
                 **states[r],
             }
         )

@@ -56,10 +56,10 @@ def _fused_step(impl, x, w, b, dy, act: int, param: float) -> list[torch.Tensor]
     )
     if x.is_cuda:
         _poison(x)
-    sums, gw, gb = impl.grad_sums(dy, x, mean, invstd, w, b, act, param, mean_lo)
+    sums, gw, gb = impl.grad_sums(dy, x, mean, invstd, w, b, act, param, mean_lo, grad_info)
     if x.is_cuda:
         _poison(x)
-    gi = impl.grad_input(dy, x, mean, invstd, w, sums, grad_info, b, act, param, mean_lo)
+    gi, _order_ok = impl.grad_input(dy, x, mean, invstd, w, sums, grad_info, b, act, param, mean_lo)
     return [out, gi, gw, gb]
 
 

@@ -22,7 +22,7 @@ from cuda_emu.build import load_emulator
 
 from syncbn_lightning.ops.activations import ACTIVATIONS
 from syncbn_lightning.ops.build import load_extension
-from syncbn_lightning.ops.reference_steps import row_width
+from syncbn_lightning.ops.reference_steps import GRAD_HEADER, row_width
 
 # Needs the emulation build (minutes on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]
@@ -192,3 +192,49 @@ def test_reduce_call_order_mismatch_is_flagged_on_the_device(clean) -> None:
     assert clean.reduce_merge_normalize(x, total, sent[0], *merge)[5][2].item() == 0.0
     same = sent[0] * 2
     assert clean.reduce_merge_normalize(x, same, sent[0], *merge)[5][2].item() == 1.0
+
+
+@pytest.mark.parametrize("batch", [2, 0], ids=["batch", "empty"])
+def test_backward_call_order_mismatch_is_flagged_on_the_device(clean, batch) -> None:
+    """The backward's sums carry the call's tags (header, written by the reduction, or for an empty
+    batch by a one-thread kernel) and grad_input checks them in its elementwise kernel: another
+    call's sums give ``order_ok`` 0 on the device, gathered or all-reduced, where the CPU operator
+    raises; the tags of the merges' ``grad_info`` are the rows' (gather) and the vector's
+    (reduce)."""
+    x = torch.randn(batch, 3, 4)
+    rows = torch.cat(
+        [clean.stats_row(torch.randn(2, 3, 4), 9, torch.zeros(1, dtype=torch.long))] * 2
+    )
+    out = clean.merge_normalize(x, rows, None, None, None, None, None, None, 0.1, 1e-5, True)
+    _, mean, mean_lo, invstd, _var, info, grad_info = out
+    assert grad_info[4:].tolist() == info[4:].tolist() == [9.0, 0.0]
+    sent = clean.reduce_sums(torch.randn(2, 3, 4), None, 9, torch.ones(1, dtype=torch.long), False)
+    merged = clean.reduce_merge_normalize(
+        x, sent * 2, sent, None, None, None, None, None, None, 0.1, 1e-5, True, False, 2
+    )
+    assert merged[6][4:].tolist() == [9.0, 1.0]
+    dy = torch.randn_like(x)
+    other = grad_info.clone()
+    other[5] += 1  # the next call of the same layer
+    steps = (clean, torch.ops.syncbn)
+    sums = {
+        (impl, name): impl.grad_sums(dy, x, mean, invstd, None, None, 0, 0.0, mean_lo, tags)[0]
+        for impl in steps
+        for name, tags in (("own", grad_info), ("other", other))
+    }
+    for name in ("own", "other"):  # the headers: the same on the device and on the CPU
+        device, cpu = sums[(clean, name)], sums[(torch.ops.syncbn, name)]
+        assert torch.equal(device[:GRAD_HEADER], cpu[:GRAD_HEADER])
+        torch.testing.assert_close(device[GRAD_HEADER:], cpu[GRAD_HEADER:])
+    args = (dy, x, mean, invstd, None)
+    tail = (grad_info, None, 0, 0.0, mean_lo)
+    for name, world, expected in (("own", 2, 1.0), ("other", 2, 0.0)):
+        gathered = torch.cat([sums[(clean, "own")], sums[(clean, name)]])
+        assert clean.grad_input(*args, gathered, *tail, 1)[1].item() == expected
+        reduced = sums[(clean, "own")] + sums[(clean, name)]
+        assert clean.grad_input(*args, reduced, *tail, world)[1].item() == expected
+        if expected == 0.0:
+            with pytest.raises(RuntimeError, match="syncbn call order: backward"):
+                torch.ops.syncbn.grad_input(*args, gathered, *tail, 1)
+        else:
+            assert torch.ops.syncbn.grad_input(*args, gathered, *tail, 1)[1].item() == 1.0

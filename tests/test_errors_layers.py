@@ -171,6 +171,29 @@ def test_bn_call_order_differs_across_ranks() -> None:
         raise errors[0]
 
 
+def _unused_output_rank(rank: int, world: int) -> BaseException | None:
+    net = convert_sync_batchnorm(
+        nn.ModuleDict({"stem": nn.BatchNorm1d(4), "aux": nn.BatchNorm1d(4)})
+    )
+    x = torch.randn(3, 4, requires_grad=True)
+    out, aux = net["stem"](x), net["aux"](x)
+    loss = out.sum() + (aux.square().sum() if rank == 0 else 0.0)  # rank 1 leaves `aux` out
+    try:
+        loss.backward()
+    except CallOrderError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bn_backward_skipped_on_one_rank() -> None:
+    errors = run_distributed(_unused_output_rank, 2, timeout=60, pg_timeout_s=30)
+    assert errors[0] is not None and str(errors[0]) == str(errors[1])  # every rank raises
+    with expect_row():
+        raise errors[0]
+
+
 # ----------------------------------------------------------------------------- 4. convert/revert
 
 

@@ -76,14 +76,17 @@ class Float64Gather(Exchange):
                 )
         x64, w64, b64 = (None if t is None else t.double() for t in (input, weight, bias))
         output = reference.normalize(x64, mean, invstd, w64, b64).to(input.dtype)
-        info = torch.stack([count, table[:, 1].sum(), torch.ones_like(count), finite.double()])
+        # [count, samples, order_ok, finite, layer_tag, call_tag]: the backward sends the tags
+        # back with its sums (reference_steps.grad_sums) and checks them (grad_input).
+        flags = [table[:, 1].sum(), torch.ones_like(count), finite.double(), *table[0, 2:4]]
+        info = torch.stack([count, *flags])
         return Merged(output, mean, var, info, (input, weight, mean, invstd, info))
 
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
         input, weight, mean, invstd, _info = saved
         w64 = None if weight is None else weight.double()
         sums, grad_weight, grad_bias = reference_steps.grad_sums(
-            grad_output.double(), input.double(), mean, invstd, w64
+            grad_output.double(), input.double(), mean, invstd, w64, info=_info
         )
         dtype = weight.dtype if weight is not None else input.dtype
         return LocalGrads(sums, grad_weight.to(dtype), grad_bias.to(dtype), saved)
@@ -93,7 +96,7 @@ class Float64Gather(Exchange):
     ) -> torch.Tensor:
         input, weight, mean, invstd, info = local.carry
         w64 = None if weight is None else weight.double()
-        grad = reference_steps.grad_input(
+        grad, _order_ok = reference_steps.grad_input(
             grad_output.double(), input.double(), mean, invstd, w64, summed, info
         )
         return grad.to(input.dtype)

@@ -14,6 +14,8 @@ from _dist import run_distributed
 from torch import nn
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, convert_sync_batchnorm
+from syncbn_lightning.distributed.flight import read_flight_dir, read_layer_names
+from syncbn_lightning.distributed.flight_report import describe_flight
 
 
 def _order_worker(rank: int, world: int, plan: dict[int, list[str]], channels: int) -> str:
@@ -104,3 +106,82 @@ def test_nan_batch_on_one_rank_leaves_running_stats_unchanged_and_counted() -> N
         assert result["tracked"] == (1, 1, 2)  # the skipped update is not counted
         assert result["output_nan"]  # the output propagates NaN like torch's BN
         assert result["updated_later"] and result["finite"]
+
+
+class _AuxNet(nn.Module):
+    """A trunk of two synchronized layers and an auxiliary head with one (``aux``, ``channels``
+    wide) that the loss uses on some ranks only."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8))
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8))
+        self.aux = nn.Sequential(nn.Conv2d(8, channels, 1), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.stem(x)
+        return self.body(h), self.aux(h)
+
+
+def _unused_branch_worker(rank: int, world: int, channels: int, report: str) -> str:
+    """One step where rank 1's loss leaves the auxiliary head out; returns the error text. The
+    flight recorder's report (logged when a collective fails) is appended to ``report``."""
+    import logging
+
+    handler = logging.FileHandler(report)
+    logging.getLogger("syncbn_lightning.distributed.flight_report").addHandler(handler)
+    torch.manual_seed(0)
+    net = convert_sync_batchnorm(_AuxNet(channels))
+    out, aux = net(torch.randn(2, 3, 4, 4))
+    loss = out.square().mean() + (aux.square().mean() if rank == 0 else 0.0)
+    try:
+        loss.backward()
+    except CallOrderError as exc:
+        return str(exc)
+    finally:
+        handler.flush()
+    return "ok"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_layer_unused_in_one_ranks_loss_raises_on_every_rank_naming_it(tmp_path) -> None:
+    """Equal channel counts: the backward's sums carry the call's tags, so the mismatch is caught
+    at the first backward collective, on both ranks, within seconds, with the fix."""
+    started = time.monotonic()
+    messages = run_distributed(
+        _unused_branch_worker, 2, 8, str(tmp_path / "flight.log"), timeout=60, pg_timeout_s=30
+    )
+    assert time.monotonic() - started < 30
+    for message in messages:
+        assert message.startswith("The backward passes of SyncBatchNorm layers ran in a different")
+        assert "rank 0 ran the backward of 'aux.1' (call #1)" in message
+        assert "rank 1 ran the backward of 'body.1' (call #1)" in message
+        assert "the output of 'aux.1' was not used in the loss on rank 1" in message
+        assert "0 * out.sum()" in message and "eval mode on every rank" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_unused_layer_of_another_size_ends_the_ranks_within_seconds_named_by_the_recorder(
+    tmp_path,
+) -> None:
+    """Other channel counts: the payload sizes differ and gloo refuses the collective (it aborts
+    a rank whose receive size does not match; the other's collective fails at once). The ranks'
+    file-backed flight records survive the abort and name the first collective that differs."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank \d of 2 failed|died without reporting"):
+        run_distributed(
+            _unused_branch_worker,
+            2,
+            16,
+            str(tmp_path / "flight.log"),
+            timeout=60,
+            pg_timeout_s=30,
+            env={"SYNCBN_FLIGHT_DIR": str(tmp_path)},
+        )
+    assert time.monotonic() - started < 30
+    text = describe_flight(read_flight_dir(tmp_path), names=read_layer_names(tmp_path))
+    assert "at collective 4 they differ" in text, text
+    assert "rank 0: backward all_gather of 'aux.1' (call #1, 192 B)" in text, text
+    assert "rank 1: backward all_gather of 'body.1' (call #1, 128 B)" in text, text

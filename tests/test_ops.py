@@ -259,11 +259,16 @@ def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
         )
         dy = torch.randn_like(output)
         torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w))
-        torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w, b, 0, 0.0, lo))
-        sums = torch.cat([ops.grad_sums(dy, x, mean, invstd, w)[0]] * 2)
+        torch.library.opcheck(ops.grad_sums.default, (dy, x, mean, invstd, w, b, 0, 0.0, lo, info))
+        sums = torch.cat([ops.grad_sums(dy, x, mean, invstd, w, None, 0, 0.0, None, info)[0]] * 2)
         torch.library.opcheck(ops.grad_input.default, (dy, x, mean, invstd, w, sums, info))
         torch.library.opcheck(
             ops.grad_input.default, (dy, x, mean, invstd, w, sums, info, b, 0, 0.0, lo)
+        )
+        torch.library.opcheck(
+            ops.grad_input.default,
+            (dy, x, mean, invstd, w, sums.view(2, -1).sum(0), info),
+            {"world_size": 2},  # one all-reduced row of two ranks' sums
         )
         sent = ops.reduce_sums(x, state[0], 3, calls.clone(), False)
         torch.library.opcheck(ops.reduce_sums.default, (x, state[0], 3, calls.clone(), True))

@@ -21,16 +21,20 @@ run outside any compiled graph.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import flight, flight_report
 from .replicas import ReplicaGroup
 
 __all__ = [
     "GATHER_SUM_MAX_RANKS",
     "Group",
+    "Note",
     "all_gather",
     "all_gather_single",
     "all_reduce",
@@ -45,39 +49,74 @@ __all__ = [
 Group = str | ReplicaGroup | None
 #: Up to this many ranks, CPU (gloo) groups sum the backward's sums by all_gather + local sum.
 GATHER_SUM_MAX_RANKS = 8
+#: What the flight recorder notes of a layer's collective: ``(direction, layer_tag, call)``, see
+#: :mod:`.flight` (``call`` -1: not recorded, e.g. while compiling).
+Note = tuple[int, int, int]
 
 _functional = torch.ops._c10d_functional
 
 
-def all_gather(tensor: torch.Tensor, group: Group, world_size: int) -> torch.Tensor:
+def all_gather(
+    tensor: torch.Tensor, group: Group, world_size: int, note: Note | None = None
+) -> torch.Tensor:
     """Every rank's 1-D ``tensor`` concatenated in rank order (``[world_size * numel]``): ONE
-    collective. ``tensor`` itself without a group."""
+    collective, recorded with ``note`` (:mod:`.flight`). ``tensor`` itself without a group."""
     if group is None:
         return tensor
     if not isinstance(group, str):  # the replicas of nn.DataParallel: an in-process exchange
         return group.all_gather(tensor)
+    if note is not None:
+        flight.record(group, "all_gather", tensor, note)
     process_group = _eager_cuda_group(tensor, group)
     if process_group is not None:
         gathered = tensor.new_empty(world_size * tensor.numel())
-        dist.all_gather_into_tensor(gathered, tensor, group=process_group)
+        with _reported("all_gather"):
+            dist.all_gather_into_tensor(gathered, tensor, group=process_group)
         return gathered
-    return _functional.wait_tensor(_functional.all_gather_into_tensor(tensor, world_size, group))
+    if torch.compiler.is_compiling():
+        return _functional.wait_tensor(
+            _functional.all_gather_into_tensor(tensor, world_size, group)
+        )
+    with _reported("all_gather"):
+        return _functional.wait_tensor(
+            _functional.all_gather_into_tensor(tensor, world_size, group)
+        )
 
 
-def all_reduce(tensor: torch.Tensor, group: str | None) -> torch.Tensor:
-    """``tensor`` summed over the group: ONE all-reduce into a new tensor (``tensor`` itself
-    without a group)."""
+def all_reduce(tensor: torch.Tensor, group: str | None, note: Note | None = None) -> torch.Tensor:
+    """``tensor`` summed over the group: ONE all-reduce into a new tensor, recorded with ``note``
+    (``tensor`` itself without a group)."""
     if group is None:
         return tensor
+    if note is not None:
+        flight.record(group, "all_reduce", tensor, note)
     process_group = _eager_cuda_group(tensor, group)
     if process_group is not None:
         summed = tensor.clone()  # the caller's tensor may be viewed by other outputs
-        dist.all_reduce(summed, group=process_group)
+        with _reported("all_reduce"):
+            dist.all_reduce(summed, group=process_group)
         return summed
-    return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
+    if torch.compiler.is_compiling():
+        return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
+    with _reported("all_reduce"):
+        return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
 
 
-def sum_over_group(sums: torch.Tensor, group: Group, world_size: int) -> torch.Tensor:
+@contextlib.contextmanager
+def _reported(op: str) -> Iterator[None]:
+    """Log what the flight recorder knows when a collective fails (a peer died, the transport
+    refused, the process-group timeout), then let the error propagate."""
+    try:
+        yield
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        flight_report.report_failure(f"a failed SyncBN {op} ({first[:200]})")
+        raise
+
+
+def sum_over_group(
+    sums: torch.Tensor, group: Group, world_size: int, note: Note | None = None
+) -> torch.Tensor:
     """The backward's ``sums`` of every rank of the group, ONE collective: all-reduced (``[2C]``),
     or all-gathered (``[W * 2C]``, rows to be summed in rank order by the caller) in process
     (DataParallel replicas) and on CPU in groups of up to :data:`GATHER_SUM_MAX_RANKS` ranks.
@@ -90,8 +129,8 @@ def sum_over_group(sums: torch.Tensor, group: Group, world_size: int) -> torch.T
         return sums
     in_process = not isinstance(group, str)
     if in_process or (sums.device.type == "cpu" and world_size <= GATHER_SUM_MAX_RANKS):
-        return all_gather(sums, group, world_size)
-    return all_reduce(sums, group)
+        return all_gather(sums, group, world_size, note)
+    return all_reduce(sums, group, note)
 
 
 def _eager_cuda_group(tensor: torch.Tensor, group_name: str) -> Any:

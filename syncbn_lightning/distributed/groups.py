@@ -1,15 +1,27 @@
 """Process groups and group-size rules: who normalizes with whom.
 
 A *sync group* is the set of ranks whose batches are normalized together. ``None`` means the whole
-default group (the world). Splitting the world into consecutive blocks, e.g. 8 ranks with
-``group_size=2`` -> ``{0,1} {2,3} {4,5} {6,7}``, keeps the ranks of one block on the same machine
-under the usual rank layout, so statistics travel over the fastest link.
+world. Splitting the world into consecutive blocks, e.g. 8 ranks with ``group_size=2`` ->
+``{0,1} {2,3} {4,5} {6,7}``, keeps the ranks of one block on the same machine under the usual rank
+layout, so statistics travel over the fastest link.
+
+SyncBN's collectives never share a process group with anyone else's. Collectives pair up by their
+order *within a group*, and the layers' order is the one thing the call-order tags check; DDP's
+gradient all-reduces, Lightning's and the user's collectives on the default group are issued by
+other code on its own schedule (DDP's from autograd hooks as buckets fill, Lightning's SIGTERM
+handler from a signal), so on a shared group the interleaving of the two streams must come out
+the same on every rank, which nothing guarantees. So the world is synchronized through
+:func:`sync_world_group`, the world's ranks in a group of their own, and :func:`new_sync_group`
+makes fresh groups; both take the default group's timeout (``dist.new_group`` would default to
+30 minutes). docs/reliability.md tells the hang this prevents.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -21,6 +33,7 @@ __all__ = [
     "new_sync_group",
     "resolve_group_size",
     "sync_group_size",
+    "sync_world_group",
     "validate_group_size",
 ]
 
@@ -48,11 +61,13 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
 
     Args:
         group_size: ranks per sync group. ``None`` or the world size means the whole world, for
-            which ``None`` (the default group) is returned and no group is created. ``1`` gives
-            every rank its own group, i.e. plain per-rank BatchNorm.
+            which ``None`` is returned (layers with ``process_group=None`` synchronize through
+            :func:`sync_world_group`). ``1`` gives every rank its own group, i.e. plain per-rank
+            BatchNorm.
 
     Returns:
-        The process group containing this rank, or ``None`` for the whole world.
+        The process group containing this rank (a new one, with the default group's timeout), or
+        ``None`` for the whole world.
 
     Raises:
         RuntimeError: when ``torch.distributed`` is not initialized.
@@ -85,9 +100,10 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         )
     rank = dist.get_rank()
     mine = None
+    timeout = _default_timeout()
     for start in range(0, world, group_size):
         ranks = list(range(start, start + group_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout, group_desc=f"syncbn_{start}")
         if rank in ranks:
             mine = group
     return mine
@@ -174,12 +190,68 @@ def validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
 
 
 def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:
-    """The name torch's functional collectives know ``process_group`` by (``None``: the world);
-    ``None`` when torch.distributed is not initialized (there is nothing to communicate with)."""
+    """The name of the group a layer with ``process_group`` synchronizes through, as torch's
+    functional collectives know it: ``None`` and the default group itself stand for the world,
+    which synchronizes through :func:`sync_world_group`. ``None`` when torch.distributed is not
+    initialized (there is nothing to communicate with)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    group = process_group if process_group is not None else dist.group.WORLD
-    return group.group_name
+    if process_group is None or process_group is dist.group.WORLD:
+        return _world_group_name()
+    return process_group.group_name
+
+
+_world_twin: tuple[Any, dist.ProcessGroup] | None = None  # (default group, SyncBN's twin of it)
+
+
+def sync_world_group() -> dist.ProcessGroup:
+    """The process group of SyncBN layers that synchronize over the whole world: every rank of
+    the default group, in a group that only SyncBN's collectives use (see the module docstring).
+
+    Made on first use and kept while the default group lives (a new default group gets a new
+    twin). Making it is collective: every rank must get here in the same order relative to other
+    group creations. The converter, the callback and the plugin make it where they convert after
+    ``init_process_group``; otherwise a layer's first synchronized call does (every rank of the
+    world makes that call, as it joins the layer's collective with all of them).
+
+    Raises:
+        RuntimeError: when torch.distributed is not initialized.
+    """
+    global _world_twin
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "sync_world_group() needs an initialized default process group: call "
+            "torch.distributed.init_process_group(...) first"
+        )
+    world = dist.group.WORLD
+    if _world_twin is None or _world_twin[0] is not world:
+        twin = dist.new_group(timeout=_default_timeout(), group_desc="syncbn_world")
+        _world_twin = (world, twin)
+    return _world_twin[1]
+
+
+def _world_group_name() -> str:
+    return sync_world_group().group_name
+
+
+# A constant to torch.compile: it runs while tracing (on every rank, as every rank compiles the
+# same code), so compiled code synchronizes through the twin too. This marker is what
+# torch.compiler.assume_constant_result sets; set directly, because that function imports
+# torch._dynamo (1.7 s) and `import syncbn_lightning` must stay cheap (tests/test_groups.py checks
+# that the public decorator still sets exactly this marker).
+_world_group_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _default_timeout() -> timedelta | None:
+    """The default group's collective timeout (``init_process_group(timeout=...)``), for groups
+    made from it; ``None`` (torch's default) where the backend does not say."""
+    world = dist.group.WORLD
+    for device_type in getattr(world, "_device_types", None) or ():
+        try:
+            return world._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 def is_group(process_group: Any) -> bool:

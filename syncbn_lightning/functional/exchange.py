@@ -29,8 +29,17 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..distributed.collectives import Group
+from ..distributed import flight
+from ..distributed.call_order import (
+    call_order_error,
+    layer_text,
+    queue_order_check,
+    raise_if_out_of_order,
+)
+from ..distributed.collectives import Group, all_gather, group_ranks
 from ..ops import reference_steps
+from ..ops.reference import CALL_ORDER_MARK
+from ..ops.reference_steps import GRAD_HEADER, header_tags
 from .options import SyncOptions
 
 __all__ = [
@@ -167,12 +176,22 @@ def kernels(call: SyncCall) -> Any:
 class SplitMeanBackward(Exchange):
     """The backward of the built-in strategies: ``grad_sums`` and ``grad_input`` of the group mean
     split into ``mean + mean_lo``, whatever the forward exchanged. Their ``merge`` saves
-    ``(input, weight, mean, mean_lo, invstd, grad_info, bias)``."""
+    ``(input, weight, mean, mean_lo, invstd, grad_info, bias)``; ``grad_info`` carries the call's
+    tags, which the sums carry back for the backward's call-order check."""
 
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
-        input, weight, mean, mean_lo, invstd, _grad_info, bias = saved
+        input, weight, mean, mean_lo, invstd, grad_info, bias = saved
         sums, grad_weight, grad_bias = kernels(call).grad_sums(
-            grad_output, input, mean, invstd, weight, bias, call.act, call.act_param, mean_lo
+            grad_output,
+            input,
+            mean,
+            invstd,
+            weight,
+            bias,
+            call.act,
+            call.act_param,
+            mean_lo,
+            grad_info,
         )
         return LocalGrads(sums, grad_weight, grad_bias, saved)
 
@@ -180,16 +199,56 @@ class SplitMeanBackward(Exchange):
         self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
     ) -> torch.Tensor:
         input, weight, mean, mean_lo, invstd, grad_info, bias = local.carry
-        return kernels(call).grad_input(
-            grad_output,
-            input,
-            mean,
-            invstd,
-            weight,
-            summed,
-            grad_info,
-            bias,
-            call.act,
-            call.act_param,
-            mean_lo,
-        )
+        try:
+            grad, order_ok = kernels(call).grad_input(
+                grad_output,
+                input,
+                mean,
+                invstd,
+                weight,
+                summed,
+                grad_info,
+                bias,
+                call.act,
+                call.act_param,
+                mean_lo,
+                call.world_size,
+            )
+        except RuntimeError as exc:
+            if CALL_ORDER_MARK not in str(exc):
+                raise
+            _raise_backward_order(summed, local.sums, call, gather=True)
+            raise
+        if input.device.type != "cpu" and not torch.compiler.is_compiling():
+            # Compiled CUDA backwards leave the flag unread: a side effect in a compiled
+            # autograd.Function's backward is not traceable (the forward's tags are still read).
+            queue_order_check(order_ok, 0, _raise_backward_order, summed, local.sums, call, False)
+        return grad
+
+
+def _raise_backward_order(
+    summed: torch.Tensor, sent: torch.Tensor, call: SyncCall, gather: bool
+) -> None:
+    """The backward's tags disagree: raise :class:`~syncbn_lightning.CallOrderError` naming each
+    rank's layer, read from the gathered rows, or, for all-reduced sums, gathered now when
+    ``gather`` (an error path every rank of the group takes at the same call); from a queued
+    CUDA check (no collective there), this rank's."""
+    width = sent.numel()
+    rows = summed.detach().cpu().view(-1, width)
+    if rows.shape[0] > 1:
+        tags = torch.tensor([header_tags(row[:GRAD_HEADER]) for row in rows], dtype=torch.float64)
+        raise_if_out_of_order(tags, call.group, backward=True)
+        return
+    own = torch.tensor(header_tags(sent.detach().cpu()[:GRAD_HEADER]), dtype=torch.float64)
+    if gather:
+        note = flight.check_note(call.layer_tag)
+        tags = all_gather(own.to(sent.device), call.group, call.world_size, note).cpu()
+        raise_if_out_of_order(tags.view(-1, 2), call.group, backward=True)
+        return
+    layer, number = (int(v) for v in own.tolist())
+    raise call_order_error(
+        f"this rank ran the backward of {layer_text(layer)} (call #{number + 1}) while another "
+        f"rank ran a different layer's or call's (its summed sums cannot name the others)",
+        group_ranks(call.group, 1) if isinstance(call.group, str) else [],
+        backward=True,
+    )

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from ..distributed import flight
 from ..distributed.collectives import all_gather, sum_over_group
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
@@ -63,13 +64,15 @@ class SyncBatchNormFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         inputs, exchange = Inputs(input, weight, bias, state), call.exchange
         sent = exchange.payload(inputs, call)
+        note = (flight.FORWARD, call.layer_tag, flight.next_call(call.layer_tag))
         if exchange.gathers:
-            received = all_gather(sent, call.group, call.world_size)
+            received = all_gather(sent, call.group, call.world_size, note)
         else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
-            received = sum_over_group(sent, call.group, call.world_size)
+            received = sum_over_group(sent, call.group, call.world_size, note)
         merged = exchange.merge(inputs, sent, received, call)
         ctx.save_for_backward(*merged.saved)
         ctx.call = call
+        ctx.flight_call = note[2]
         ctx.mark_non_differentiable(merged.mean, merged.var, merged.info)
         return merged.output, merged.mean, merged.var, merged.info
 
@@ -97,7 +100,8 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     local = call.exchange.local_grads(grad_output, saved, call)
     grad_input = None
     if need_input:
-        summed = sum_over_group(local.sums, call.group, call.world_size)
+        note = (flight.BACKWARD, call.layer_tag, ctx.flight_call)
+        summed = sum_over_group(local.sums, call.group, call.world_size, note)
         grad_input = call.exchange.grad_input(grad_output, summed, local, call)
     return (
         grad_input,

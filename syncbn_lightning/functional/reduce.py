@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
     layer_text,
@@ -104,7 +105,8 @@ class ReduceExchange(SplitMeanBackward):
                 raise
             # Every rank detects the mismatch at the same call: every rank joins this collective
             # (the error path only) to name each rank's layer.
-            tags = all_gather(torch.tensor(own_tags(sent), dtype=torch.float64), call.group, world)
+            own = torch.tensor(own_tags(sent), dtype=torch.float64)
+            tags = all_gather(own, call.group, world, flight.check_note(call.layer_tag))
             raise_if_out_of_order(tags.view(-1, 2), call.group)
             raise
         if input.device.type != "cpu":

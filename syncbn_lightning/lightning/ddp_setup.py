@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..distributed.groups import sync_world_group
 from ..functional.options import SyncOptions
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.convert import configure_sync_layers, convert_with
@@ -60,9 +61,14 @@ def convert_layers(
     model: nn.Module, group: dist.ProcessGroup | None, options: SyncOptions
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
-    ``group`` with ``options`` (see :func:`overrides`)."""
+    ``group`` with ``options`` (see :func:`overrides`). With ``group=None`` in a distributed run,
+    the world's SyncBN group (:func:`~syncbn_lightning.distributed.groups.sync_world_group`) is
+    made here, where every rank converts, rather than in the first training step."""
     convert_with(model, group, options)
-    return configure_sync_layers(model, group, options)
+    layers = configure_sync_layers(model, group, options)
+    if group is None and layers and dist.is_available() and dist.is_initialized():
+        sync_world_group()
+    return layers
 
 
 def refuse_buffer_broadcast(strategy: Any) -> None:

@@ -12,9 +12,9 @@ call, with CPU and CUDA kernels:
   bias, running_mean!, running_var!, num_batches_tracked!, nonfinite!, momentum, eps, unbiased,
   equal_rank_weights, world_size, act=0, act_param=0.)`` with the same outputs;
 * the backward of both: ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None,
-  act=0, act_param=0., mean_lo=None) -> (sums, grad_weight, grad_bias)`` and
+  act=0, act_param=0., mean_lo=None, info=None) -> (sums, grad_weight, grad_bias)`` and
   ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info, bias=None, act=0,
-  act_param=0., mean_lo=None) -> grad_input``.
+  act_param=0., mean_lo=None, world_size=1) -> (grad_input, order_ok)``.
 
 ``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none).
 
@@ -57,7 +57,8 @@ def _merged(input: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, ...]
     ``input``, statistics in the input's acc dtype on ``like``'s device."""
     acc, channels = _acc(input.dtype), input.shape[1]
     stats = [like.new_empty(channels, dtype=acc) for _ in range(4)]
-    return (_dense_like(input), *stats, *(like.new_empty(4, dtype=acc) for _ in range(2)))
+    infos = (like.new_empty(reference_steps.INFO_FIELDS, dtype=acc) for _ in range(2))
+    return (_dense_like(input), *stats, *infos)
 
 
 def _merge_normalize_fake(
@@ -87,20 +88,22 @@ def _grad_sums_fake(
     *_activation: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shapes from ``input``, dtypes from ``mean`` and ``weight`` (the activation arguments,
-    ``bias, act, act_param``, and ``mean_lo`` change neither)."""
+    ``bias, act, act_param``, ``mean_lo`` and ``info`` change neither)."""
     channels = input.shape[1]
     param_dtype = weight.dtype if weight is not None else mean.dtype
     return (
-        mean.new_empty(2 * channels),
+        mean.new_empty(reference_steps.GRAD_HEADER + 2 * channels),
         mean.new_empty(channels, dtype=param_dtype),
         mean.new_empty(channels, dtype=param_dtype),
     )
 
 
-def _grad_input_fake(grad_out: torch.Tensor, input: torch.Tensor, *_rest: Any) -> torch.Tensor:
-    """The input gradient has the input's shape and layout (the other arguments: those of
-    :func:`.reference_steps.grad_input`)."""
-    return _dense_like(input)
+def _grad_input_fake(
+    grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, *_rest: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input gradient has the input's shape and layout, the order flag is one value of the
+    acc dtype (the other arguments: those of :func:`.reference_steps.grad_input`)."""
+    return _dense_like(input), mean.new_empty(1)
 
 
 _FAKES = {

@@ -301,9 +301,11 @@ def merge_infos(
     finite: torch.Tensor,
     grad_count: torch.Tensor,
     acc: torch.dtype,
+    tags: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``info = [count, samples, order_ok, finite]`` and ``grad_info``, the same with the count the
-    input gradient divides by."""
-    flags = [samples.double(), order_ok.double(), finite.double()]
+    """``info = [count, samples, order_ok, finite, layer_tag, call_tag]`` and ``grad_info``, the
+    same with the count the input gradient divides by (``tags``: the call's two tags, which the
+    backward sends back with its sums)."""
+    flags = [samples.double(), order_ok.double(), finite.double(), *tags.double().unbind()]
     info = torch.stack([count.double(), *flags]).to(acc)
     return info, torch.stack([grad_count.double(), *flags]).to(acc)

@@ -8,7 +8,8 @@ CPU and CUDA kernels, and the path of ``impl="reference"``):
 * the reduce exchange: :func:`reduce_sums` (this rank's float64 sums),
   :func:`reduce_merge_normalize` (the merge of the summed vector, the running statistics, the
   output);
-* the backward of both: :func:`grad_sums`, :func:`grad_input`.
+* the backward of both: :func:`grad_sums`, :func:`grad_input` (in :mod:`.reference_backward`,
+  imported here so that this module holds every step under the operators' names).
 
 The group mean travels as two acc-dtype numbers, ``mean + mean_lo`` (the float64 mean split), and
 every step normalizes and differentiates with ``(x - mean) - mean_lo``: ``x - mean`` is exact for
@@ -20,36 +21,37 @@ from __future__ import annotations
 
 import torch
 
-from .activations import activation_grad, check_activation
+from .activations import check_activation
 from .reference import (
     CALL_ORDER_MARK,
     TAG_LIMIT,
     acc_dtype,
-    affine,
-    centered,
     check_group_count,
     finish_merge,
     local_count,
     merge_infos,
     per_channel,
     reduce_dims,
-    scale,
     split_mean,
     update_state,
 )
 
 __all__ = [
+    "GRAD_HEADER",
+    "INFO_FIELDS",
     "REDUCE_HEADER",
     "ROW_HEADER",
     "SHIFT_MISMATCH",
     "grad_input",
     "grad_sums",
+    "header_tags",
     "merge_normalize",
     "own_tags",
     "reduce_merge_normalize",
     "reduce_sums",
     "row_width",
     "stats_row",
+    "tag_header",
 ]
 
 # Values in front of the statistics in a gathered row: [count, samples, layer_tag, call_tag].
@@ -59,6 +61,8 @@ ROW_HEADER = 4
 # by its square (see syncbn_lightning.functional.reduce).
 _CHUNK_BITS = 12
 REDUCE_HEADER = 3 + 2 * 6
+# Values of a merge's info (and grad_info): count, samples, order_ok, finite, layer_tag, call_tag.
+INFO_FIELDS = 6
 #: The error of a reduce exchange whose ranks shifted their sums by different running means.
 SHIFT_MISMATCH = (
     f"{CALL_ORDER_MARK} the ranks of one sync group hold different running_mean buffers in a "
@@ -167,7 +171,9 @@ def merge_normalize(
     )
     output, *stats_out = finish_merge(input, mean64, invstd64, var64, weight, bias, act, act_param)
     grad_count = ranks * local_count(input) if equal_rank_weights else total
-    infos = merge_infos(total, table[:, 1].sum(), order_ok, finite, grad_count, rows.dtype)
+    infos = merge_infos(
+        total, table[:, 1].sum(), order_ok, finite, grad_count, rows.dtype, table[0, 2:ROW_HEADER]
+    )
     return (output, *stats_out, *infos)
 
 
@@ -306,7 +312,8 @@ def reduce_merge_normalize(
     output, *stats_out = finish_merge(input, mean64, invstd64, var64, weight, bias, act, act_param)
     grad_count = total[2] * sent[0] if equal_rank_weights else n
     acc = acc_dtype(input.dtype)
-    infos = merge_infos(n, total[1], order_ok & shift_ok, finite, grad_count, acc)
+    tags = sent[3:11:4] * float(1 << _CHUNK_BITS) + sent[5:11:4]  # (layer, call), on the device
+    infos = merge_infos(n, total[1], order_ok & shift_ok, finite, grad_count, acc, tags)
     return (output, *stats_out, *infos)
 
 
@@ -316,80 +323,11 @@ def own_tags(sent: torch.Tensor) -> tuple[float, float]:
     return float(sent[3] * base + sent[5]), float(sent[7] * base + sent[9])
 
 
-# ------------------------------------------------------------------------------------------------
-# The backward of both
-# ------------------------------------------------------------------------------------------------
-
-
-def _input_grad(
-    grad_out: torch.Tensor,
-    xmu: torch.Tensor,
-    input: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    act: int,
-    act_param: float,
-) -> torch.Tensor:
-    """``dy * act'(z)`` in the acc dtype (``dy`` itself without an activation): the gradient at
-    the activation's input, ``z`` recomputed from the centered input ``xmu``."""
-    dy = grad_out.to(xmu.dtype)
-    if act == 0:
-        return dy
-    z = affine(xmu, input, scale(input, invstd, weight), bias)
-    return dy * activation_grad(z, act, act_param)
-
-
-def grad_sums(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None = None,
-    act: int = 0,
-    act_param: float = 0.0,
-    mean_lo: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sums, grad_weight, grad_bias)``: the local ``[sum_dy[C], sum_dy_xmu[C]]`` packed for the
-    collective (``xmu = (x - mean) - mean_lo``), and the local parameter gradients (weight dtype,
-    acc dtype without weight). With an activation, ``dy * act'(z)`` stands for ``dy``."""
-    check_activation(act, act_param)
-    xmu = centered(input, mean, mean_lo)
-    dz = _input_grad(grad_out, xmu, input, invstd, weight, bias, act, act_param)
-    dims = reduce_dims(input)
-    # No shortcut for an empty batch: under torch.compile the sums must depend on dy (see the
-    # reference's backward_reduce).
-    sum_dy, sum_dy_xmu = dz.sum(dims), (dz * xmu).sum(dims)
-    param_dtype = weight.dtype if weight is not None else xmu.dtype
-    return (
-        torch.cat([sum_dy, sum_dy_xmu]),
-        (sum_dy_xmu * invstd).to(param_dtype),
-        sum_dy.to(param_dtype),
-    )
-
-
-def grad_input(
-    grad_out: torch.Tensor,
-    input: torch.Tensor,
-    mean: torch.Tensor,
-    invstd: torch.Tensor,
-    weight: torch.Tensor | None,
-    sums: torch.Tensor,
-    info: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    act: int = 0,
-    act_param: float = 0.0,
-    mean_lo: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The input gradient from ``R`` rows of sums (``[R * 2C]``, summed in row order) and the
-    count ``info[0]`` (``dy * act'(z)`` for ``dy`` with an activation, as in :func:`grad_sums`)."""
-    check_activation(act, act_param)
-    channels = input.shape[1]
-    total = sums.view(-1, 2 * channels).sum(0)
-    xmu = centered(input, mean, mean_lo)
-    dz = _input_grad(grad_out, xmu, input, invstd, weight, bias, act, act_param)
-    n = info[:1].to(xmu.dtype).reshape(()).clamp_min(1)
-    k = total[channels:] / n * invstd * invstd
-    dx = dz - per_channel(total[:channels] / n, input) - xmu * per_channel(k, input)
-    return (dx * per_channel(scale(input, invstd, weight), input)).to(input.dtype)
+# The backward of both exchanges, with the call-order header its sums carry.
+from .reference_backward import (  # noqa: E402  (after the constants it imports)
+    GRAD_HEADER,
+    grad_input,
+    grad_sums,
+    header_tags,
+    tag_header,
+)

@@ -103,20 +103,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info) {
   const PoisonScope poison;
   return syncbn::grad_sums_cuda(
-      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo);
+      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info);
 }
 
-at::Tensor grad_input(
+std::tuple<at::Tensor, at::Tensor> grad_input(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
     const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo) {
+    const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
   const PoisonScope poison;
   return syncbn::grad_input_cuda(
-      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param, mean_lo);
+      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param, mean_lo,
+      world_size);
 }
 
 void set_schedule(const std::string& order, uint64_t seed) {
@@ -202,11 +203,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("world_size"), py::arg("act") = 0, py::arg("act_param") = 0.0);
   m.def("grad_sums", &grad_sums, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0,
-        py::arg("act_param") = 0.0, py::arg("mean_lo") = py::none());
+        py::arg("act_param") = 0.0, py::arg("mean_lo") = py::none(),
+        py::arg("info") = py::none());
   m.def("grad_input", &grad_input, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"),
         py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("act_param") = 0.0,
-        py::arg("mean_lo") = py::none());
+        py::arg("mean_lo") = py::none(), py::arg("world_size") = 1);
   m.def("set_schedule", &set_schedule, "Thread and block order: forward, reverse or random",
         py::arg("order"), py::arg("seed") = 0);
   m.def("take_diagnostics", &simt::take_diagnostics, "Diagnostics since the last call");
