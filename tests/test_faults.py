@@ -191,6 +191,10 @@ def test_sigkilled_rank_fails_the_job_fast_and_the_last_checkpoint_resumes(tmp_p
     assert code != 0
     assert took < ABORT_S + 5, f"the job took {took:.1f} s to exit after rank 2 died"
     assert "rank 2 was killed by SIGKILL" in stderr, stderr[-3000:]
+    # The flight recorder's files outlive the killed rank: the log names each rank's last SyncBN
+    # collective (or the first one rank 2 never issued).
+    log = (run / "train.log").read_text()
+    assert "SyncBN flight recorder" in log and "rank 2: " in log, log[-3000:]
     assert gone, [p for p in pids if _running(p)]
     config = run / ".syncbn" / "config.yaml"
     assert not _job_processes([str(run), str(config)])  # no process of the job anywhere

@@ -202,6 +202,17 @@ def _check_wandb(cfg: DictConfig) -> None:
         raise ConfigError(f"logger.wandb.{e}") from None
 
 
+def _check_launch(launch: DictConfig) -> None:
+    """The launcher's seconds: positive numbers (``abort_after_s`` may be null: no bound)."""
+    for key in ("timeout_s", "start_timeout_s", "abort_after_s"):
+        value = launch.get(key)
+        if value is None and key == "abort_after_s":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            null = ", or null" if key == "abort_after_s" else ""
+            raise ConfigError(f"launch.{key}={value!r}: use a positive number of seconds{null}")
+
+
 def _check_checkpoint(key: str, path: str | None, fix: str = "") -> None:
     """``path`` (the value of ``key``), when set, must be a checkpoint file: else a ConfigError
     naming the key, followed by ``fix``."""
@@ -228,13 +239,7 @@ def check_config(cfg: DictConfig) -> None:
         _check_trainer(cfg, devices, nodes)
         _check_bn(cfg, devices, nodes)
         _check_data_files(cfg)
-        abort = cfg.launch.abort_after_s
-        if abort is not None and (
-            isinstance(abort, bool) or not isinstance(abort, (int, float)) or abort <= 0
-        ):
-            raise ConfigError(
-                f"launch.abort_after_s={abort!r}: use a positive number of seconds, or null"
-            )
+        _check_launch(cfg.launch)
         _check_checkpoint("ckpt_path", cfg.ckpt_path)
         _check_checkpoint(
             "model.init_backbone",

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 RANK_CONFIG_ENV = "SYNCBN_RANK_CONFIG"
 """Set in a child's environment to the config file it must train with."""
+FLIGHT_DIR_ENV = "SYNCBN_FLIGHT_DIR"
+"""Where every rank's SyncBN flight recorder writes (``syncbn_lightning.distributed.flight``)."""
 
 
 def free_port() -> int:
@@ -214,6 +216,9 @@ class RankLauncher:
             os.environ["NODE_RANK"] = str(node_rank)
             os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
             self.log_dir.mkdir(parents=True, exist_ok=True)
+            # Every rank's SyncBN flight recorder in a file here, so that whoever sees the job
+            # fail names where the ranks' collectives parted (distributed/flight.py).
+            os.environ[FLIGHT_DIR_ENV] = str(self.log_dir)
             for local in range(1, self.devices):
                 self._start(node_rank * self.devices + local, local)
         except BaseException:
@@ -297,6 +302,7 @@ class RankLauncher:
             f"{self.abort_after_s:g} s (launch.abort_after_s), ending it; see {path}"
         )
         log.critical(message)
+        _report_flight(f"rank {rank} {_describe(code)}", self.log_dir)
         with contextlib.suppress(OSError, ValueError):
             sys.stderr.write(f"error: {message}\n")
             sys.stderr.flush()
@@ -319,6 +325,7 @@ class RankLauncher:
                 self._kill_all()  # their exit codes are ours, not failures of theirs
             if self._failed is not None:
                 rank, code, path = self._failed
+                _report_flight(f"rank {rank} {_describe(code)}", self.log_dir)
                 # When a child died first, the parent's own error is only the broken collective.
                 raise RuntimeError(
                     f"rank {rank} {_describe(code)}; its log {path} ends with:\n" + _tail(path)
@@ -340,6 +347,15 @@ class RankLauncher:
                     f"finished (killed); see {path}"
                 ) from None
         self._failed = self._failed or self._first_failure()
+
+
+def _report_flight(reason: str, directory: Path) -> None:
+    """Log where the ranks' SyncBN collectives parted, from their flight records in ``directory``
+    (once per process: a rank's own failure may have logged it already)."""
+    from syncbn_lightning.distributed import flight_report
+
+    with contextlib.suppress(Exception):  # a report must never hide the failure itself
+        flight_report.report_failure(reason, directory)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

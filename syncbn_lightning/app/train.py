@@ -53,10 +53,13 @@ def _build_trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) ->
     checkpoint_io = AtomicCheckpointIO()
     extra: dict[str, Any] = {}
     if strategy == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
+        from .strategy import TimedDDPStrategy
 
-        timeout = timedelta(seconds=cfg.launch.timeout_s)
-        strategy = DDPStrategy(timeout=timeout, checkpoint_io=checkpoint_io)
+        strategy = TimedDDPStrategy(
+            collective_timeout=timedelta(seconds=cfg.launch.timeout_s),
+            timeout=timedelta(seconds=cfg.launch.start_timeout_s),
+            checkpoint_io=checkpoint_io,
+        )
     else:
         extra["plugins"] = [checkpoint_io]
     return instantiate(
@@ -127,12 +130,28 @@ def train(cfg: DictConfig) -> dict[str, float]:
         prepare_kernels(cfg)  # before the other ranks start, which then load the cached build
         with _launch(cfg, out):
             try:
-                metrics = _fit_and_evaluate(cfg, datamodule, out)
-            except BaseException:
+                trainer, fit_metrics, metrics = _fit_and_evaluate(cfg, datamodule)
+            except BaseException as exc:
+                _report_flight(exc)
                 _destroy_process_group(barrier=False)
                 raise
+            # Every collective is done: no rank waits (on the process-group timeout) while rank 0
+            # writes the results, the W&B run and the report below.
             _destroy_process_group(barrier=True)
+            if trainer.is_global_zero:
+                _write_outputs(cfg, trainer, fit_metrics, metrics, out)
             return metrics
+
+
+def _report_flight(exc: BaseException) -> None:
+    """Log what the SyncBN flight recorder says about the collectives before ``exc`` (where the
+    ranks' sequences parted, or each rank's last call); nothing for a Ctrl-C or a config error."""
+    if isinstance(exc, (KeyboardInterrupt, ConfigError)):
+        return
+    from syncbn_lightning.distributed import flight_report
+
+    with contextlib.suppress(Exception):  # the report must never hide the failure itself
+        flight_report.report_failure(f"{type(exc).__name__}: {str(exc).strip()[:200]}")
 
 
 def prepare_kernels(cfg: DictConfig) -> float | None:
@@ -179,8 +198,10 @@ def prepare_kernels(cfg: DictConfig) -> float | None:
 
 
 def _fit_and_evaluate(
-    cfg: DictConfig, datamodule: pl.LightningDataModule, out: Path
-) -> dict[str, float]:
+    cfg: DictConfig, datamodule: pl.LightningDataModule
+) -> tuple[pl.Trainer, dict[str, float], dict[str, float]]:
+    """Fit and (with ``evaluate``) validate once more; returns the trainer, the metrics as fit
+    left them and the final ones (the same on every rank)."""
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build(cfg, "model")
     loggers = build_loggers(cfg)
@@ -193,6 +214,7 @@ def _fit_and_evaluate(
     trainer = _build_trainer(cfg, callbacks, loggers)
     if trainer.is_global_zero:
         setup_wandb(trainer, cfg)
+        out = Path(cfg.paths.output_dir).resolve()
         log.info("outputs: %s (config, logs, metrics, checkpoints, W&B files)", out)
     # weights_only=True explicitly: Lightning passes None on to torch.load, whose default
     # TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns into a full unpickling (code execution).
@@ -204,13 +226,23 @@ def _fit_and_evaluate(
             metrics.update(_scalars(result))
     for cb in callbacks:
         metrics.update(_scalars(getattr(cb, "last_metrics", None) or {}))
-    if trainer.is_global_zero:
-        csv = metrics_history(trainer)  # <output_dir>/metrics.jsonl, whatever the loggers
-        runs = finish_wandb(trainer, metrics, csv)
-        _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
-        figures = _png_report(out) if cfg.get("report", True) and csv is not None else []
-        _report(trainer, metrics, out, runs, csv, figures)
-    return metrics
+    return trainer, fit_metrics, metrics
+
+
+def _write_outputs(
+    cfg: DictConfig,
+    trainer: pl.Trainer,
+    fit_metrics: dict[str, float],
+    metrics: dict[str, float],
+    out: Path,
+) -> None:
+    """Rank 0, after the other ranks are released: metrics history, the W&B run's summary,
+    ``results.json``, the PNG report and the closing log lines."""
+    csv = metrics_history(trainer)  # <output_dir>/metrics.jsonl, whatever the loggers
+    runs = finish_wandb(trainer, metrics, csv)
+    _write_results(out / RESULTS_FILE, trainer, fit_metrics, metrics)
+    figures = _png_report(out) if cfg.get("report", True) and csv is not None else []
+    _report(trainer, metrics, out, runs, csv, figures)
 
 
 RESULTS_FILE = "results.json"
