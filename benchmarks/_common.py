@@ -6,6 +6,8 @@ import contextlib
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +36,22 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
             del os.environ[name]
         else:
             os.environ[name] = old
+
+
+@contextlib.contextmanager
+def busy_cores(count: int, seconds: float) -> Iterator[None]:
+    """``count`` CPU-bound processes (at most ``seconds`` long) while the block runs, as
+    ``../shared/tools/with-load`` does."""
+    burner = (
+        f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: sum(range(9999))"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", burner]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def cpu_model() -> str:

@@ -10,6 +10,8 @@ whole ``layer(x).backward(g)`` step, interleaved round by round, median of the r
 
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
 gloo group (the sync layer really calls gloo twice; gloo's own cost is shown on its own line).
+The flight recorder's share of a collective (the forward's call number and one record, in memory
+and into a memory-mapped file) is timed on its own.
 The op counts come from a ``TorchDispatchMode`` around one step, AccumulateGrad's ``add_`` of the
 three gradients included (``bn`` pays them too).
 
@@ -32,6 +34,7 @@ from _common import OpCounter
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning.distributed import flight
 
 SHAPE = (2, 8, 4, 4)
 
@@ -95,6 +98,25 @@ def gloo_cost(rounds: int, steps: int) -> float:
     return statistics.median(_time(pair, steps) for _ in range(rounds))
 
 
+def flight_cost(rounds: int, steps: int) -> dict[str, float]:
+    """Median microseconds of what the flight recorder adds to one collective: the call number
+    of the forward and one record, through ``flight.record`` (the compile check and the lookup
+    included), into a ring in memory and into a memory-mapped file."""
+    row = torch.randn(20)
+    costs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for where, path in (("memory", None), ("file", f"{tmp}/flight_rank0.bin")):
+            flight._recorder = flight.FlightRecorder(path=path)
+
+            def one() -> None:
+                call = flight.next_call(7)
+                flight.record("0", "all_gather", row, (flight.FORWARD, 7, call))
+
+            costs[where] = statistics.median(_time(one, steps) for _ in range(rounds))
+            flight.reset_flight_recorder()
+    return costs
+
+
 def _table(results: dict[str, dict[str, Any]]) -> list[str]:
     floor = results["bn"]["median_us"]
     lines = ["| layer | dispatcher ops | us / step | x bn |", "|---|---:|---:|---:|"]
@@ -116,6 +138,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), input {SHAPE}, float32, CPU")
     print("\nNo process group (no collective is issued):\n")
     print("\n".join(_table(measure(args.rounds, args.steps))))
+    costs = flight_cost(args.rounds, args.steps)
+    print(
+        f"\nflight recorder, per collective (call number + one record): "
+        f"{costs['memory']:.2f} us in memory, {costs['file']:.2f} us into its file"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:

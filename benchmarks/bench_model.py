@@ -56,6 +56,7 @@ from _common import (
 from torch import nn
 
 import syncbn_lightning
+from syncbn_lightning.ops.impl_choice import IMPL_ENV
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
 IMPLS = ("plain", "ours", "ours_reduce", "torch_sync")
@@ -254,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse_args(argv)
     device = torch.device(args.device)
     results: Results = {}
-    with one_rank_group(device), env_var(syncbn_lightning.ops.dispatch.IMPL_ENV, "ext"):
+    with one_rank_group(device), env_var(IMPL_ENV, "ext"):
         for config in args.configs:
             for batch in args.batch:
                 for impl in args.impls:

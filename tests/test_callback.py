@@ -275,14 +275,21 @@ def test_ddp_popen_launcher_in_a_subprocess(tmp_path):
 
 
 def test_auto_summary_says_which_norm_batch_and_why() -> None:
-    line = auto_group_summary(2, 2, 8, DEFAULT_TARGET_NORM_BATCH)
+    line = auto_group_summary(8, 2, 16, DEFAULT_TARGET_NORM_BATCH)
     assert line == (
-        "SyncBNCallback: group_size='auto' -> normalization batch 4 (2 ranks x 2 samples): the "
-        "smallest group of the 8 ranks reaching target_norm_batch=4 (the default: the knee "
-        "measured in docs/choosing-normalization.md)"
+        "SyncBNCallback: group_size='auto' -> normalization batch 16 (8 ranks x 2 samples): the "
+        "smallest group of the 16 ranks reaching target_norm_batch=16 (the default: where "
+        "BatchNorm's ImageNet accuracy stops falling, see docs/choosing-normalization.md)"
     )
-    line = auto_group_summary(2, 2, 2, 16)
+    line = auto_group_summary(2, 2, 2, 32)
     assert line.endswith(
         "normalization batch 4 (2 ranks x 2 samples): no group of the 2 ranks reaches "
-        "target_norm_batch=16: the whole world (set by you)"
+        "target_norm_batch=32: the whole world (set by you)"
     )
+
+
+@pytest.mark.parametrize(("per_rank", "group"), [(8, 2), (2, 8), (4, 4), (16, 1), (1, 16)])
+def test_auto_reaches_the_default_target_of_16(per_rank: int, group: int) -> None:
+    """The default target: 8 images per process sync in pairs (16 images), 2 in groups of 8."""
+    assert SyncBNCallback(group_size="auto").target_norm_batch == 16
+    assert resolve_group_size("auto", 16, 8, per_rank_batch=per_rank) == group

@@ -210,7 +210,11 @@ def test_dry_run_prints_the_spec_without_wandb() -> None:
     assert printed == {**spec(entity="e", project="p"), "kind": "workspace"}
     assert printed["group_by"] == ["bn.group_size"] and printed["x_axis"] == STEP_METRIC
     panel = printed["sections"][0]["panels"][0]
-    assert panel["metrics"] == ["bn/global_batch_size", "bn/norm_batch_size"]
+    assert panel["metrics"] == [
+        "bn/global_batch_size",
+        "bn/norm_batch_size",
+        "bn/target_norm_batch",
+    ]
 
 
 def test_cli_module_dry_run_needs_no_arguments(capsys: pytest.CaptureFixture[str]) -> None:

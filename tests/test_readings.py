@@ -75,7 +75,9 @@ LARGE[7]["bn/nonfinite_skipped"] = 3.0
 
 EXPECTED = {
     "small": {
-        "batch_size": "norm batch 2 of 4 (global batch) < 16: statistics noisy; sync more ranks",
+        "batch_size": "norm batch 2 of 4 (global batch) < 16: statistics noisy; sync every rank "
+        "(group_size=None) and raise the batch per device or the number of devices: the global "
+        "batch 4 is below 16",
         "samples_seen": "320 samples trained on in 80 steps (4 per step)",
         "drift": "bn/drift_mean_avg fell to 79% of its start: still settling, train longer",
         "divergence": "bn/divergence_max 0.115 >= 0.05: the sync groups disagree; reconcile "
@@ -109,15 +111,31 @@ def test_every_figure_states_its_reading(tmp_path: Path, run: str, rows: list) -
             assert image.text["Description"] == EXPECTED[run][path.stem], path.stem
 
 
-def test_the_norm_batch_thresholds() -> None:
-    def batch(norm: float) -> str | None:
-        return readings.reading("batch_size", {"bn/norm_batch_size": [(1, norm)]})
+def test_the_norm_batch_bands_come_from_the_runs_target() -> None:
+    """Below the target noisy, from it enough, from twice it reliable: the default target (16)
+    for runs that did not log theirs, else the run's own ``bn/target_norm_batch``."""
+
+    def batch(norm: float, target: float | None = None, total: float | None = None) -> str:
+        metrics = {"bn/norm_batch_size": [(1, norm)]}
+        if target is not None:
+            metrics["bn/target_norm_batch"] = [(1, target)]
+        if total is not None:
+            metrics["bn/global_batch_size"] = [(1, total)]
+        reading = readings.reading("batch_size", metrics)
+        assert reading is not None
+        return reading
 
     assert batch(15) == (
-        "norm batch 15 < 16: statistics noisy; raise the batch per device or sync more ranks"
+        "norm batch 15 < 16: statistics noisy; raise the batch per device or the number of devices"
     )
-    assert batch(16) == "norm batch 16: usable, 32 or more is reliable"
+    assert batch(16) == "norm batch 16 >= 16: statistics enough (32+ reliable)"
     assert batch(32) == "norm batch 32 >= 32: statistics reliable"
+    assert batch(4, total=64) == (
+        "norm batch 4 of 64 (global batch) < 16: statistics noisy; sync more ranks: "
+        "group_size='auto' syncs the smallest group reaching 16"
+    )
+    assert batch(8, target=8) == "norm batch 8 >= 8: statistics enough (16+ reliable)"
+    assert batch(16, target=8) == "norm batch 16 >= 16: statistics reliable"
     assert readings.reading("batch_size", {"bn/norm_batch_size": [(1, float("nan"))]}) is None
     assert readings.reading("layer_table", {}) is None  # W&B-only panels have none
 
@@ -143,7 +161,6 @@ def test_the_wandb_charts_carry_the_readings(tmp_path: Path, monkeypatch) -> Non
     """``finish_wandb``: each chart's title ends with its reading, which the run summary also
     keeps under ``readings/<panel>`` (a stand-in run: what W&B receives, not how it stores it)."""
     import wandb
-
     from syncbn_lightning.app import loggers
 
     _write_history(tmp_path, SMALL)

@@ -20,7 +20,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from syncbn_lightning.distributed.groups import resolve_group_size
+from syncbn_lightning.distributed.group_sizes import (
+    DEFAULT_TARGET_NORM_BATCH,
+    norm_batch_verdict,
+    resolve_group_size,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -140,32 +144,36 @@ def _norm_batch(cfg: DictConfig) -> int:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("devices", [None, 4])
-def test_small_batches_chosen_on_purpose_do_not_warn(recipe: str, devices: int | None) -> None:
-    """A recipe's normalization batch reaches its ``bn.target_norm_batch``: no small-batch
-    warning for the batch it chose (also on 4 processes, as the small-batch experiment runs it)."""
-    extra = [f"trainer.devices={devices}"] if devices and recipe != "detection_large_batch" else []
-    cfg = _compose(f"recipe={recipe}", *extra)
-    assert _norm_batch(cfg) >= cfg.bn.target_norm_batch
+def test_every_recipe_reads_its_batch_against_the_one_target(recipe: str) -> None:
+    """No recipe changes ``bn.target_norm_batch``: ``auto``, the callback's warning and the
+    report read every job's normalization batch against the one default."""
+    cfg = _compose(f"recipe={recipe}")
+    assert cfg.bn.target_norm_batch == DEFAULT_TARGET_NORM_BATCH == 16
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [["~recipe", "bn=local"], ["bn=local"], ["recipe=detection_group2", "bn=local"]],
-    ids=["local_without_recipe", "local_under_default", "local_under_group2"],
+    ("overrides", "band"),
+    [
+        ([], "noisy"),  # the default job: 2 processes x 2 images over the world
+        (["~recipe"], "noisy"),
+        (["recipe=detection_local_bn"], "noisy"),
+        (["recipe=detection_group2"], "noisy"),
+        (["recipe=detection_small_batch", "trainer.devices=8"], "enough"),  # 8 x 2 = 16
+        (["recipe=classifier_sanity"], "reliable"),  # 2 x 16 = 32
+    ],
+    ids=["default", "no_recipe", "local_bn", "group2", "eight_devices", "classifier_sanity"],
 )
-def test_small_batches_nobody_chose_still_warn(overrides: list[str]) -> None:
-    """Below the default target (4, the measured knee) without a recipe, or with a grouping
-    smaller than the recipe's, the warning stays."""
+def test_the_warning_and_the_report_give_a_recipe_one_verdict(
+    overrides: list[str], band: str
+) -> None:
+    """The verdict both give a composed job (``norm_batch_verdict`` on its normalization batch,
+    its global batch and its target): small batches warn, with the fix the report prints."""
     cfg = _compose(*overrides)
-    assert _norm_batch(cfg) < cfg.bn.target_norm_batch
-
-
-def test_the_default_run_reaches_the_default_target() -> None:
-    """``python train.py ~recipe``: 2 processes x 2 images over the world, 4 per normalization,
-    the knee ``bn.target_norm_batch`` defaults to: no warning."""
-    cfg = _compose("~recipe")
-    assert _norm_batch(cfg) == cfg.bn.target_norm_batch == 4
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    verdict = norm_batch_verdict(
+        _norm_batch(cfg), cfg.data.batch_size * world, cfg.bn.target_norm_batch
+    )
+    assert verdict.band == band, verdict.text
 
 
 @pytest.mark.slow

@@ -167,12 +167,13 @@ SECTIONS: tuple[Section, ...] = (
             Panel(
                 "batch_size",
                 "BatchNorm batch size",
-                ("bn/global_batch_size", "bn/norm_batch_size"),
+                ("bn/global_batch_size", "bn/norm_batch_size", "bn/target_norm_batch"),
                 ylabel="samples",
                 from_zero=True,
                 description="global: samples of the last optimizer step summed over ranks; norm: "
                 "samples one BatchNorm forward normalized over (its sync group), the smallest "
-                "over groups and micro-batches. Equal when every rank syncs with every other.",
+                "over groups and micro-batches (equal when every rank syncs with every other); "
+                "target: bn.target_norm_batch, below which the statistics are noisy.",
             ),
             Panel(
                 "samples_seen",

@@ -1,8 +1,8 @@
 """What to conclude from each panel of a run: one line computed from the run's numbers.
 
 :func:`reading` turns the metrics one panel draws (``metrics.jsonl``, as :mod:`.report` reads it)
-into a sentence such as ``norm batch 4 < 16: statistics noisy; sync more ranks (global batch
-16)``. The PNG report prints it under each figure's title (and stores it in the PNG's
+into a sentence such as ``norm batch 4 < 16: statistics noisy; raise the batch per device or the
+number of devices``. The PNG report prints it under each figure's title (and stores it in the PNG's
 ``Description``), the W&B run's charts carry it in their titles and the run summary under
 ``readings/<panel>``; :data:`RULES` states the thresholds in words for the W&B dashboard's
 panel descriptions and ``docs/dashboards.md`` (``tests/test_report.py`` checks the doc quotes
@@ -20,27 +20,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from syncbn_lightning.distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, norm_batch_verdict
+
 __all__ = [
     "DIVERGENCE_AGREE",
     "DRIFT_SETTLED",
     "GAP_LARGE",
     "GAP_SMALL",
-    "NORM_BATCH_NOISY",
-    "NORM_BATCH_RELIABLE",
     "RULES",
     "reading",
 ]
 
 Points = Sequence[tuple[int, float]]
 
-#: Below this many samples per normalization, batch statistics are noisy (BatchNorm's accuracy
-#: falls off below 16 per GPU in the GroupNorm paper's ImageNet study; Wu & He, 2018).
-NORM_BATCH_NOISY = 16
-#: From this many samples per normalization on, they are reliable (the per-GPU batch of 32 the
-#: GroupNorm paper's BatchNorm baseline uses). Literature thresholds for any task, unlike
-#: ``bn.target_norm_batch``'s default: the knee measured on our small detection task
-#: (docs/choosing-normalization.md).
-NORM_BATCH_RELIABLE = 32
 #: The running statistics have settled when their drift fell to this fraction of its first
 #: measurement.
 DRIFT_SETTLED = 0.3
@@ -53,8 +45,9 @@ GAP_LARGE = 0.3
 
 #: The thresholds of each panel's reading, in words.
 RULES: dict[str, str] = {
-    "batch_size": f"norm batch < {NORM_BATCH_NOISY}: statistics noisy; {NORM_BATCH_NOISY}-"
-    f"{NORM_BATCH_RELIABLE - 1}: usable; >= {NORM_BATCH_RELIABLE}: reliable",
+    "batch_size": f"norm batch below bn.target_norm_batch (default {DEFAULT_TARGET_NORM_BATCH}): "
+    f"statistics noisy; from it: enough; from twice it: reliable (the callback's warning says the "
+    f"same)",
     "samples_seen": "samples trained on, and per optimizer step",
     "drift": f"bn/drift_mean_avg (median of the last half against the first quarter): settled "
     f"at <= {DRIFT_SETTLED:.0%} of its start; still settling above that; still moving if it "
@@ -101,17 +94,14 @@ def _batch_size(metrics: Mapping[str, Points]) -> str | None:
     found = _last(metrics, "bn/norm_batch_size")
     if found is None:
         return None
-    norm = round(found[1])
     total = _last(metrics, "bn/global_batch_size")
-    more = ""
-    if total is not None and round(total[1]) > norm:
-        more = f" of {round(total[1])} (global batch)"
-    if norm < NORM_BATCH_NOISY:
-        fix = "sync more ranks" if more else "raise the batch per device or sync more ranks"
-        return f"norm batch {norm}{more} < {NORM_BATCH_NOISY}: statistics noisy; {fix}"
-    if norm < NORM_BATCH_RELIABLE:
-        return f"norm batch {norm}{more}: usable, {NORM_BATCH_RELIABLE} or more is reliable"
-    return f"norm batch {norm}{more} >= {NORM_BATCH_RELIABLE}: statistics reliable"
+    # The run's own target (logged by SyncBNCallback), the default for runs from before it was.
+    target = _last(metrics, "bn/target_norm_batch")
+    return norm_batch_verdict(
+        found[1],
+        total[1] if total is not None else None,
+        round(target[1]) if target is not None else DEFAULT_TARGET_NORM_BATCH,
+    ).text
 
 
 def _samples_seen(metrics: Mapping[str, Points]) -> str | None:

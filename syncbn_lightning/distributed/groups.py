@@ -1,28 +1,38 @@
-"""Process groups and group-size rules: who normalizes with whom.
+"""Process groups: who normalizes with whom.
 
 A *sync group* is the set of ranks whose batches are normalized together. ``None`` means the whole
 world. Splitting the world into consecutive blocks, e.g. 8 ranks with ``group_size=2`` ->
 ``{0,1} {2,3} {4,5} {6,7}``, keeps the ranks of one block on the same machine under the usual rank
-layout, so statistics travel over the fastest link.
+layout, so statistics travel over the fastest link. How many ranks a group has is decided by
+:mod:`.group_sizes` (no torch: the service checks a config with it before torch is imported),
+whose names are re-exported here.
 
-SyncBN's collectives never share a process group with anyone else's. Collectives pair up by their
-order *within a group*, and the layers' order is the one thing the call-order tags check; DDP's
-gradient all-reduces, Lightning's and the user's collectives on the default group are issued by
-other code on its own schedule (DDP's from autograd hooks as buckets fill, Lightning's SIGTERM
-handler from a signal), so on a shared group the interleaving of the two streams must come out
-the same on every rank, which nothing guarantees. So the world is synchronized through
-:func:`sync_world_group`, the world's ranks in a group of their own, and :func:`new_sync_group`
-makes fresh groups; both take the default group's timeout (``dist.new_group`` would default to
-30 minutes). docs/reliability.md tells the hang this prevents.
+SyncBN's collectives never share a process group with anyone else's. DDP launches its gradient
+all-reduces asynchronously, from autograd hooks, while the backward goes on into SyncBN layers;
+torch 2.13's gloo does not survive a functional all-gather issued while another collective of the
+same group is in flight (crashes and hangs; docs/reliability.md has the measurements). On a group
+of its own, at most one SyncBN collective is in flight at a time (each is waited for before the
+layer goes on), and the group's order is the layers' call order, which the call-order tags check;
+nothing else (DDP's hooks, Lightning's SIGTERM handler, a user's metric) can slip a collective into
+it. So the world synchronizes through :func:`sync_world_group`, the world's ranks in a group of
+their own, and :func:`new_sync_group` makes fresh groups; both take the default group's timeout
+(``dist.new_group`` would default to 30 minutes).
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .group_sizes import (
+    DEFAULT_TARGET_NORM_BATCH,
+    GroupSize,
+    resolve_group_size,
+    validate_group_size,
+)
 
 __all__ = [
     "DEFAULT_TARGET_NORM_BATCH",
@@ -36,21 +46,6 @@ __all__ = [
     "sync_world_group",
     "validate_group_size",
 ]
-
-GroupSize = int | Literal["node", "auto"] | None
-
-DEFAULT_TARGET_NORM_BATCH = 4
-"""The normalization batch ``group_size="auto"`` aims for unless told otherwise (the callback's
-and ``bn.target_norm_batch``'s default): the knee of the small-batch experiment's norm-batch
-sweep, the smallest normalization batch from which no larger one was better there by more than
-1 point and two standard errors (``docs/choosing-normalization.md``, which also says how far a
-small synthetic task carries; ``tests/test_choice_docs.py`` keeps the two equal). It was 32
-before that measurement.
-"""
-_GROUP_SIZE_HELP = (
-    "None (the whole world), an int that divides the world size, 'node' (the processes of one "
-    "machine) or 'auto' (the smallest group reaching target_norm_batch samples)"
-)
 
 
 def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
@@ -125,68 +120,6 @@ def sync_group_size(process_group: dist.ProcessGroup | None) -> int:
             f"every rank the group it belongs to (see new_sync_group)"
         )
     return size
-
-
-def resolve_group_size(
-    group_size: GroupSize,
-    world_size: int,
-    processes_per_node: int,
-    per_rank_batch: int | None = None,
-    target_norm_batch: int = DEFAULT_TARGET_NORM_BATCH,
-) -> int:
-    """The number of ranks per sync group that ``group_size`` means in this run.
-
-    Args:
-        group_size: ``None`` -> ``world_size``; an int -> itself (must divide ``world_size``);
-            ``"node"`` -> ``processes_per_node``; ``"auto"`` -> the smallest divisor ``d`` of
-            ``world_size`` with ``d * per_rank_batch >= target_norm_batch``, or ``world_size``
-            when no divisor reaches it.
-        world_size: number of processes.
-        processes_per_node: processes on one machine (Lightning: ``trainer.num_devices``).
-        per_rank_batch: samples per BN forward on one rank; required for ``"auto"``.
-        target_norm_batch: the normalization batch ``"auto"`` aims for.
-
-    Raises:
-        ValueError: when the size does not divide ``world_size`` or ``"auto"`` lacks the batch.
-    """
-    if group_size is None:
-        return world_size
-    if group_size == "node":
-        size = processes_per_node
-    elif group_size == "auto":
-        if per_rank_batch is None or per_rank_batch < 1:
-            raise ValueError(
-                "group_size='auto' needs the per-device batch size, but the train DataLoader does "
-                "not expose one (batch_size=None with a custom batch_sampler?): pass an explicit "
-                "SyncBNCallback(group_size=...)"
-            )
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        return next((d for d in divisors if d * per_rank_batch >= target_norm_batch), world_size)
-    else:
-        size = group_size
-    if size < 1 or world_size % size != 0:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"group_size={group_size!r} means {size} ranks per sync group, which does not divide "
-            f"the world size {world_size} (num_nodes x devices): use one of {divisors}, None, "
-            f"'node' or 'auto'"
-        )
-    return size
-
-
-def validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
-    """Raise a TypeError/ValueError naming the accepted values unless ``group_size`` is a value
-    :func:`resolve_group_size` takes (``"auto"`` only where ``allow_auto``)."""
-    allowed = ("node", "auto") if allow_auto else ("node",)
-    if group_size is None or group_size in allowed:
-        return
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(
-            f"group_size must be {_GROUP_SIZE_HELP if allow_auto else 'None, an int or node'}, "
-            f"got {type(group_size).__name__} {group_size!r}"
-        )
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1 (1 = per-rank BatchNorm), got {group_size}")
 
 
 def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:

@@ -2,27 +2,15 @@
 object (:mod:`.options`), and the exchange strategies behind one small interface
 (:mod:`.exchange`), found by name in one registry (:mod:`.registry`).
 
-The built-in strategies are registered here, one line each; a new one is a file with an
-:class:`~.exchange.Exchange` subclass and a line below (or a :func:`register_exchange` call of
-its own).
+The built-in strategies register themselves (one line at the end of their file, and a line of
+:data:`~.registry.BUILTIN`); a new one is a file with an :class:`~.exchange.Exchange` subclass
+and a :func:`register_exchange` call. The names below are imported on first use (PEP 562): the
+options and the registry need no torch, so the service checks a config with them before torch is
+imported.
 """
 
-from .exchange import Exchange, Inputs, LayerState, LocalGrads, Merged, Saved, SyncCall
-from .function import SyncBatchNormFunction, sync_batch_norm
-from .gather import GatherExchange
-from .options import KEEP, STATS_MODES, SyncOptions, check_stats_mode
-from .reduce import ReduceExchange
-from .registry import (
-    AUTO_REDUCE_ABOVE,
-    check_exchange,
-    exchange_names,
-    get_exchange,
-    register_exchange,
-    resolve_exchange,
-)
-
-register_exchange(GatherExchange())
-register_exchange(ReduceExchange())
+import importlib
+from typing import Any
 
 __all__ = [
     "AUTO_REDUCE_ABOVE",
@@ -47,3 +35,36 @@ __all__ = [
     "resolve_exchange",
     "sync_batch_norm",
 ]
+
+_WHERE = {
+    "Exchange": "exchange",
+    "Inputs": "exchange",
+    "LayerState": "exchange",
+    "LocalGrads": "exchange",
+    "Merged": "exchange",
+    "Saved": "exchange",
+    "SyncCall": "exchange",
+    "SyncBatchNormFunction": "function",
+    "sync_batch_norm": "function",
+    "GatherExchange": "gather",
+    "ReduceExchange": "reduce",
+    "KEEP": "options",
+    "STATS_MODES": "options",
+    "SyncOptions": "options",
+    "check_stats_mode": "options",
+    "AUTO_REDUCE_ABOVE": "registry",
+    "check_exchange": "registry",
+    "exchange_names": "registry",
+    "get_exchange": "registry",
+    "register_exchange": "registry",
+    "resolve_exchange": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value

@@ -35,6 +35,7 @@ from ..distributed.collectives import Group
 from ..ops.reference import CALL_ORDER_MARK, check_group_count
 from ..ops.reference_steps import ROW_HEADER, row_width
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
+from .registry import BUILTIN, register_exchange
 
 __all__ = ["GatherExchange"]
 
@@ -43,7 +44,7 @@ class GatherExchange(SplitMeanBackward):
     """See the module docstring."""
 
     name = "gather"
-    summary = "all-gather every rank's statistics: bytes grow with the group size"
+    summary = BUILTIN["gather"][1]
     gathers = True
     uses_kernels = True
 
@@ -90,3 +91,6 @@ def _row_tags(rows: torch.Tensor, channels: int) -> torch.Tensor:
 def _report_order(rows: torch.Tensor, channels: int, group: Group) -> None:
     """A queued CUDA check failed: raise the error naming each rank's layer."""
     raise_if_out_of_order(_row_tags(rows, channels).cpu(), group)
+
+
+register_exchange(GatherExchange())

@@ -54,6 +54,7 @@ from ..distributed.collectives import Group, all_gather, group_ranks
 from ..ops.reference import CALL_ORDER_MARK, check_group_count
 from ..ops.reference_steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
+from .registry import BUILTIN, register_exchange
 
 __all__ = ["ReduceExchange", "reduce_payload_numel"]
 
@@ -67,7 +68,7 @@ class ReduceExchange(SplitMeanBackward):
     """See the module docstring."""
 
     name = "reduce"
-    summary = "one all-reduce of per-channel float64 sums: O(C) bytes for any group"
+    summary = BUILTIN["reduce"][1]
     gathers = False
     uses_kernels = True
 
@@ -132,3 +133,6 @@ def _report_mismatch(sent: torch.Tensor, total: torch.Tensor, world: int, group:
         f"ranks' layers; exchange='gather' does)",
         ranks,
     )
+
+
+register_exchange(ReduceExchange())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..distributed.groups import DEFAULT_TARGET_NORM_BATCH, validate_group_size
+from ..distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, validate_group_size
 from ..functional.options import KEEP, SyncOptions
 
 __all__ = [

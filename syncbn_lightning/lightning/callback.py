@@ -19,12 +19,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..distributed.collectives import gather_rows
-from ..distributed.groups import (
-    DEFAULT_TARGET_NORM_BATCH,
-    GroupSize,
-    new_sync_group,
-    resolve_group_size,
-)
+from ..distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, GroupSize, resolve_group_size
+from ..distributed.groups import new_sync_group
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.convert import revert_sync_batchnorm
 from ..nn.precise_bn import update_bn_stats
@@ -75,8 +71,10 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
-            ``"auto"`` aims for and below which the callback warns once. Default: 4, the knee
-            measured by the small-batch experiment (``docs/choosing-normalization.md``).
+            ``"auto"`` aims for, below which the callback warns once, and against which the
+            service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
+            twice it: reliable). Default: 16, where BatchNorm's ImageNet accuracy stops falling
+            (``docs/choosing-normalization.md``).
         log_every_n_steps: optimizer steps between measurements (the first step is always
             measured). None: the Trainer's ``log_every_n_steps``, so that every row Lightning
             writes holds values measured at its step; a larger value leaves the last measured
@@ -125,7 +123,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         ``ModelCheckpoint``/``EarlyStopping``): ``bn/global_batch_size`` (samples of the last
         optimizer step summed over all ranks and accumulated micro-batches, uneven batches
         included), ``bn/norm_batch_size`` (samples per BN forward in a sync group, the minimum
-        over groups and micro-batches), ``bn/samples_seen`` (all samples trained on so far) and,
+        over groups and micro-batches), ``bn/target_norm_batch`` (the target it is read
+        against), ``bn/samples_seen`` (all samples trained on so far) and,
         with ``drift``, ``bn/<metric>_max``/``_avg`` over layers for the metrics of
         :mod:`syncbn_lightning.metrics`; with a ``WandbLogger`` also per-layer histograms and,
         at the end of training, a per-layer table. Sample counts ride in SyncBN's own
@@ -379,7 +378,8 @@ def auto_group_summary(size: int, batch: int, world: int, target: int) -> str:
     else:
         why = f"no group of the {world} ranks reaches target_norm_batch={target}: the whole world"
     origin = (
-        "the default: the knee measured in docs/choosing-normalization.md"
+        "the default: where BatchNorm's ImageNet accuracy stops falling, see "
+        "docs/choosing-normalization.md"
         if target == DEFAULT_TARGET_NORM_BATCH
         else "set by you"
     )

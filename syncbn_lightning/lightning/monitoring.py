@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from ..distributed.call_order import check_call_order
 from ..distributed.collectives import gather_rows
+from ..distributed.group_sizes import norm_batch_verdict
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.layer_state import BatchRecord
 from ..nn.running_stats import (
@@ -144,6 +145,8 @@ class BatchNormMonitor(Callback):
             "bn/norm_batch_size": float(rows[:, 1].min()),
             "bn/samples_seen": float(self._samples_seen),
             "bn/nonfinite_skipped": skips,
+            # The target the warning and the report read the normalization batch against.
+            "bn/target_norm_batch": float(self.target_norm_batch),
         }
         if layers:
             by_layer = {id(bn): r for bn, r in zip(self._layers, records, strict=True)}
@@ -157,7 +160,7 @@ class BatchNormMonitor(Callback):
             for key in ("bn/global_batch_size", "bn/norm_batch_size", "bn/samples_seen"):
                 del metrics[key]  # no layer normalized a batch: there is no size to report
         else:
-            self._warn_small_batch(metrics["bn/norm_batch_size"])
+            self._warn_small_batch(metrics["bn/norm_batch_size"], metrics["bn/global_batch_size"])
         self.last_metrics = metrics
         # Through Lightning, like the module's own self.log: the loggers write the values in the
         # same rows (step, epoch) as train/*, from rank 0, and they reach callback_metrics on
@@ -236,36 +239,18 @@ class BatchNormMonitor(Callback):
             category=UserWarning,
         )
 
-    def _warn_small_batch(self, norm_batch: float) -> None:
+    def _warn_small_batch(self, norm_batch: float, global_batch: float) -> None:
+        """Warn once when the normalization batch is below ``target_norm_batch``: the verdict and
+        the fix the service's report gives the same numbers (:func:`norm_batch_verdict`)."""
         if self._warned or norm_batch >= self.target_norm_batch:
             return
         self._warned = True
+        verdict = norm_batch_verdict(norm_batch, global_batch, self.target_norm_batch)
         group = self.resolved_group_size or self._world
-        per_rank = max(1.0, norm_batch / max(group, 1))
-        suggestion = next(
-            (
-                d
-                for d in range(group + 1, self._world + 1)
-                if self._world % d == 0 and d * per_rank >= self.target_norm_batch
-            ),
-            None,
-        )
-        fix = (
-            f"use SyncBNCallback(group_size={suggestion}) ({suggestion} ranks x "
-            f"{per_rank:g} samples)"
-            if suggestion is not None
-            else (
-                "raise the per-device batch size (the whole world already normalizes together)"
-                if group >= self._world
-                else f"raise the per-device batch size: even the whole world ({self._world} ranks "
-                f"x {per_rank:g} samples, group_size=None) stays below the target"
-            )
-        )
         rank_zero_warn(
-            f"SyncBNCallback: BatchNorm normalizes over only {norm_batch:g} samples per forward "
-            f"(bn/norm_batch_size, group of {group} rank(s)), below target_norm_batch="
-            f"{self.target_norm_batch}; batch statistics this small are noisy. To fix it, {fix}, "
-            f"or lower target_norm_batch to silence this warning",
+            f"SyncBNCallback: {verdict.text} (bn/norm_batch_size over a group of {group} "
+            f"rank(s), below target_norm_batch={self.target_norm_batch}). Lower "
+            f"target_norm_batch to silence this warning",
             category=UserWarning,
         )
 

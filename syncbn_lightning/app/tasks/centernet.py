@@ -21,7 +21,8 @@ from torch import nn
 
 from .base import ScaledLRModule
 from .coco_eval import coco_map, load_coco
-from .norms import check_norm, make_norm
+from .norm_choice import check_norm_init
+from .norms import make_norm
 from .pretrained import load_backbone
 
 __all__ = ["CenterNet", "CenterNetHead", "ConvBNReLU", "TinyBackbone", "decode", "make_targets"]
@@ -239,13 +240,7 @@ class CenterNet(ScaledLRModule):
                 f"model.num_classes, model.width and model.top_k must be >= 1, got "
                 f"{num_classes}, {width}, {top_k}"
             )
-        if check_norm(norm) == "frozen_bn" and not init_backbone:
-            raise ValueError(
-                "model.norm=frozen_bn fixes every normalization's statistics and affine, which "
-                "without pretrained values are the identity (no normalization at all): set "
-                "model.init_backbone=<the checkpoint of a recipe=backbone_pretrain run>, "
-                "or use model.norm=bn or gn"
-            )
+        check_norm_init(norm, init_backbone)
         self.save_hyperparameters()
         self.backbone = TinyBackbone(width, norm)
         self.head = CenterNetHead(2 * width, num_classes, norm=norm)

@@ -28,7 +28,7 @@ The annotation files are read with :mod:`json`; pycocotools is not needed here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from .coco_files import missing_files
 
 __all__ = [
     "PIXEL_MEAN",
@@ -201,30 +203,3 @@ def detection_collate(
     """
     images = torch.stack([image for image, _ in batch])
     return images, [target for _, target in batch]
-
-
-def missing_files(
-    root: str | Path,
-    *,
-    splits: Iterable[str] = ("train", "val"),
-    images: str = "{split}",
-    annotations: str = "annotations/instances_{split}.json",
-) -> list[Path]:
-    """The image directories and annotation files of a COCO-layout dataset that do not exist.
-
-    Args:
-        root: the dataset directory.
-        splits: the split names substituted for ``{split}``. Default ``("train", "val")``.
-        images: image directory of a split, relative to ``root``. Default ``"{split}"``.
-        annotations: annotation file of a split, relative to ``root``.
-            Default ``"annotations/instances_{split}.json"``.
-
-    Returns:
-        The missing paths (``root / ...``), in split order, images before annotations; empty
-        when the dataset is complete.
-    """
-    root = Path(root)
-    paths = []
-    for split in splits:
-        paths += [root / images.format(split=split), root / annotations.format(split=split)]
-    return [p for p in paths if not p.exists()]

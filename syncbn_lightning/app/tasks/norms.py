@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["NORMS", "FrozenBatchNorm2d", "gn_groups", "make_norm"]
+from .norm_choice import NORMS, check_norm
 
-NORMS = ("bn", "gn", "frozen_bn")
-"""The values ``model.norm`` takes."""
+__all__ = ["NORMS", "FrozenBatchNorm2d", "check_norm", "gn_groups", "make_norm"]
+
 
 #: GroupNorm's groups (Wu & He 2018 use 32 in every layer) ...
 GN_GROUPS = 32
@@ -73,13 +73,6 @@ class FrozenBatchNorm2d(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
-
-
-def check_norm(norm: str) -> str:
-    """``norm`` if it is one of :data:`NORMS`, else a ``ValueError`` naming ``model.norm``."""
-    if norm not in NORMS:
-        raise ValueError(f"model.norm must be one of {NORMS}, got {norm!r}")
-    return norm
 
 
 def make_norm(norm: str, channels: int) -> nn.Module:
