@@ -5,10 +5,12 @@
 #
 # Steps, in the order given: tests (pytest -m gpu over every file with a gpu test), layer
 # (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW
-# b64, bf16 channels-last b32/b128), sanitize (compute-sanitizer over the non-slow tests of
-# test_cuda.py, test_cuda_act.py and test_cuda_fused.py, the two-rank spawn test left out;
-# SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the build. Full outputs go to $OUT
-# (default ./gpu_out); the console gets tails.
+# b64, bf16 channels-last b32/b128), profile (profile_eager.py: where an eager ResNet-50 bf16-cl
+# b32 step's host time goes, per BN layer, plain / ours gather / ours reduce / torch SyncBN; the
+# syncs with their Python stacks, the traces and tables under $OUT/profile), sanitize (compute-
+# sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py and test_cuda_fused.py, the
+# two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the
+# build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
@@ -50,6 +52,12 @@ for step in "$@"; do
       >"$OUT/model_bf16.md" 2>&1 || failed+=("model bf16")
     tail -14 "$OUT/model_bf16.md"
     ;;
+  profile)
+    timeout 300 python benchmarks/profile_eager.py --out "$OUT/profile" >"$OUT/profile.md" 2>&1 ||
+      failed+=("profile")
+    gzip -f "$OUT"/profile/trace_*.json 2>/dev/null
+    grep -v "^USDT\|profiler_st" "$OUT/profile.md" | tail -24
+    ;;
   sanitize)
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python -m pytest -q \
@@ -63,7 +71,7 @@ for step in "$@"; do
     done
     ;;
   *)
-    echo "unknown step $step (tests, layer, model, sanitize)"
+    echo "unknown step $step (tests, layer, model, profile, sanitize)"
     failed+=("$step")
     ;;
   esac

@@ -1,4 +1,5 @@
-"""benchmarks/bench_model.py and bench_layer.py on a CPU (tiny model smoke run; argument checks).
+"""benchmarks/bench_model.py, bench_layer.py and profile_eager.py on a CPU (tiny model smoke
+run; argument checks).
 
 The GPU comparison it exists for (ResNet-50, CUDA graphs, torch's SyncBN forced) needs a GPU;
 this keeps the script working between the sessions that have one.
@@ -58,3 +59,35 @@ def test_bench_layer_names_a_bad_shape() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--shapes: ['32x256xa'] is not NxCxHxW" in done.stderr
+
+
+@pytest.mark.slow
+def test_profile_eager_writes_its_tables_and_traces_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/profile_eager.py (issue 43's GPU profile) on a CPU, tiny model: one row per
+    implementation, the category table, the ops beyond plain's, and the files of each side."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/profile_eager.py", "--device", "cpu", "--model", "tiny",
+         "--batch", "4", "--size", "32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (tmp_path / "profile.md").read_text()
+    assert "device: " in text and "command: " in text
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.count("|") > 9}
+    assert {"plain", "ours", "ours_reduce"} <= set(rows)
+    # 6 BN layers; ours adds exactly its 4 syncbn:: operators per layer, and never syncs.
+    assert "syncbn.stats_row.default +6" in text and "syncbn.grad_input.default +6" in text
+    for impl in ("plain", "ours", "ours_reduce"):
+        assert (tmp_path / f"trace_{impl}.json").stat().st_size > 0
+        assert "Self CPU" in (tmp_path / f"ops_{impl}.txt").read_text()
+        assert (tmp_path / f"syncs_{impl}.txt").read_text() == "no host-device sync\n"
+
+
+@pytest.mark.slow
+def test_profile_eager_refuses_torch_sync_on_cpu(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "benchmarks/profile_eager.py", "--device", "cpu", "--impls", "torch_sync",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "torch_sync needs --device cuda" in done.stderr

@@ -11,7 +11,9 @@ lucky zero.
 
 from __future__ import annotations
 
+import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,6 +134,77 @@ def test_cuda_layer_runs_without_host_synchronization(
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert torch.isfinite(x.grad).all()
+
+
+def _residual_net() -> nn.Module:
+    """conv-BN-ReLU, a residual block (BN before the add) and a head: a converted ResNet's
+    layer kinds in a few layers."""
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
+            self.bn = nn.BatchNorm2d(width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x)) + x)
+
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        Block(16), Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
+    ext, exchange: str, channels_last: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whole eager train steps (forward, loss, backward, SGD) of a converted model, with a
+    one-rank NCCL group and every layer forced to synchronize, issue no host-device sync: the
+    host runs ahead of the GPU, as with plain BatchNorm (the call-order flags are read once per
+    step by the callback, outside this region)."""
+    import torch.distributed as dist
+
+    from syncbn_lightning import convert_sync_batchnorm
+
+    monkeypatch.setenv("SYNCBN_IMPL", "ext")
+    memory = torch.channels_last if channels_last else torch.contiguous_format
+    dist.init_process_group("nccl", init_method=f"file://{_store_path()}", rank=0, world_size=1)
+    try:
+        model = convert_sync_batchnorm(_residual_net(), exchange=exchange).cuda()
+        model = model.to(memory_format=memory).train()
+        for layer in model.modules():
+            if isinstance(layer, SyncBatchNorm):
+                layer.force_sync = True
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(4, 3, 16, 16, device="cuda").contiguous(memory_format=memory)
+        y = torch.randint(0, 10, (4,), device="cuda")
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+        step()  # warm-up: communicators, allocator pools and the optimizer's state exist first
+        torch.cuda.synchronize()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def _store_path() -> str:
+    import tempfile
+
+    return str(tempfile.mkdtemp(prefix="syncbn_store_")) + "/store"
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -269,3 +342,49 @@ def test_cuda_two_ranks_on_one_gpu_match_float64_on_both_exchanges(ext) -> None:
             "rv": max(rel_err(r["rv"], running[1]) for r in got),
         }
         assert max(errors.values()) <= 1e-5, (case, errors)
+
+
+def _cuda_unused_branch_worker(rank: int, world: int, errors: str) -> str:
+    """One CUDA step where rank 1's loss leaves the auxiliary head out: the backward's order flag
+    is queued on the device and read by :func:`~syncbn_lightning.check_call_order` after it, as
+    the callback does at each batch's end. The error propagates, as in a job; its text is also
+    written to ``errors``/rank<R>.txt (the harness reports only the lowest failing rank's)."""
+    from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
+
+    class AuxNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8))
+            self.body = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8))
+            self.aux = nn.Sequential(nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.stem(x)
+            return self.body(h), self.aux(h)
+
+    torch.manual_seed(0)
+    net = convert_sync_batchnorm(AuxNet()).cuda()
+    out, aux = net(torch.randn(2, 3, 4, 4, device="cuda"))
+    loss = out.square().mean() + (aux.square().mean() if rank == 0 else 0.0)
+    try:
+        loss.backward()
+        check_call_order()
+    except CallOrderError as exc:
+        (Path(errors) / f"rank{rank}.txt").write_text(str(exc))
+        raise
+    return "ok"
+
+
+@pytest.mark.distributed
+def test_cuda_a_layer_unused_in_one_ranks_loss_raises_call_order_error(ext, tmp_path) -> None:
+    """The backward's call-order flag on CUDA (queued, read after the backward): rank 1, whose
+    backward has one synchronized layer fewer, raises CallOrderError naming its layer at the
+    step's end, long before the group timeout; rank 0, left in a collective rank 1 never joins,
+    fails at once when rank 1's process ends ("Connection closed by peer")."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank \d of 2 failed"):
+        run_distributed(_cuda_unused_branch_worker, 2, str(tmp_path), timeout=120, pg_timeout_s=60)
+    assert time.monotonic() - started < 40
+    text = (tmp_path / "rank1.txt").read_text()
+    assert text.startswith("The backward passes of SyncBatchNorm layers"), text
+    assert "'body.1' (call #1)" in text, text
