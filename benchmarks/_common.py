@@ -39,13 +39,17 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def busy_cores(count: int, seconds: float) -> Iterator[None]:
-    """``count`` CPU-bound processes (at most ``seconds`` long) while the block runs, as
-    ``../shared/tools/with-load`` does."""
+def busy_cores(count: int | None = None, seconds: float = 1800) -> Iterator[None]:
+    """Every core (or ``count``) busy with a CPU-bound process (at most ``seconds`` long) while
+    the block runs, as ``../shared/tools/with-load`` does: distributed code must hold on a busy
+    machine (also the tests' load, through ``benchmarks._common``)."""
     burner = (
         f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: sum(range(9999))"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", burner]) for _ in range(count)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", burner])
+        for _ in range(count or os.cpu_count() or 2)
+    ]
     try:
         yield
     finally:

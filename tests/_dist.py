@@ -9,16 +9,13 @@ raises, dies, or does not finish within ``timeout`` seconds, and never leaves pr
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import io
 import os
 import queue
-import subprocess
-import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,22 +138,3 @@ def run_distributed(
             first = min(errors)
             raise AssertionError(f"rank {first} of {world_size} failed:\n{errors[first]}")
         return [collected[r] for r in range(world_size)]
-
-
-_BURNER = "import time\nend = time.time() + 1800\nwhile time.time() < end: sum(range(9999))"
-
-
-@contextlib.contextmanager
-def busy_cores(count: int | None = None) -> Iterator[None]:
-    """Every core (or ``count``) busy with a CPU-bound process while the block runs, as
-    ``../shared/tools/with-load`` does: distributed code must hold on a busy machine."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _BURNER])
-        for _ in range(count or os.cpu_count() or 2)
-    ]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()

@@ -19,9 +19,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import busy_cores, run_distributed
+from _dist import run_distributed
 from torch import nn
 
+from benchmarks._common import busy_cores
 from syncbn_lightning import convert_sync_batchnorm
 from syncbn_lightning.distributed.groups import group_name_of, sync_world_group
 
