@@ -114,7 +114,7 @@ void check_call_order(const acc_t* rows, int64_t W, int64_t width) {
       "of the group in the same order and the same number of times per training forward.");
 }
 
-// The local parameter gradients from the packed sums [sum_dy, sum_dy_xmu] (acc dtype):
+// The local parameter gradients from the packed sums [header, sum_dy, sum_dy_xmu] (acc dtype):
 // grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy, in the weight's dtype (the acc dtype
 // without weight). Both are new tensors (grad_sums returns them beside `sums`). A loop instead of
 // mul + to: the same roundings, without three dispatcher calls of host time.
@@ -128,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> param_grads(
   at::Tensor grad_weight = at::empty({C}, opts), grad_bias = at::empty({C}, opts);
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "param_grads_cpu", [&] {
     using acc_t = scalar_t;
-    const acc_t* sum_dy = sums.const_data_ptr<acc_t>();
+    const acc_t* sum_dy = sums.const_data_ptr<acc_t>() + kGradHeader;
     const acc_t* sum_dy_xmu = sum_dy + C;
     const acc_t* inv = invstd.const_data_ptr<acc_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, opts.dtype().toScalarType(), "param_grads_cpu", [&] {
@@ -296,7 +296,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
       grad_out, input, mean.contiguous(), lo.defined() ? lo.contiguous() : lo,
       {sums, kGradHeader}, {sums, kGradHeader + C},
       act_affine(act, act_param, invstd, weight, bias, input));
-  return with_packed_param_grads(sums, invstd.contiguous(), weight, input);
+  auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
+  return {sums, grad_weight, grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
