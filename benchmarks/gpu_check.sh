@@ -7,7 +7,7 @@
 # (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW
 # b64, bf16 channels-last b32/b128), profile (profile_eager.py: where an eager ResNet-50 bf16-cl
 # b32 step's host time goes, per BN layer, plain / ours gather / ours reduce / torch SyncBN; the
-# syncs with their Python stacks, the traces and tables under $OUT/profile), sanitize (compute-
+# syncs with their Python stacks, traces and tables in $OUT/profile.tgz), sanitize (compute-
 # sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py and test_cuda_fused.py, the
 # two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the
 # build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
@@ -55,7 +55,8 @@ for step in "$@"; do
   profile)
     timeout 300 python benchmarks/profile_eager.py --out "$OUT/profile" >"$OUT/profile.md" 2>&1 ||
       failed+=("profile")
-    gzip -f "$OUT"/profile/trace_*.json 2>/dev/null
+    # One archive: the device tool returns at most 8 files per call.
+    tar -czf "$OUT/profile.tgz" -C "$OUT" profile && rm -rf "$OUT/profile"
     grep -v "^USDT\|profiler_st" "$OUT/profile.md" | tail -24
     ;;
   sanitize)
