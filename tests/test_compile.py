@@ -212,6 +212,34 @@ def test_compiled_call_order_mismatch_raises_on_every_rank() -> None:
         assert "syncbn call order" in message and "layer tag" in message, message
 
 
+def _backward_order_worker(rank: int, world: int) -> str:
+    """Compiled forward and backward; rank 1's loss leaves layer "aux" out, so its backward (and
+    collective) runs on rank 0 only: the backward's tags meet another layer's on rank 1."""
+    layers = nn.ModuleDict({"body": SyncBatchNorm(4), "aux": SyncBatchNorm(4)})
+    for name, layer in layers.items():
+        layer.set_sync_name(name)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        out, aux = layers["body"](x).square().mean(), layers["aux"](x * 2).square().mean()
+        return out + aux if rank == 0 else out  # both forwards run everywhere
+
+    run = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    try:
+        run(x).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_compiled_backward_order_mismatch_raises_the_kernels_error_on_every_rank() -> None:
+    """In compiled code the backward's check is the kernel's RuntimeError, on every rank, at the
+    first backward collective that pairs different layers (equal channel counts)."""
+    for message in run_distributed(_backward_order_worker, 2, timeout=300):
+        assert "syncbn call order: backward" in message, message
+
+
 def _op_count_worker(rank: int, world: int) -> dict[str, Counter[str]]:
     counts = {}
     for exchange in ("gather", "reduce"):

@@ -26,6 +26,11 @@ from ..distributed import flight
 from ..distributed.collectives import all_gather, sum_over_group
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
+
+# The built-in exchanges register themselves when imported: here, with the Function, so that a
+# first call under torch.compile finds them registered (an import cannot be traced).
+from . import gather as _gather  # noqa: F401
+from . import reduce as _reduce  # noqa: F401
 from .exchange import Inputs, LayerState, SyncCall
 from .options import SyncOptions
 from .registry import get_exchange
