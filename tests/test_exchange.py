@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct
 from syncbn_lightning.distributed.collectives import GATHER_SUM_MAX_RANKS
 from syncbn_lightning.functional.reduce import reduce_payload_numel
+from syncbn_lightning.ops.reference_backward import GRAD_HEADER
 from syncbn_lightning.ops.reference_steps import row_width
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # processes: outside the fast check
@@ -256,12 +257,14 @@ def test_sixteen_ranks_reduce_with_float64_accuracy_and_auto_gathers_on_cpu() ->
     )
     _check_parity(results, sizes, configs)
     # Above 8 ranks the reduce exchange all-reduces its O(C) vector; "auto" gathers CPU tensors
-    # (on GPUs it would reduce: test_exchange_api); the backward all-reduces 2C float32 sums.
+    # (on GPUs it would reduce: test_exchange_api); the backward all-reduces 2C float32 sums
+    # behind the call-order header.
     _check_forward_bytes(results, [("reduce",), ("reduce",), ("gather",)], 16)
     for ranks in results:
         for steps in ranks:
             for step in steps:
-                assert step["backward"] == [("all_reduce", 4 * 2 * C)], step["backward"]
+                expected = [("all_reduce", 4 * (GRAD_HEADER + 2 * C))]
+                assert step["backward"] == expected, step["backward"]
 
 
 def _bytes_worker(rank: int, world: int) -> dict[str, list[tuple[str, int]]]:
