@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from _common import OpCounter, count_collectives, cpu_model, env_var, init_affine, value_text
+from _common import OpCounter, cpu_model, env_var, init_affine, value_text
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -64,13 +64,6 @@ WARMUP = 5  # --warmup default
 GROUPS = ("gloo", "none")
 LAYOUTS = ("NCHW", "channels_last")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-)
 # glibc mallopt parameters (malloc.h) and the values --malloc-reuse sets.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MALLOC_REUSE = (
@@ -403,18 +396,18 @@ def _step_fn(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[]
 
 
 def _count_collectives(step: Callable[[], None], impl: str) -> int:
-    """How many collectives one (untimed) ``step`` of ``impl`` issues: calls of the
-    ``torch.distributed`` functions (sumsq) plus torch's functional collective operators, which
-    the layer calls (``_c10d_functional.*``, their ``wait_tensor`` not counted)."""
-    counts: dict[str, int] = {}
-    with count_collectives(COLLECTIVES, counts), OpCounter() as ops:
+    """How many collectives one (untimed) ``step`` of ``impl`` issues: the dispatcher's
+    collective operators, torch's functional ones (``_c10d_functional.*``, their ``wait_tensor``
+    not counted: compiled and graph-captured calls) and the process groups' own (``c10d.*``:
+    eager calls, ``torch.distributed``'s functions included)."""
+    with OpCounter() as ops:
         _timed(step, impl)
-    functional = sum(
+    return sum(
         n
         for name, n in ops.ops.items()
-        if name.startswith("_c10d_functional.") and "wait_tensor" not in name
+        if name.startswith("c10d.")
+        or (name.startswith("_c10d_functional.") and "wait_tensor" not in name)
     )
-    return sum(counts.values()) + functional
 
 
 def _timed(step: Callable[[], None], impl: str) -> float:

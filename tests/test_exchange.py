@@ -53,9 +53,14 @@ CONFIGS = [
 ]
 
 
+# The eager calls' process-group operators under the functional collectives' names.
+_EAGER_COLLECTIVES = {"_allgather_base_": "all_gather_into_tensor", "allreduce_": "all_reduce"}
+
+
 class CollectiveBytes(TorchDispatchMode):
-    """Records ``(operator, bytes of its result)`` for every functional collective (waits
-    excluded): what one rank receives from the call."""
+    """Records ``(collective, bytes of its result)`` for every collective of a layer call: the
+    functional ones (compiled code; waits excluded) and the process group's own operators
+    (``c10d.*``, what eager calls run): what one rank receives from the call."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,9 +68,12 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name.startswith("_c10d_functional.") and "wait_tensor" not in name:
-            self.calls.append((name.split(".")[1], out.numel() * out.element_size()))
+        namespace, name = str(func).split(".")[:2]
+        if namespace == "_c10d_functional" and name != "wait_tensor":
+            self.calls.append((name, out.numel() * out.element_size()))
+        elif namespace == "c10d" and name in _EAGER_COLLECTIVES:
+            result = out[0][0] if isinstance(out[0], (list, tuple)) else out[0]
+            self.calls.append((_EAGER_COLLECTIVES[name], result.numel() * result.element_size()))
         return out
 
 

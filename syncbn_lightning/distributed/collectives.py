@@ -2,17 +2,20 @@
 
 A synchronized layer call issues exactly two: the forward exchange (:func:`all_gather` of each
 rank's row, or :func:`all_reduce` of each rank's sums, as the layer's exchange strategy says) and
-the backward one (:func:`sum_over_group`). Both use torch's functional collectives
-(``torch.ops._c10d_functional``), which ``torch.compile`` traces into the graph, and address the
-group by its name (:func:`~.groups.group_name_of`). Two exceptions keep working where those cannot:
+the backward one (:func:`sum_over_group`). Compiled code and CUDA-graph capture take torch's
+functional collectives (``torch.ops._c10d_functional``), which ``torch.compile`` traces into the
+graph, addressing the group by its name (:func:`~.groups.group_name_of`). Two other ways:
 
 * a :class:`~.replicas.ReplicaGroup` (the replicas of ``nn.DataParallel``, threads of one process)
   in place of a group name exchanges in-process;
-* CUDA tensors take the process group's own collectives in eager mode (not compiling, not
-  capturing a CUDA graph): on a gloo group (e.g. two ranks sharing one GPU, where NCCL refuses)
-  torch 2.11's functional collectives kill the process (SIGSEGV); on NCCL an eager functional
-  all-reduce + wait cost 162 us of host time against 20 us for ``dist.all_reduce`` (one H200,
-  torch 2.11), most of an eager layer step.
+* eager calls (not compiling, not capturing a CUDA graph on NCCL) call the process group's own
+  methods (``ProcessGroup._allgather_base`` / ``allreduce`` with options made once), skipping
+  ``torch.distributed``'s Python wrappers: on a gloo group with CUDA tensors (two ranks sharing
+  one GPU, where NCCL refuses) torch 2.11's functional collectives kill the process (SIGSEGV); on
+  NCCL an eager functional all-reduce + wait cost 162 us of host time against 20 us for
+  ``dist.all_reduce`` (one H200, torch 2.11); on gloo (CPU, one rank, this 2-core VM) an
+  all-gather costs 48 us this way against 68 us functional and 81 us through
+  ``dist.all_gather_into_tensor``.
 
 The eager helpers at the end (:func:`gather_rows`, :func:`all_reduce_`) serve the measurements and
 maintenance around training (monitoring, PreciseBN, reconciliation of running statistics), which
@@ -21,8 +24,6 @@ run outside any compiled graph.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,6 +55,14 @@ GATHER_SUM_MAX_RANKS = 8
 Note = tuple[int, int, int]
 
 _functional = torch.ops._c10d_functional
+# The options of the eager calls, made once: ProcessGroup methods take them as they are.
+_GATHER_OPTIONS: Any = None
+_SUM_OPTIONS: Any = None
+if dist.is_available():
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+
+    _GATHER_OPTIONS = AllgatherOptions()
+    _SUM_OPTIONS = AllreduceOptions()  # reduceOp SUM, the default
 
 
 def all_gather(
@@ -67,55 +76,61 @@ def all_gather(
         return group.all_gather(tensor)
     if note is not None:
         flight.record(group, "all_gather", tensor, note)
-    process_group = _eager_cuda_group(tensor, group)
-    if process_group is not None:
-        gathered = tensor.new_empty(world_size * tensor.numel())
-        with _reported("all_gather"):
-            dist.all_gather_into_tensor(gathered, tensor, group=process_group)
-        return gathered
     if torch.compiler.is_compiling():
         return _functional.wait_tensor(
             _functional.all_gather_into_tensor(tensor, world_size, group)
         )
-    with _reported("all_gather"):
-        return _functional.wait_tensor(
-            _functional.all_gather_into_tensor(tensor, world_size, group)
-        )
+    process_group = _eager_group(tensor, group)
+    try:  # not a context manager: its generator costs a few us of host time per call
+        if process_group is None:
+            return _functional.wait_tensor(
+                _functional.all_gather_into_tensor(tensor, world_size, group)
+            )
+        gathered = tensor.new_empty(world_size * tensor.numel())
+        process_group._allgather_base(gathered, tensor, _GATHER_OPTIONS).wait()
+        return gathered
+    except RuntimeError as exc:
+        _report(exc, "all_gather")
+        raise
 
 
-def all_reduce(tensor: torch.Tensor, group: str | None, note: Note | None = None) -> torch.Tensor:
-    """``tensor`` summed over the group: ONE all-reduce into a new tensor, recorded with ``note``
-    (``tensor`` itself without a group)."""
+def all_reduce(
+    tensor: torch.Tensor, group: str | None, note: Note | None = None, in_place: bool = False
+) -> torch.Tensor:
+    """``tensor`` summed over the group: ONE all-reduce, recorded with ``note`` (``tensor`` itself
+    without a group). Into a new tensor, unless ``in_place``: then an eager call may sum into
+    ``tensor`` itself (the caller never reads it again; saves a copy per call)."""
     if group is None:
         return tensor
     if note is not None:
         flight.record(group, "all_reduce", tensor, note)
-    process_group = _eager_cuda_group(tensor, group)
-    if process_group is not None:
-        summed = tensor.clone()  # the caller's tensor may be viewed by other outputs
-        with _reported("all_reduce"):
-            dist.all_reduce(summed, group=process_group)
-        return summed
     if torch.compiler.is_compiling():
         return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
-    with _reported("all_reduce"):
-        return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
-
-
-@contextlib.contextmanager
-def _reported(op: str) -> Iterator[None]:
-    """Log what the flight recorder knows when a collective fails (a peer died, the transport
-    refused, the process-group timeout), then let the error propagate."""
+    process_group = _eager_group(tensor, group)
     try:
-        yield
+        if process_group is None:
+            return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
+        summed = tensor if in_place else tensor.clone()
+        process_group.allreduce([summed], _SUM_OPTIONS).wait()
+        return summed
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        flight_report.report_failure(f"a failed SyncBN {op} ({first[:200]})")
+        _report(exc, "all_reduce")
         raise
 
 
+def _report(exc: RuntimeError, op: str) -> None:
+    """Log what the flight recorder knows when a collective failed (a peer died, the transport
+    refused, the process-group timeout); the caller lets the error propagate."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    flight_report.report_failure(f"a failed SyncBN {op} ({first[:200]})")
+
+
 def sum_over_group(
-    sums: torch.Tensor, group: Group, world_size: int, note: Note | None = None
+    sums: torch.Tensor,
+    group: Group,
+    world_size: int,
+    note: Note | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """The backward's ``sums`` of every rank of the group, ONE collective: all-reduced (``[2C]``),
     or all-gathered (``[W * 2C]``, rows to be summed in rank order by the caller) in process
@@ -123,27 +138,25 @@ def sum_over_group(
 
     gloo's all_gather of a few KB has the lower latency (0.26 vs 0.37 ms median for 2 ranks on the
     2-core CI machine, and a much shorter tail), and the fixed summation order makes the result
-    bitwise identical on every rank. Large groups and CUDA tensors (NCCL) use all_reduce.
+    bitwise identical on every rank. Large groups and CUDA tensors (NCCL) use all_reduce, in
+    place when ``in_place`` (see :func:`all_reduce`).
     """
     if group is None:
         return sums
     in_process = not isinstance(group, str)
     if in_process or (sums.device.type == "cpu" and world_size <= GATHER_SUM_MAX_RANKS):
         return all_gather(sums, group, world_size, note)
-    return all_reduce(sums, group, note)
+    return all_reduce(sums, group, note, in_place)
 
 
-def _eager_cuda_group(tensor: torch.Tensor, group_name: str) -> Any:
-    """The process group ``group_name`` if ``tensor`` is a CUDA tensor in eager mode: not under
-    ``torch.compile``, and for NCCL not while a CUDA graph is being captured (the functional
-    collectives are what graphs and compiled code take); else None (see the module docstring).
-    The lookup costs about 1 us."""
-    if tensor.device.type != "cuda" or torch.compiler.is_compiling():
-        return None
+def _eager_group(tensor: torch.Tensor, group_name: str) -> Any:
+    """The process group ``group_name``, whose methods an eager call (not compiling) invokes
+    directly; ``None`` while a CUDA graph is being captured on a group other than gloo (graphs
+    take the functional collectives). See the module docstring for why."""
     group = _process_group(group_name)
-    if dist.get_backend(group) == "gloo":
+    if tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return group
-    return None if torch.cuda.is_current_stream_capturing() else group
+    return group if dist.get_backend(group) == "gloo" else None
 
 
 def group_ranks(group: Group, world_size: int) -> list[int]:
