@@ -12,6 +12,8 @@ One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The
   collective of a real group (the gather exchange, ``auto``'s choice in one rank);
 * ``ours_reduce``: the same with ``exchange="reduce"`` forced (the exchange ``auto`` picks in
   GPU groups of more than 8 ranks);
+* ``ours_fused``: ``ours`` converted with ``fuse_residual=True``: every residual block's BN, add
+  and ReLU as one fused call (:meth:`syncbn_lightning.SyncBatchNorm.add_act`);
 * ``torch_sync`` (CUDA only): ``nn.SyncBatchNorm`` forced through torch's own sync Function
   (``torch.nn.modules._functions.SyncBatchNorm``) the same way.
 
@@ -59,7 +61,7 @@ import syncbn_lightning
 from syncbn_lightning.ops.impl_choice import IMPL_ENV
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
-IMPLS = ("plain", "ours", "ours_reduce", "torch_sync")
+IMPLS = ("plain", "ours", "ours_reduce", "ours_fused", "torch_sync")
 MODES = ("eager", "graph")
 
 
@@ -101,9 +103,11 @@ def _timm() -> Any:
 
 
 def _with_impl(model: nn.Module, impl: str, name: str) -> nn.Module:
-    if impl in ("ours", "ours_reduce"):
+    if impl in ("ours", "ours_reduce", "ours_fused"):
         exchange = "reduce" if impl == "ours_reduce" else "auto"
-        model = syncbn_lightning.convert_sync_batchnorm(model, exchange=exchange)
+        model = syncbn_lightning.convert_sync_batchnorm(
+            model, exchange=exchange, fuse_residual=impl == "ours_fused"
+        )
         for module in model.modules():
             if isinstance(module, syncbn_lightning.SyncBatchNorm):
                 module.force_sync = True
@@ -211,6 +215,12 @@ def _report(args: argparse.Namespace, results: Results) -> None:
             ratio = times["graph"] / plain["graph"]
             verdict = "PASS" if ratio <= 1.05 else "FAIL"
             goals.append(f"{verdict} {config} b{batch}: graph ours/plain {ratio:.2f} (<= 1.05)")
+        if impl == "ours_fused" and "graph" in times and "graph" in plain:
+            ratio = times["graph"] / plain["graph"]
+            verdict = "PASS" if ratio <= 0.95 else "FAIL"
+            goals.append(
+                f"{verdict} {config} b{batch}: graph ours_fused/plain {ratio:.2f} (<= 0.95)"
+            )
         torch_sync = results.get((config, batch, "torch_sync"), {})
         if impl == "ours" and "eager" in torch_sync:
             ratio = torch_sync["eager"] / times["eager"]

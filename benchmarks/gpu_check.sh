@@ -3,12 +3,15 @@
 #
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh tests layer model sanitize
 #
-# Steps, in the order given: tests (pytest -m gpu over every file with a gpu test), layer
+# Steps, in the order given: tests (pytest -m gpu over every file with a gpu test, or the files
+# GPU_TEST_FILES names, in that order, within TESTS_TIMEOUT s, default 300), layer
 # (bench_layer.py; LAYER_ARGS adds options, e.g. "--profile"), model (bench_model.py: fp32 NCHW
-# b64, bf16 channels-last b32/b128), profile (profile_eager.py: where an eager ResNet-50 bf16-cl
+# b64, bf16 channels-last b32/b128 or MODEL_BF16_BATCH; every BN implementation, the fused
+# residual tails included), profile (profile_eager.py: where an eager ResNet-50 bf16-cl
 # b32 step's host time goes, per BN layer, plain / ours gather / ours reduce / torch SyncBN; the
 # syncs with their Python stacks, traces and tables in $OUT/profile.tgz), sanitize (compute-
-# sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py and test_cuda_fused.py, the
+# sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py, test_cuda_fused.py and
+# test_cuda_residual.py, the
 # two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the
 # build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
@@ -33,9 +36,13 @@ for step in "$@"; do
   tests)
     # Every test file with a gpu-marked test (not all of tests/: the GPU image lacks the
     # service's dependencies, so the service's test files would not even import there).
-    mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-    timeout 300 python -m pytest -q -p no:cacheprovider -m gpu "${files[@]}" >"$OUT/tests.txt" 2>&1 ||
-      failed+=("tests")
+    if [ -n "${GPU_TEST_FILES:-}" ]; then
+      read -r -a files <<<"$GPU_TEST_FILES"
+    else
+      mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
+    fi
+    timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -m gpu "${files[@]}" \
+      >"$OUT/tests.txt" 2>&1 || failed+=("tests")
     tail -4 "$OUT/tests.txt"
     ;;
   layer)
@@ -48,7 +55,7 @@ for step in "$@"; do
     timeout 200 python benchmarks/bench_model.py --configs fp32-nchw --batch 64 \
       >"$OUT/model_fp32.md" 2>&1 || failed+=("model fp32")
     tail -9 "$OUT/model_fp32.md"
-    timeout 250 python benchmarks/bench_model.py --configs bf16-cl --batch 32,128 \
+    timeout 250 python benchmarks/bench_model.py --configs bf16-cl --batch "${MODEL_BF16_BATCH:-32,128}" \
       >"$OUT/model_bf16.md" 2>&1 || failed+=("model bf16")
     tail -14 "$OUT/model_bf16.md"
     ;;
@@ -63,7 +70,7 @@ for step in "$@"; do
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python -m pytest -q \
         -p no:cacheprovider -m "gpu and not slow" -k "not two_ranks" tests/test_cuda.py \
-        tests/test_cuda_act.py tests/test_cuda_fused.py \
+        tests/test_cuda_act.py tests/test_cuda_fused.py tests/test_cuda_residual.py \
         >"$OUT/sanitizer_$tool.txt" 2>&1
       rc=$?
       echo "$tool rc=$rc"

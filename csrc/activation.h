@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "host_device.h"
 
@@ -51,6 +52,28 @@ struct IdentityAct {
   template <int N, typename T>
   SYNCBN_HOST_DEVICE void grad_n(T* z) const {
     for (int i = 0; i < N; ++i) z[i] = T(1);
+  }
+};
+
+// ReLU known at compile time: the CPU kernels' loops around it vectorize (a run-time kind's switch
+// per value keeps them scalar). Same values and kink convention as FusedAct's kRelu.
+struct ReluAct {
+  static constexpr bool kIdentity = false;
+  template <typename T>
+  SYNCBN_HOST_DEVICE T forward(T z) const {
+    return z > T(0) ? z : T(0);
+  }
+  template <typename T>
+  SYNCBN_HOST_DEVICE T grad(T z) const {
+    return z > T(0) ? T(1) : T(0);
+  }
+  template <int N, typename T>
+  SYNCBN_HOST_DEVICE void forward_n(T* z) const {
+    for (int i = 0; i < N; ++i) z[i] = forward(z[i]);
+  }
+  template <int N, typename T>
+  SYNCBN_HOST_DEVICE void grad_n(T* z) const {
+    for (int i = 0; i < N; ++i) z[i] = grad(z[i]);
   }
 };
 
@@ -156,6 +179,17 @@ struct FusedAct {
   }
 };
 
+// dy * act'(z). For ReLU a select (z > 0 ? dy : 0, torch's threshold_backward): GCC vectorizes
+// it, where dy * (z > 0 ? 1 : 0) compiled to a branch per value (15x slower on random data).
+template <typename Act, typename T>
+SYNCBN_HOST_DEVICE T times_grad(const Act& act, T dy, T z) {
+  if constexpr (std::is_same_v<Act, ReluAct>) {
+    return z > T(0) ? dy : T(0);
+  } else {
+    return dy * static_cast<T>(act.grad(z));
+  }
+}
+
 // dy * act'(z) with z = xmu * scale + shift: the gradient at the activation's input, which the
 // backward kernels use wherever plain BatchNorm uses dy (dy itself without an activation, where
 // scale and shift are never read).
@@ -164,7 +198,7 @@ SYNCBN_HOST_DEVICE T act_input_grad(const Act& act, T dy, T xmu, T scale, T shif
   if constexpr (Act::kIdentity) {
     return dy;
   } else {
-    return dy * static_cast<T>(act.grad(xmu * scale + shift));
+    return times_grad(act, dy, xmu * scale + shift);
   }
 }
 
@@ -176,6 +210,17 @@ void with_activation(const Activation& act, Fn&& fn) {
     fn(IdentityAct{});
   } else {
     fn(FusedAct<acc_t>{act.kind, static_cast<acc_t>(act.param)});
+  }
+}
+
+// with_activation for the CPU kernels: ReLU, the common case (ResNets), as ReluAct, so that the
+// compiler vectorizes it; the other kinds as FusedAct.
+template <typename acc_t, typename Fn>
+void with_cpu_activation(const Activation& act, Fn&& fn) {
+  if (act.kind == static_cast<int64_t>(ActKind::kRelu)) {
+    fn(ReluAct{});
+  } else {
+    with_activation<acc_t>(act, fn);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <array>
@@ -243,6 +244,52 @@ void backward_elemt_kernel(
   }
 }
 
+// g = dy * act'(z + r), rounded to scalar_t: the first pass of grad_sums_residual. `a` holds the
+// forward's coefficients (z = ((x - mean) - mean_lo) * scale + shift, as normalize_kernel); the
+// loops are normalize_kernel's, restrict-qualified rows, so that they vectorize.
+template <typename scalar_t, typename acc_t, typename Act>
+void act_grad_residual_kernel(
+    const scalar_t* dy, const scalar_t* x, const scalar_t* res, scalar_t* out, const Geometry& g,
+    const Affine<acc_t>& a, const Act& act) {
+  if (g.layout == Layout::kChannelsFirst) {
+    const int64_t S = g.S;
+    at::parallel_for(0, g.N * g.C, std::max<int64_t>(1, kElemGrain / S), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const int64_t c = r % g.C;
+        const acc_t m = a.mean[c], lo = a.mean_lo[c], sc = a.scale[c], sh = a.shift[c];
+        const scalar_t* __restrict d = dy + r * S;
+        const scalar_t* __restrict v = x + r * S;
+        const scalar_t* __restrict q = res + r * S;
+        scalar_t* __restrict o = out + r * S;
+        for (int64_t s = 0; s < S; ++s) {
+          const acc_t z = ((to_acc<acc_t>(v[s]) - m) - lo) * sc + sh + to_acc<acc_t>(q[s]);
+          o[s] = from_acc<scalar_t>(times_grad(act, to_acc<acc_t>(d[s]), z));
+        }
+      }
+    });
+  } else {
+    const int64_t C = g.C;
+    const acc_t* __restrict mp = a.mean.data();
+    const acc_t* __restrict lp = a.mean_lo.data();
+    const acc_t* __restrict scp = a.scale.data();
+    const acc_t* __restrict shp = a.shift.data();
+    at::parallel_for(0, g.N * g.S, std::max<int64_t>(1, kElemGrain / C), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* __restrict d = dy + r * C;
+        const scalar_t* __restrict v = x + r * C;
+        const scalar_t* __restrict q = res + r * C;
+        scalar_t* __restrict o = out + r * C;
+#pragma GCC ivdep
+        for (int64_t c = 0; c < C; ++c) {
+          const acc_t z = ((to_acc<acc_t>(v[c]) - mp[c]) - lp[c]) * scp[c] + shp[c] +
+                          to_acc<acc_t>(q[c]);
+          o[c] = from_acc<scalar_t>(times_grad(act, to_acc<acc_t>(d[c]), z));
+        }
+      }
+    });
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------------
@@ -269,7 +316,7 @@ void backward_sums_into_cpu(
     const acc_t* m = mean.const_data_ptr<acc_t>();
     const std::vector<acc_t> lo = mean_lo_of<acc_t>(mean_lo, g.C);
     const Affine<acc_t> z = z_affine<acc_t>(act, m, g.C);
-    with_activation<acc_t>(act.act, [&](const auto& a) {
+    with_cpu_activation<acc_t>(act.act, [&](const auto& a) {
       if (g.layout == Layout::kChannelsFirst) {
         backward_reduce_channels_first<scalar_t, acc_t>(
             dy, x, m, lo.data(), g, dy_sum, dy_xmu_sum, z, a);
@@ -279,6 +326,28 @@ void backward_sums_into_cpu(
       }
     });
   });
+}
+
+at::Tensor act_grad_residual_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& residual,
+    const at::Tensor& mean, const at::Tensor& mean_lo, const ActAffine& act) {
+  if (act.act.identity()) return grad_out.clone(at::MemoryFormat::Preserve);
+  at::Tensor out = at::empty_like(input);
+  if (input.numel() == 0) return out;
+  const Geometry g = geometry_of(input);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "act_grad_residual_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const Affine<acc_t> a = normalize_coefficients<acc_t>(
+        mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(mean_lo),
+        act.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.weight),
+        data_or_null<acc_t>(act.bias), g.C);
+    with_cpu_activation<acc_t>(act.act, [&](const auto& f) {
+      act_grad_residual_kernel<scalar_t, acc_t>(
+          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+          residual.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), g, a, f);
+    });
+  });
+  return out;
 }
 
 at::Tensor backward_elemt_checked_cpu(
@@ -297,7 +366,7 @@ at::Tensor backward_elemt_checked_cpu(
         o.invstd.const_data_ptr<acc_t>(),
         data_or_null<acc_t>(o.weight), sum_dy.data<acc_t>(), sum_dy_xmu.data<acc_t>(), count, g.C);
     const Affine<acc_t> z = z_affine<acc_t>(act, o.mean.const_data_ptr<acc_t>(), g.C);
-    with_activation<acc_t>(act.act, [&](const auto& a) {
+    with_cpu_activation<acc_t>(act.act, [&](const auto& a) {
       backward_elemt_kernel<scalar_t, acc_t>(
           o.grad_out.const_data_ptr<scalar_t>(), o.input.const_data_ptr<scalar_t>(),
           o.output.mutable_data_ptr<scalar_t>(), g, coeff, z, a);

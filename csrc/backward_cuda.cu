@@ -134,6 +134,62 @@ struct GradSumOp {
   }
 };
 
+// GradSumOp of a layer whose forward added a residual before its activation, y = act(z + r): each
+// element is loaded as g = dy * act'(z + r), rounded to scalar_t and written to `grad` (the
+// residual's gradient, and grad_input's dy), and GradSumOp without an activation sums that g. A
+// reduction loads every element exactly once, so `grad` is written whole.
+template <typename scalar_t, typename acc_t, typename Act>
+struct GradSumResidualOp : GradSumOp<scalar_t, acc_t, IdentityAct> {
+  using Base = GradSumOp<scalar_t, acc_t, IdentityAct>;
+  using Item = typename Base::Item;
+  using Channel = typename Base::Channel;
+  const scalar_t* __restrict__ residual = nullptr;
+  scalar_t* __restrict__ grad = nullptr;
+  Act act = {};
+
+  // The forward's z coefficients (the identity's are never read).
+  __device__ Channel channel(int64_t c) const {
+    if constexpr (Act::kIdentity) {
+      return {this->mean[c], acc_t(0), acc_t(0)};
+    } else {
+      const acc_t scale = this->invstd[c] * (this->weight ? this->weight[c] : acc_t(1));
+      const acc_t shift = this->bias ? this->bias[c] : acc_t(0);
+      return {this->mean[c], scale, this->mean_lo ? shift - this->mean_lo[c] * scale : shift};
+    }
+  }
+  bool aligned(size_t bytes) const {
+    return Base::aligned(bytes) && aligned_to(residual, bytes) && aligned_to(grad, bytes);
+  }
+  __device__ __forceinline__ Item load(int64_t i, Channel ch) const {
+    acc_t z[1] = {(to_acc<acc_t>(this->x[i]) - ch.mean) * ch.scale + ch.shift +
+                  to_acc<acc_t>(residual[i])};
+    act.template grad_n<1>(z);
+    const scalar_t g = static_cast<scalar_t>(to_acc<acc_t>(this->dy[i]) * z[0]);
+    grad[i] = g;
+    return {to_acc<acc_t>(g), to_acc<acc_t>(this->x[i])};
+  }
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(int64_t i, const Channel* ch, Item* v) const {
+    const Vec<scalar_t, VEC> rdy = syncbn::load_vec<VEC>(this->dy, i);
+    const Vec<scalar_t, VEC> rx = syncbn::load_vec<VEC>(this->x, i);
+    const Vec<scalar_t, VEC> rr = syncbn::load_vec<VEC>(residual, i);
+    acc_t z[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      z[e] = (to_acc<acc_t>(rx.v[e]) - ch[e].mean) * ch[e].scale + ch[e].shift +
+             to_acc<acc_t>(rr.v[e]);
+    }
+    act.template grad_n<VEC>(z);
+    Vec<scalar_t, VEC> out;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      out.v[e] = static_cast<scalar_t>(to_acc<acc_t>(rdy.v[e]) * z[e]);
+      v[e] = {to_acc<acc_t>(out.v[e]), to_acc<acc_t>(rx.v[e])};
+    }
+    *reinterpret_cast<Vec<scalar_t, VEC>*>(grad + i) = out;
+  }
+};
+
 // dx = (dy - mean_dy - xmu * k) * iw with xmu = (x - mean) - mean_lo, mean_dy = sum_dy / n, k =
 // sum_dy_xmu / n * invstd^2 and iw = invstd * weight, where n is the group count read from device
 // memory. (x - mean) stays explicit: folding the mean into an offset cancels catastrophically for
@@ -240,12 +296,13 @@ void grad_header_cuda(const GradHeader& h) {
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act,
-    const at::Tensor& info, at::Tensor* header) {
+    const at::Tensor& info, at::Tensor* header, const at::Tensor& residual, at::Tensor* grad) {
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     with_activation<acc_t>(act.act, [&](const auto& a) {
-      const GradSumOp<scalar_t, acc_t, std::decay_t<decltype(a)>> op{
+      using Act = std::decay_t<decltype(a)>;
+      const GradSumOp<scalar_t, acc_t, Act> op{
           grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
           mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(mean_lo),
           data_or_null<acc_t>(act.invstd), data_or_null<acc_t>(act.weight),
@@ -254,7 +311,19 @@ void backward_sums_into_cuda(
           header ? header->mutable_data_ptr<acc_t>() : nullptr};
       const Outputs<acc_t> out{
           sum_dy.mutable_data_ptr<acc_t>(), sum_dy_xmu.mutable_data_ptr<acc_t>(), nullptr};
-      launch_reduction(op, g, input, out);
+      if (grad == nullptr) {
+        launch_reduction(op, g, input, out);
+        return;
+      }
+      // The base's own activation is the identity: it sums the g its loads produce.
+      GradSumResidualOp<scalar_t, acc_t, Act> fused{};
+      static_cast<GradSumOp<scalar_t, acc_t, IdentityAct>&>(fused) = {
+          op.dy, op.x, op.mean, op.mean_lo, op.invstd, op.weight, op.bias, IdentityAct{},
+          op.tags, op.header};
+      fused.residual = residual.const_data_ptr<scalar_t>();
+      fused.grad = grad->mutable_data_ptr<scalar_t>();
+      fused.act = a;
+      launch_reduction(fused, g, input, out);
     });
   });
 }

@@ -165,6 +165,21 @@ ElemtOperands elemt_operands(
       optional_acc(bias, "bias", input), at::empty_like(input)};
 }
 
+at::Tensor checked_residual(const c10::optional<at::Tensor>& residual, const at::Tensor& input) {
+  if (!residual.has_value() || !residual->defined()) return at::Tensor();
+  const at::Tensor& r = *residual;
+  TORCH_CHECK(
+      r.sizes() == input.sizes(), "syncbn: `residual` must have the input's shape ",
+      input.sizes(), " (it is added to the normalized input), got ", r.sizes());
+  TORCH_CHECK(
+      r.scalar_type() == input.scalar_type(), "syncbn: `residual` must have the input's dtype ",
+      input.scalar_type(), ", got ", r.scalar_type());
+  TORCH_CHECK(
+      r.device() == input.device(), "syncbn: `residual` must be on the input's device ",
+      input.device(), ", got ", r.device());
+  return r;
+}
+
 at::Tensor checked_mean_lo(const c10::optional<at::Tensor>& mean_lo, const at::Tensor& input) {
   if (!mean_lo.has_value() || !mean_lo->defined()) return at::Tensor();
   check_channel_vector(*mean_lo, "mean_lo", input, /*require_acc_dtype=*/true);

@@ -80,6 +80,9 @@ ElemtOperands elemt_operands(
     const at::Tensor& input, const at::Tensor& grad_out, const at::Tensor& mean,
     const at::Tensor& mean_lo, const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias);
+// An optional `residual` (the fused residual add) checked against `input`: the same shape, dtype
+// and device (the kernels take it with the dense input's strides); undefined when absent.
+at::Tensor checked_residual(const c10::optional<at::Tensor>& residual, const at::Tensor& input);
 // An optional `mean_lo` checked like a mean (acc dtype, one value per channel); undefined when
 // absent.
 at::Tensor checked_mean_lo(const c10::optional<at::Tensor>& mean_lo, const at::Tensor& input);
@@ -187,14 +190,22 @@ void shifted_sums_into_cpu(
 void backward_sums_into_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, Channels sum_dy, Channels sum_dy_xmu, const ActAffine& act = {});
-// normalize after its checks, with the activation applied before the rounding (the fused
-// forward's output): normalize_act_cpu, and normalize_act_cuda with CUDA. `mean_lo` may be
-// undefined (0).
+// normalize after its checks, with the residual added and the activation applied before the
+// rounding (the fused forward's output, act(z + residual)): normalize_act_cpu, and
+// normalize_act_cuda with CUDA. `mean_lo` may be undefined (0); `residual` undefined (none) or
+// checked_residual's.
 using NormalizeActFn = at::Tensor(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& mean_lo,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const Activation& act);
+    const c10::optional<at::Tensor>& bias, const Activation& act, const at::Tensor& residual);
 NormalizeActFn normalize_act_cpu;
+// grad_sums_residual's first pass on the CPU: g = dy * act'(z + residual), z recomputed from
+// `input` (xmu = (x - mean) - mean_lo, mean_lo may be undefined), rounded to the input's dtype
+// (as the unfused activation's backward rounds it), in the input's layout. Without an activation:
+// dy itself, copied.
+at::Tensor act_grad_residual_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& residual,
+    const at::Tensor& mean, const at::Tensor& mean_lo, const ActAffine& act);
 // backward_elemt_cpu after its checks, with the group sums as channel slices and the group count
 // as a number (dy * act'(z) in place of dy for an activation; mean_lo may be undefined).
 at::Tensor backward_elemt_checked_cpu(
@@ -243,11 +254,15 @@ void shifted_sums_into_cuda(
     const at::Tensor& input, const at::Tensor& shift64, double scale, at::Tensor& s1,
     at::Tensor& s2);
 // With `header`, the reduction also writes the call-order header of `info`'s tags (grad_info;
-// undefined: zeros) there (grad_header.h).
+// undefined: zeros) there (grad_header.h). With `residual` (defined, checked_residual's) and
+// `grad` (the input's shape and layout), z + residual stands for z, and the reduction writes
+// g = dy * act'(z + residual), rounded to the input's dtype, into `grad` as it loads each element
+// and sums that rounded g (grad_sums_residual: one pass).
 void backward_sums_into_cuda(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu,
-    const ActAffine& act = {}, const at::Tensor& info = {}, at::Tensor* header = nullptr);
+    const ActAffine& act = {}, const at::Tensor& info = {}, at::Tensor* header = nullptr,
+    const at::Tensor& residual = {}, at::Tensor* grad = nullptr);
 // The backward's call-order header on the device: the tags are info[4..5] (grad_info); `header`
 // (may be null) receives the header of the tags; `order_ok` (may be null) whether `total`, the
 // summed header, is `ranks` times it.

@@ -172,7 +172,7 @@ at::Tensor normalize_cpu(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
   check_normalize_args(input, mean, invstd, c10::DeviceType::CPU);
-  return normalize_act_cpu(input, mean, at::Tensor(), invstd, weight, bias, Activation{});
+  return normalize_act_cpu(input, mean, at::Tensor(), invstd, weight, bias, Activation{}, {});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
@@ -230,8 +230,10 @@ MergedOutputs merge_normalize_cpu(
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights) {
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
+    const c10::optional<at::Tensor>& residual) {
   const Activation activation = checked_activation(act, act_param);  // before any update
+  const at::Tensor res = checked_residual(residual, input);
   MergeOutputs out = prepare_merge(
       input, running_mean, running_var, num_batches_tracked, nonfinite, eps, c10::DeviceType::CPU);
   const int64_t W = check_rows(rows, input);
@@ -267,7 +269,7 @@ MergedOutputs merge_normalize_cpu(
     write_info<scalar_t>(out, total, grad_count, samples, true, finite, r[2], r[3]);
   });
   at::Tensor output =
-      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
+      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
@@ -298,6 +300,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
       act_affine(act, act_param, invstd, weight, bias, input));
   auto [grad_weight, grad_bias] = param_grads(sums, invstd.contiguous(), weight, input);
   return {sums, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cpu(
+    const at::Tensor& grad_out, const at::Tensor& input_, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
+    double act_param, const c10::optional<at::Tensor>& mean_lo,
+    const c10::optional<at::Tensor>& info) {
+  check_backward_args(grad_out, input_, mean, invstd, c10::DeviceType::CPU);
+  TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
+  const at::Tensor res = checked_residual(residual, input_);
+  const at::Tensor lo = checked_mean_lo(mean_lo, input_);
+  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input_);
+  // Two passes on the CPU (g, then the sums of g): the sums' kernels stay as they are.
+  const at::Tensor input = dense_input(input_);
+  const at::Tensor grad = act_grad_residual_cpu(
+      with_strides_of(grad_out, input), input, with_strides_of(res, input), mean.contiguous(),
+      lo.defined() ? lo.contiguous() : lo, activation);
+  auto [sums, grad_weight, grad_bias] =
+      grad_sums_cpu(grad, input, mean, invstd, weight, bias, 0, 0.0, mean_lo, info);
+  return {sums, grad_weight, grad_bias, grad};
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input_cpu(

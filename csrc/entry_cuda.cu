@@ -141,7 +141,7 @@ at::Tensor normalize_cuda(
     const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
   check_normalize_args(input, mean, invstd, c10::DeviceType::CUDA);
-  return normalize_act_cuda(input, mean, at::Tensor(), invstd, weight, bias, Activation{});
+  return normalize_act_cuda(input, mean, at::Tensor(), invstd, weight, bias, Activation{}, {});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
@@ -209,8 +209,10 @@ MergedOutputs merge_normalize_cuda(
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights) {
-  const Activation activation = checked_activation(act, act_param);  // before any update
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
+    const c10::optional<at::Tensor>& residual) {
+  const Activation activation = checked_activation(act, act_param);
+  const at::Tensor res = checked_residual(residual, input);  // before any update
   MergeOutputs out = prepare_merge(
       input, running_mean, running_var, num_batches_tracked, nonfinite, eps,
       c10::DeviceType::CUDA);
@@ -233,15 +235,20 @@ MergedOutputs merge_normalize_cuda(
     });
   });
   at::Tensor output =
-      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
+      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
+namespace {
+
+// grad_sums_cuda, and with `residual` (checked, or undefined) grad_sums_residual_cuda's four
+// outputs (the fourth, g, undefined without a residual).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_with(
     const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_) {
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_,
+    const at::Tensor& residual) {
   check_backward_args(grad_out_, input_, mean_, invstd, c10::DeviceType::CUDA);
   const at::Tensor lo = checked_mean_lo(mean_lo, input_);
   const at::Tensor info = checked_grad_info(info_, input_);
@@ -256,14 +263,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
   at::Tensor header = sums.narrow(0, 0, kGradHeader);
   at::Tensor sum_dy = sums.narrow(0, kGradHeader, C);
   at::Tensor sum_dy_xmu = sums.narrow(0, kGradHeader + C, C);
+  at::Tensor grad = residual.defined() ? at::empty_like(input) : at::Tensor();
   if (input.numel() > 0) {
     backward_sums_into_cuda(
         grad_out, input, mean, lo.defined() ? lo.contiguous() : lo, sum_dy, sum_dy_xmu,
-        activation, info, &header);
+        activation, info, &header,
+        residual.defined() ? with_strides_of(residual, input) : residual,
+        residual.defined() ? &grad : nullptr);
   } else if (info.defined()) {
     grad_header_cuda({info, &header});
   }
-  return with_packed_param_grads(sums, invstd, weight, input);
+  auto [packed, grad_weight, grad_bias] = with_packed_param_grads(sums, invstd, weight, input);
+  return {packed, grad_weight, grad_bias, grad};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info) {
+  auto [sums, grad_weight, grad_bias, unused] = grad_sums_with(
+      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info, at::Tensor());
+  return {sums, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cuda(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
+    double act_param, const c10::optional<at::Tensor>& mean_lo,
+    const c10::optional<at::Tensor>& info) {
+  TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
+  const at::Tensor res = checked_residual(residual, input);
+  return grad_sums_with(
+      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info, res);
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input_cuda(

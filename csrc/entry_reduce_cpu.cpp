@@ -47,8 +47,10 @@ MergedOutputs reduce_merge_normalize_cpu(
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param) {
+    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& residual) {
   const Activation activation = checked_activation(act, act_param);  // before any update
+  const at::Tensor res = checked_residual(residual, input);
   MergeOutputs out = prepare_merge(
       input, running_mean, running_var, num_batches_tracked, nonfinite, eps, c10::DeviceType::CPU);
   const at::Tensor summed = summed_reduce_vector(total, sent, world_size, input);
@@ -89,7 +91,7 @@ MergedOutputs reduce_merge_normalize_cpu(
     write_info<scalar_t>(out, t[0], grad_count, t[1], true, finite, layer, call);
   });
   at::Tensor output =
-      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
+      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 

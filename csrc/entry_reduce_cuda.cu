@@ -124,8 +124,10 @@ MergedOutputs reduce_merge_normalize_cuda(
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param) {
+    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& residual) {
   const Activation activation = checked_activation(act, act_param);  // before any update
+  const at::Tensor res = checked_residual(residual, input);
   MergeOutputs out = prepare_merge(
       input, running_mean, running_var, num_batches_tracked, nonfinite, eps,
       c10::DeviceType::CUDA);
@@ -151,7 +153,7 @@ MergedOutputs reduce_merge_normalize_cuda(
     });
   });
   at::Tensor output =
-      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation);
+      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 

@@ -16,7 +16,7 @@ TORCH_LIBRARY(syncbn, m) {
       "merge_normalize(Tensor input, Tensor rows, Tensor? weight, Tensor? bias, "
       "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
       "Tensor(d!)? nonfinite, float? momentum, float eps, bool unbiased, int act=0, "
-      "float act_param=0., bool equal_rank_weights=False) "
+      "float act_param=0., bool equal_rank_weights=False, Tensor? residual=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "reduce_sums(Tensor input, Tensor? shift, int layer_tag, Tensor(a!) calls, "
@@ -25,7 +25,8 @@ TORCH_LIBRARY(syncbn, m) {
       "reduce_merge_normalize(Tensor input, Tensor total, Tensor sent, Tensor? weight, "
       "Tensor? bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
       "Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, float? momentum, float eps, "
-      "bool unbiased, bool equal_rank_weights, int world_size, int act=0, float act_param=0.) "
+      "bool unbiased, bool equal_rank_weights, int world_size, int act=0, float act_param=0., "
+      "Tensor? residual=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // `act` (activation.h; 0 = none) and `act_param` are the activation fused after the affine
   // step; its backward recomputes the pre-activation from the input, so it needs the bias.
@@ -37,6 +38,13 @@ TORCH_LIBRARY(syncbn, m) {
       "grad_sums(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
       "Tensor? bias=None, int act=0, float act_param=0., Tensor? mean_lo=None, "
       "Tensor? info=None) -> (Tensor, Tensor, Tensor)");
+  // `residual`: the tensor the forward added before its activation; grad_sums_residual also
+  // returns its gradient g = dy * act'(z + residual), which grad_input then takes as grad_out
+  // with act = 0.
+  m.def(
+      "grad_sums_residual(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, "
+      "Tensor? weight, Tensor? bias, Tensor residual, int act=0, float act_param=0., "
+      "Tensor? mean_lo=None, Tensor? info=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "grad_input(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
       "Tensor sums, Tensor info, Tensor? bias=None, int act=0, float act_param=0., "
@@ -47,7 +55,7 @@ namespace {
 // Every operator, and those that mutate an argument (the call counter, the running statistics).
 constexpr const char* kOperators[] = {
     "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "grad_sums",
-    "grad_input"};
+    "grad_sums_residual", "grad_input"};
 constexpr const char* kMutating[] = {
     "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize"};
 }  // namespace
@@ -58,6 +66,7 @@ TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
   m.impl("reduce_sums", &syncbn::reduce_sums_cpu);
   m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cpu);
   m.impl("grad_sums", &syncbn::grad_sums_cpu);
+  m.impl("grad_sums_residual", &syncbn::grad_sums_residual_cpu);
   m.impl("grad_input", &syncbn::grad_input_cpu);
 }
 
@@ -84,6 +93,7 @@ TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
   m.impl("reduce_sums", &syncbn::reduce_sums_cuda);
   m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cuda);
   m.impl("grad_sums", &syncbn::grad_sums_cuda);
+  m.impl("grad_sums_residual", &syncbn::grad_sums_residual_cuda);
   m.impl("grad_input", &syncbn::grad_input_cuda);
 }
 #endif

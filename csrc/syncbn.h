@@ -110,6 +110,8 @@ using BackwardElemtFn = at::Tensor(
 //     running dtype; num_batches_tracked += finite; nonfinite (int64 counter) += !finite.
 //   * `act`, `act_param`: the activation applied to the normalized output (activation.h; 0 is
 //     none), computed in the acc dtype before the single rounding to the input's dtype.
+//   * `residual` (optional; the input's shape and dtype): added to the normalized output before
+//     the activation, y = act(z + residual) (a ResNet block's tail: BN, add, activation).
 // ------------------------------------------------------------------------------------------------
 
 // The rank's row: local Welford statistics plus the header. `calls` (int64, one element, on the
@@ -128,7 +130,8 @@ using MergeNormalizeFn = MergedOutputs(
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights);
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
+    const c10::optional<at::Tensor>& residual);
 
 // The rank's float64 vector of the reduce exchange (layout above): one pass over the input
 // accumulating in double. `shift` (optional, [C], any floating dtype) is K; `calls` as stats_row.
@@ -147,7 +150,8 @@ using ReduceMergeNormalizeFn = MergedOutputs(
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param);
+    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& residual);
 
 // Local backward sums packed for the collective, [header, sum_dy[C], sum_dy_xmu[C]] (acc dtype;
 // the header of the tags in `info`, the merge's grad_info, zeros without it), with the local
@@ -162,6 +166,17 @@ using GradSumsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
     const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info);
+
+// grad_sums of a layer whose forward added `residual` before its activation, y = act(z + r):
+// g = dy * act'(z + r) (z recomputed from `input`; dy itself without an activation) rounded to
+// the input's dtype stands for dy in the sums. Returns (sums, grad_weight, grad_bias, g): g is
+// the residual's gradient and the dy that grad_input takes next, with act = 0.
+using GradSumsResidualFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
+    double act_param, const c10::optional<at::Tensor>& mean_lo,
+    const c10::optional<at::Tensor>& info);
 
 // Input gradient from R >= 1 rows of sums ([R * (kGradHeader + 2C)]: all-reduced, R = 1, or
 // gathered, summed here in row order) and the count info[0] (read on the device), and the call-order
@@ -186,6 +201,7 @@ MergeNormalizeFn merge_normalize_cpu;
 ReduceSumsFn reduce_sums_cpu;
 ReduceMergeNormalizeFn reduce_merge_normalize_cpu;
 GradSumsFn grad_sums_cpu;
+GradSumsResidualFn grad_sums_residual_cpu;
 GradInputFn grad_input_cpu;
 #ifdef WITH_CUDA
 LocalStatsFn local_stats_cuda;
@@ -198,6 +214,7 @@ MergeNormalizeFn merge_normalize_cuda;
 ReduceSumsFn reduce_sums_cuda;
 ReduceMergeNormalizeFn reduce_merge_normalize_cuda;
 GradSumsFn grad_sums_cuda;
+GradSumsResidualFn grad_sums_residual_cuda;
 GradInputFn grad_input_cuda;
 #endif
 

@@ -61,13 +61,22 @@ def run_fused(
     calls_start: int = 2,
     act: int = 0,
     act_param: float = 0.0,
+    residual: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Every rank's results of one forward + backward through ``ops``' fused steps of
     ``exchange`` (with the activation ``act``, ``act_param`` fused, see
-    :mod:`syncbn_lightning.ops.activations`), on the inputs' device; the parameters, running
-    statistics and output gradients are drawn on the CPU, so every device sees the same values."""
+    :mod:`syncbn_lightning.ops.activations`; with ``residual``, a residual of each input's shape
+    and layout added before it, and the backward through ``grad_sums_residual``), on the inputs'
+    device; the parameters, running statistics, residuals and output gradients are drawn on the
+    CPU, so every device sees the same values."""
     channels, device = xs[0].shape[1], xs[0].device
     gen = torch.Generator().manual_seed(3)
+    residuals = [
+        torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64) * 2)
+        if residual
+        else None
+        for x in xs
+    ]
     weight = (torch.rand(channels, generator=gen) + 0.5).to(device) if affine else None
     bias = torch.randn(channels, generator=gen).to(device) if affine else None
     counters = [torch.full((1,), calls_start, dtype=torch.long, device=device) for _ in xs]
@@ -85,7 +94,7 @@ def run_fused(
         # "reduce_gathered": every rank's vector, for the merge to sum (CPU groups of <= 8 ranks)
         received = torch.cat(sent) if exchange == "reduce_gathered" else torch.stack(sent).sum(0)
     merged = []
-    for x, own, state in zip(xs, sent, states, strict=True):
+    for x, own, state, res in zip(xs, sent, states, residuals, strict=True):
         running = (
             state["running_mean"],
             state["running_var"],
@@ -105,6 +114,7 @@ def run_fused(
                 act,
                 act_param,
                 equal_rank_weights,
+                res,
             )
         else:
             out = ops.reduce_merge_normalize(
@@ -121,6 +131,7 @@ def run_fused(
                 len(xs),
                 act,
                 act_param,
+                res,
             )
         merged.append(out)
     # Drawn on the CPU (the same values on every device), copied in the input's layout.
@@ -128,17 +139,25 @@ def run_fused(
         torch.empty_like(x).copy_(torch.randn(x.shape, generator=gen, dtype=torch.float64))
         for x in xs
     ]
-    sums = [
-        ops.grad_sums(dy, x, m[1], m[3], weight, bias, act, act_param, m[2], m[6])
-        for dy, x, m in zip(grads, xs, merged, strict=True)
-    ]
+    if residual:  # g = dy * act'(z + r) is the residual's gradient and grad_input's dy
+        sums = [
+            ops.grad_sums_residual(dy, x, m[1], m[3], weight, bias, r, act, act_param, m[2], m[6])
+            for dy, x, m, r in zip(grads, xs, merged, residuals, strict=True)
+        ]
+    else:
+        sums = [
+            ops.grad_sums(dy, x, m[1], m[3], weight, bias, act, act_param, m[2], m[6])
+            for dy, x, m in zip(grads, xs, merged, strict=True)
+        ]
     gathered = torch.cat([s[0] for s in sums])
     results = []
     for r, x in enumerate(xs):
         output, mean, mean_lo, invstd, var, info, grad_info = merged[r]
+        dy, dy_act = (sums[r][3], 0) if residual else (grads[r], act)
         grad_in, order_ok = ops.grad_input(
-            grads[r], x, mean, invstd, weight, gathered, grad_info, bias, act, act_param, mean_lo
+            dy, x, mean, invstd, weight, gathered, grad_info, bias, dy_act, act_param, mean_lo
         )
+        extra = {"residual": residuals[r], "grad_residual": sums[r][3]} if residual else {}
         results.append(
             {
                 "grad_output": grads[r],
@@ -158,6 +177,7 @@ def run_fused(
                 "grad_bias": sums[r][2],
                 "grad_input": grad_in,
                 "order_ok": order_ok,
+                **extra,
                 **states[r],
             }
         )

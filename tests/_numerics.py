@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -32,3 +34,20 @@ def sum_err(actual: torch.Tensor, truth: torch.Tensor, abs_sum: torch.Tensor) ->
     scale = abs_sum.detach().cpu().double().clamp_min(torch.finfo(torch.float64).tiny)
     a, t = actual.detach().cpu().double(), truth.detach().cpu().double()
     return ((a - t).abs() / scale).max().item()
+
+
+def assert_one_graph_and_compiled_matches_eager(net: torch.nn.Module, x: torch.Tensor) -> None:
+    """``torch._dynamo.explain``: one graph, no break; then ``net`` compiled (``aot_eager``,
+    ``fullgraph``) gives eager's output and input gradient (loss: the output's squares summed)."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(net)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(copy.deepcopy(net), backend="aot_eager", fullgraph=True)
+    results = []
+    for model in (net, compiled):
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)

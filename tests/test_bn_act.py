@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _numerics import assert_one_graph_and_compiled_matches_eager
 from torch import nn
 
 from syncbn_lightning import (
@@ -141,16 +142,4 @@ def test_compiles_to_one_graph_and_matches_eager(impl: str) -> None:
     net = nn.Sequential(
         nn.Conv2d(3, 6, 3), SyncBatchNormAct(6, act="silu", force_sync=True, impl=impl)
     )
-    x = torch.randn(4, 3, 8, 8)
-    torch._dynamo.reset()
-    explained = torch._dynamo.explain(net)(x)
-    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
-    results = []
-    for model in (net, compiled):
-        xi = x.clone().requires_grad_(True)
-        out = model(xi)
-        out.square().sum().backward()
-        results.append((out.detach(), xi.grad))
-    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+    assert_one_graph_and_compiled_matches_eager(net, torch.randn(4, 3, 8, 8))

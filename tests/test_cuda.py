@@ -155,15 +155,16 @@ def _residual_net() -> nn.Module:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
-    ext, exchange: str, channels_last: bool, monkeypatch: pytest.MonkeyPatch
+    ext, exchange: str, channels_last: bool, fuse: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whole eager train steps (forward, loss, backward, SGD) of a converted model, with a
     one-rank NCCL group and every layer forced to synchronize, issue no host-device sync: the
     host runs ahead of the GPU, as with plain BatchNorm (the call-order flags are read once per
-    step by the callback, outside this region)."""
+    step by the callback, outside this region). Also with the residual blocks' tails fused."""
     import torch.distributed as dist
 
     from syncbn_lightning import convert_sync_batchnorm
@@ -172,7 +173,9 @@ def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
     memory = torch.channels_last if channels_last else torch.contiguous_format
     dist.init_process_group("nccl", init_method=f"file://{_store_path()}", rank=0, world_size=1)
     try:
-        model = convert_sync_batchnorm(_residual_net(), exchange=exchange).cuda()
+        model = convert_sync_batchnorm(_residual_net(), exchange=exchange, fuse_residual=fuse)
+        assert isinstance(model[3], torch.fx.GraphModule) is fuse
+        model = model.cuda()
         model = model.to(memory_format=memory).train()
         for layer in model.modules():
             if isinstance(layer, SyncBatchNorm):

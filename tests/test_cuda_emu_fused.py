@@ -134,6 +134,25 @@ def test_fused_activation_kernels_match_cpu_operators(clean, act, dtype, exchang
             )
 
 
+@pytest.mark.parametrize("act", [0, 1, 3])  # none, relu, silu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_fused_residual_kernels_match_cpu_operators(clean, act, dtype, exchange) -> None:
+    """BatchNorm + residual add + activation (the two-input normalize kernel, and the reduction
+    writing g = dy * act'(z + r) as it sums it): both layouts, vectorized (C = 8) and not
+    (C = 5), an empty rank, per-channel counts past one block, against the CPU operators."""
+    options = {"act": act, "exchange": exchange, "residual": True}
+    cases = (([2, 0, 3], 5, (3, 7)), ([3, 2], 8, (2, 8)), ([2, 1], 4, (100, 84)))
+    for sizes, channels, spatial in cases:
+        xs = rank_inputs(sizes, channels, spatial, dtype, seed=act + channels)
+        for layout in (xs, channels_last(xs)):
+            compare(
+                run_fused(clean, layout, **options),
+                run_fused(torch.ops.syncbn, layout, **options),
+                TOLERANCE[dtype],
+            )
+
+
 @pytest.mark.parametrize(
     ("momentum", "running_dtype", "affine"),
     [(None, torch.float32, True), (0.3, torch.float16, False), (1.0, torch.float64, True)],

@@ -59,6 +59,27 @@ def _index_bound_of_numel_alone(text: str) -> str:
     return text.replace(right, "const bool small = g.N * g.C * g.S <= INT32_MAX; (void)max_stride;")
 
 
+RESIDUAL = [
+    f"test_cuda_emu_fused.py::test_fused_residual_kernels_match_cpu_operators[{exchange}-dtype0-1]"
+    for exchange in ("gather", "reduce")
+]
+WRONG_RESIDUAL = "FAILED test_cuda_emu_fused.py::test_fused_residual"
+
+
+def _residual_not_added(text: str) -> str:
+    """The two-input normalize kernel forgets the residual."""
+    right = "if constexpr (K == 2) out[e] += in[1][e];"
+    assert right in text
+    return text.replace(right, "")
+
+
+def _vector_residual_grad_without_residual(text: str) -> str:
+    """The vectorized residual reduction computes act'(z) instead of act'(z + r)."""
+    right = "             to_acc<acc_t>(rr.v[e]);"
+    assert right in text
+    return text.replace(right, "             acc_t(0) * to_acc<acc_t>(rr.v[e]);")
+
+
 @pytest.mark.parametrize(
     ("source", "mutate", "cases", "failure"),
     [
@@ -68,8 +89,17 @@ def _index_bound_of_numel_alone(text: str) -> str:
         ("stats_cuda.cu", _broken_chan_merge, MATRIX, WRONG_RESULT),
         # The elementwise launcher's choice of 32-bit indices.
         ("cuda_elemt.cuh", _index_bound_of_numel_alone, BAND, "was killed by SIGSEGV"),
+        # The fused residual tail: forward (normalize) and backward (the reduction's loads).
+        ("normalize_cuda.cu", _residual_not_added, RESIDUAL, WRONG_RESIDUAL),
+        ("backward_cuda.cu", _vector_residual_grad_without_residual, RESIDUAL, WRONG_RESIDUAL),
     ],
-    ids=["no_barriers", "broken_chan_merge", "index_bound_of_numel_alone"],
+    ids=[
+        "no_barriers",
+        "broken_chan_merge",
+        "index_bound_of_numel_alone",
+        "residual_not_added",
+        "vector_residual_grad_without_residual",
+    ],
 )
 def test_a_seeded_kernel_bug_fails_the_emulation_tests(
     source: str, mutate, cases: list[str], failure: str, tmp_path: Path

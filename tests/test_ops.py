@@ -284,6 +284,20 @@ def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
         torch.library.opcheck(
             ops.grad_input.default, (dy, x, mean, invstd, w, sums, info, b, 3, 0.0)
         )
+        # With a fused residual (relu): the residual's layout may differ from the input's.
+        r = torch.randn(x.shape)
+        torch.library.opcheck(
+            ops.merge_normalize.default,
+            (x, rows, w, b, *state, None, 1e-5, True, 1, 0.0, False, r),
+        )
+        torch.library.opcheck(
+            ops.reduce_merge_normalize.default,
+            (x, sent * 2, sent, w, b, *state, None, 1e-5, True, False, 2, 1, 0.0, r),
+        )
+        torch.library.opcheck(
+            ops.grad_sums_residual.default, (dy, x, mean, invstd, w, b, r, 1, 0.0, lo, info)
+        )
+        torch.library.opcheck(ops.grad_sums_residual.default, (dy, x, mean, invstd, None, None, r))
 
 
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])

@@ -125,6 +125,9 @@ class LocalGrads(NamedTuple):
     #: what the strategy's :meth:`Exchange.grad_input` needs: saved tensors, values computed
     #: once for both steps.
     carry: Any = None
+    #: with a fused residual (:attr:`Exchange.fuses_residual`), the residual's gradient
+    #: ``dy * act'(z + residual)``; ``None`` without one.
+    grad_residual: torch.Tensor | None = None
 
 
 class Exchange(ABC):
@@ -140,6 +143,10 @@ class Exchange(ABC):
     gathers: ClassVar[bool]
     #: whether it runs the ``syncbn::`` operators when the extension is available (``impl=``).
     uses_kernels: ClassVar[bool] = False
+    #: whether :meth:`merge` takes ``residual=`` (a tensor added before the fused activation,
+    #: ``act(z + residual)``) and :meth:`local_grads` returns its gradient (``grad_residual``).
+    #: Layers of strategies without it add the residual after the synchronized call.
+    fuses_residual: ClassVar[bool] = False
 
     @abstractmethod
     def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
@@ -151,7 +158,9 @@ class Exchange(ABC):
     ) -> Merged:
         """The group's statistics from ``received`` (gathered payloads, or their sum or every
         rank's as :attr:`gathers` says; ``sent`` is this rank's), the call-order check, the
-        running-stat update and the normalized (activated) output."""
+        running-stat update and the normalized (activated) output. Strategies with
+        :attr:`fuses_residual` also take ``residual=`` (the output is then
+        ``act(z + residual)``)."""
 
     @abstractmethod
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
@@ -176,11 +185,33 @@ def kernels(call: SyncCall) -> Any:
 class SplitMeanBackward(Exchange):
     """The backward of the built-in strategies: ``grad_sums`` and ``grad_input`` of the group mean
     split into ``mean + mean_lo``, whatever the forward exchanged. Their ``merge`` saves
-    ``(input, weight, mean, mean_lo, invstd, grad_info, bias)``; ``grad_info`` carries the call's
-    tags, which the sums carry back for the backward's call-order check."""
+    ``(input, weight, mean, mean_lo, invstd, grad_info, bias, residual)`` (``residual`` ``None``
+    unless fused); ``grad_info`` carries the call's tags, which the sums carry back for the
+    backward's call-order check.
+
+    With a fused residual, ``grad_sums_residual`` computes ``g = dy * act'(z + residual)`` (the
+    residual's gradient) and sums it in the same pass, and ``grad_input`` takes ``g`` for ``dy``
+    without an activation."""
+
+    fuses_residual = True
 
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
-        input, weight, mean, mean_lo, invstd, grad_info, bias = saved
+        input, weight, mean, mean_lo, invstd, grad_info, bias, residual = saved
+        if residual is not None:
+            sums, grad_weight, grad_bias, grad = kernels(call).grad_sums_residual(
+                grad_output,
+                input,
+                mean,
+                invstd,
+                weight,
+                bias,
+                residual,
+                call.act,
+                call.act_param,
+                mean_lo,
+                grad_info,
+            )
+            return LocalGrads(sums, grad_weight, grad_bias, saved, grad)
         sums, grad_weight, grad_bias = kernels(call).grad_sums(
             grad_output,
             input,
@@ -198,10 +229,12 @@ class SplitMeanBackward(Exchange):
     def grad_input(
         self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
     ) -> torch.Tensor:
-        input, weight, mean, mean_lo, invstd, grad_info, bias = local.carry
+        input, weight, mean, mean_lo, invstd, grad_info, bias, _residual = local.carry
+        # With a fused residual the activation's gradient is already in grad_residual.
+        fused = local.grad_residual is not None
         try:
             grad, order_ok = kernels(call).grad_input(
-                grad_output,
+                local.grad_residual if fused else grad_output,
                 input,
                 mean,
                 invstd,
@@ -209,7 +242,7 @@ class SplitMeanBackward(Exchange):
                 summed,
                 grad_info,
                 bias,
-                call.act,
+                0 if fused else call.act,
                 call.act_param,
                 mean_lo,
                 call.world_size,
@@ -217,32 +250,36 @@ class SplitMeanBackward(Exchange):
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
                 raise
-            _raise_backward_order(summed, local.sums, call, gather=True)
+            _raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
             raise
         if input.device.type != "cpu" and not torch.compiler.is_compiling():
             # Compiled CUDA backwards leave the flag unread: a side effect in a compiled
             # autograd.Function's backward is not traceable (the forward's tags are still read).
-            queue_order_check(order_ok, 0, _raise_backward_order, summed, local.sums, call, False)
+            width = local.sums.numel()
+            queue_order_check(
+                order_ok, 0, _raise_backward_order, summed, width, grad_info, call, False
+            )
         return grad
 
 
 def _raise_backward_order(
-    summed: torch.Tensor, sent: torch.Tensor, call: SyncCall, gather: bool
+    summed: torch.Tensor, width: int, grad_info: torch.Tensor, call: SyncCall, gather: bool
 ) -> None:
     """The backward's tags disagree: raise :class:`~syncbn_lightning.CallOrderError` naming each
     rank's layer, read from the gathered rows, or, for all-reduced sums, gathered now when
     ``gather`` (an error path every rank of the group takes at the same call); from a queued
-    CUDA check (no collective there), this rank's."""
-    width = sent.numel()
+    CUDA check (no collective there), this rank's. This rank's tags are its forward's
+    (``grad_info[4:6]``, the values its sums' header encodes: the sums may have been summed in
+    place); ``width``: one rank's sums."""
     rows = summed.detach().cpu().view(-1, width)
     if rows.shape[0] > 1:
         tags = torch.tensor([header_tags(row[:GRAD_HEADER]) for row in rows], dtype=torch.float64)
         raise_if_out_of_order(tags, call.group, backward=True)
         return
-    own = torch.tensor(header_tags(sent.detach().cpu()[:GRAD_HEADER]), dtype=torch.float64)
+    own = grad_info.detach()[4:6].to("cpu", torch.float64)
     if gather:
         note = flight.check_note(call.layer_tag)
-        tags = all_gather(own.to(sent.device), call.group, call.world_size, note).cpu()
+        tags = all_gather(own.to(summed.device), call.group, call.world_size, note).cpu()
         raise_if_out_of_order(tags.view(-1, 2), call.group, backward=True)
         return
     layer, number = (int(v) for v in own.tolist())

@@ -39,7 +39,7 @@ __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """``apply(input, weight, bias, state, call) -> (output, mean, var, info)``.
+    """``apply(input, weight, bias, state, call[, residual]) -> (output, mean, var, info)``.
 
     Args:
         input: ``(N, C, *)``, any layout; ``weight``, ``bias``: ``[C]`` or ``None``.
@@ -48,6 +48,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
         call: the :class:`~.exchange.SyncCall`: the group, its size, the layer's tag, the
             exchange strategy, the layer's :class:`~.options.SyncOptions` (momentum, eps,
             stats_mode...), the kernels and the fused activation.
+        residual: optional, the input's shape and dtype: added before the activation, ``output
+            = act(z + residual)`` (a residual block's tail in one kernel; gradient
+            ``dy * act'(z + residual)``). Only for exchanges with
+            :attr:`~.exchange.Exchange.fuses_residual`.
 
     Returns:
         ``output`` (differentiable), and, not differentiable, the group mean, the group variance
@@ -65,6 +69,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         bias: torch.Tensor | None,
         state: LayerState,
         call: SyncCall,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         inputs, exchange = Inputs(input, weight, bias, state), call.exchange
@@ -74,7 +79,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
             received = all_gather(sent, call.group, call.world_size, note)
         else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
             received = sum_over_group(sent, call.group, call.world_size, note)
-        merged = exchange.merge(inputs, sent, received, call)
+        if residual is None:
+            merged = exchange.merge(inputs, sent, received, call)
+        else:
+            merged = exchange.merge(inputs, sent, received, call, residual=residual)
         ctx.save_for_backward(*merged.saved)
         ctx.call = call
         ctx.flight_call = note[2]
@@ -92,7 +100,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return _backward(ctx, grad_output)
 
 
-_NO_GRADS: tuple[None, ...] = (None,) * 5  # one per argument of forward
+_NO_GRADS: tuple[None, ...] = (None,) * 6  # one per argument of forward
 
 
 def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -106,13 +114,16 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     grad_input = None
     if need_input:
         note = (flight.BACKWARD, call.layer_tag, ctx.flight_call)
-        summed = sum_over_group(local.sums, call.group, call.world_size, note)
+        # In place: the local sums are not read again (their error path reads the saved tags).
+        summed = sum_over_group(local.sums, call.group, call.world_size, note, in_place=True)
         grad_input = call.exchange.grad_input(grad_output, summed, local, call)
     return (
         grad_input,
         local.grad_weight if need_weight else None,
         local.grad_bias if need_bias else None,
-        *_NO_GRADS[3:],
+        None,
+        None,
+        local.grad_residual,
     )
 
 

@@ -52,7 +52,12 @@ class GatherExchange(SplitMeanBackward):
         return kernels(call).stats_row(inputs.input, call.layer_tag, inputs.state.calls)
 
     def merge(
-        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
+        self,
+        inputs: Inputs,
+        sent: torch.Tensor,
+        received: torch.Tensor,
+        call: SyncCall,
+        residual: torch.Tensor | None = None,
     ) -> Merged:
         input, weight, bias, state = inputs
         options, channels = call.options, input.shape[1]
@@ -69,6 +74,7 @@ class GatherExchange(SplitMeanBackward):
                 call.act,
                 call.act_param,
                 options.stats_mode == "default",
+                residual,
             )
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
@@ -79,7 +85,7 @@ class GatherExchange(SplitMeanBackward):
             queue_order_check(info, 2, _report_order, received, channels, call.group)
             if input.numel() < 2 * channels and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, call.world_size)
-        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias)
+        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
         return Merged(output, mean, var, info, saved)
 
 

@@ -79,7 +79,12 @@ class ReduceExchange(SplitMeanBackward):
         )
 
     def merge(
-        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
+        self,
+        inputs: Inputs,
+        sent: torch.Tensor,
+        received: torch.Tensor,
+        call: SyncCall,
+        residual: torch.Tensor | None = None,
     ) -> Merged:
         input, weight, bias, state = inputs
         options, world = call.options, call.world_size
@@ -99,6 +104,7 @@ class ReduceExchange(SplitMeanBackward):
                 world,
                 call.act,
                 call.act_param,
+                residual,
             )
         except RuntimeError as exc:
             text = str(exc)
@@ -114,7 +120,7 @@ class ReduceExchange(SplitMeanBackward):
             queue_order_check(info, 2, _report_mismatch, sent, received, world, call.group)
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, world)
-        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias)
+        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
         return Merged(output, mean, var, info, saved)
 
 

@@ -78,6 +78,7 @@ def check_callback_arguments(
     single_process: str = "leave",
     stats_mode: str | None = None,
     exchange: str | None = None,
+    fuse_residual: bool = False,
 ) -> SyncOptions:
     """Check the arguments of :class:`~syncbn_lightning.SyncBNCallback` (the same names and
     defaults; ``tests/test_keys.py`` keeps the two signatures equal).
@@ -108,4 +109,9 @@ def check_callback_arguments(
         raise ValueError(f"precise_bn_at must be one of {PRECISE_AT}, got {precise_bn_at!r}")
     if precise_bn_forward is not None and not callable(precise_bn_forward):
         raise TypeError("precise_bn_forward must be a callable fn(module, batch)")
+    if not isinstance(fuse_residual, bool):
+        raise TypeError(
+            f"fuse_residual must be True or False (fuse each residual block's BatchNorm, add and "
+            f"activation), got {fuse_residual!r}"
+        )
     return options

@@ -70,6 +70,10 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         impl: the layers' kernels: ``"auto"``, ``"ext"``, ``"reference"``, or ``None`` (the
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
+        fuse_residual: also run each residual block's tail (BatchNorm, shortcut add,
+            activation) as one fused call: ``convert_sync_batchnorm(..., fuse_residual=True)``
+            (torchvision and timm ResNet blocks, and what ``torch.fx`` can trace; the rest stay
+            as they were). Same results and state_dict keys. Default: False.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -164,6 +168,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         single_process: Literal["leave", "monitor"] = "leave",
         stats_mode: Literal["N", "default"] | None = None,
         exchange: Literal["auto", "gather", "reduce"] | None = None,
+        fuse_residual: bool = False,
     ) -> None:
         options = check_callback_arguments(
             group_size,
@@ -182,6 +187,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             single_process=single_process,
             stats_mode=stats_mode,
             exchange=exchange,
+            fuse_residual=fuse_residual,
         )
         self._set_layer_settings(momentum, eps, impl, stats_mode, exchange, options)
         self.group_size = group_size
@@ -195,6 +201,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         self.revert_on_fit_end = bool(revert_on_fit_end)
         self.on_nonfinite = on_nonfinite
         self.single_process = single_process
+        self.fuse_residual = fuse_residual
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -217,7 +224,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             if is_overridden("configure_model", pl_module):
                 pl_module.configure_model()
             forced = self.sync_options.trusted_replace(force_sync=True)
-            self._layers = convert_layers(pl_module, None, forced)
+            self._layers = convert_layers(pl_module, None, forced, self.fuse_residual)
             self._active = bool(self._layers)
             self.resolved_group_size = 1
             rank_zero_info(
@@ -244,7 +251,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             size = resolve_group_size(self.group_size, world, trainer.num_devices)
             self.resolved_group_size = size
         group = new_sync_group(size) if size is not None and size < world else None
-        self._layers = convert_layers(pl_module, group, self.sync_options)
+        self._layers = convert_layers(pl_module, group, self.sync_options, self.fuse_residual)
         if size is None or size < world:
             refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later
         self._active = bool(self._layers)

@@ -15,6 +15,7 @@ from ..distributed.groups import sync_world_group
 from ..functional.options import SyncOptions
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.convert import configure_sync_layers, convert_with
+from ..nn.residual import fuse_residual_blocks
 from .arguments import overrides
 
 __all__ = [
@@ -58,13 +59,20 @@ class LayerSettings:
 
 
 def convert_layers(
-    model: nn.Module, group: dist.ProcessGroup | None, options: SyncOptions
+    model: nn.Module,
+    group: dist.ProcessGroup | None,
+    options: SyncOptions,
+    fuse_residual: bool = False,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
     ``group`` with ``options`` (see :func:`overrides`). With ``group=None`` in a distributed run,
     the world's SyncBN group (:func:`~syncbn_lightning.distributed.groups.sync_world_group`) is
-    made here, where every rank converts, rather than in the first training step."""
+    made here, where every rank converts, rather than in the first training step. With
+    ``fuse_residual``, the residual blocks' tails are fused too
+    (:func:`~syncbn_lightning.nn.residual.fuse_residual_blocks`)."""
     convert_with(model, group, options)
+    if fuse_residual:
+        fuse_residual_blocks(model)
     layers = configure_sync_layers(model, group, options)
     if group is None and layers and dist.is_available() and dist.is_initialized():
         sync_world_group()

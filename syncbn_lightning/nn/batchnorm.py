@@ -34,38 +34,14 @@ from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
 from ..functional.options import SyncOptions
 from ..functional.registry import resolve_exchange
+from ..ops.activations import fused_activation
 from ..ops.dispatch import uses_extension
-from .checks import check_dims, check_input, check_num_features
+from .checks import check_dims, check_input, check_num_features, refuse_scripting
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
-from .layer_state import BatchRecord, SyncCallState
+from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
+from .layer_state import option_property as _option
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class"]
-
-# Attributes that older versions kept on the layer itself and now live in its SyncOptions.
-_OPTION_ATTRIBUTES = (
-    "momentum",
-    "eps",
-    "impl",
-    "stats_mode",
-    "exchange",
-    "force_sync",
-    "unbiased_running_var",
-)
-
-
-def _option(name: str, doc: str) -> property:
-    """A layer attribute that reads ``sync_options.<name>``; assigning a different value makes new
-    (validated) options."""
-
-    def get(self: SyncBatchNorm) -> Any:
-        return getattr(self.sync_options, name)
-
-    def set_(self: SyncBatchNorm, value: Any) -> None:
-        current = getattr(self.sync_options, name)
-        if value is not current and value != current:
-            self.sync_options = self.sync_options.replace(**{name: value})
-
-    return property(get, set_, doc=doc)
 
 
 class SyncBatchNorm(SyncCallState, _BatchNorm):
@@ -214,7 +190,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickles of older versions hold the settings as attributes: they become the options.
-        legacy = {k: state.pop(k) for k in _OPTION_ATTRIBUTES if k in state}
+        legacy = {k: state.pop(k) for k in OPTION_ATTRIBUTES if k in state}
         super().__setstate__(state)
         if "sync_options" not in self.__dict__:
             momentum, eps = legacy.pop("momentum", 0.1), legacy.pop("eps", 1e-5)
@@ -238,32 +214,45 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         check_dims(input)
 
-    def __prepare_scriptable__(self) -> SyncBatchNorm:
-        """``torch.jit.script`` asks every submodule first: refuse with the ways that work.
-
-        TorchScript cannot compile this layer (its settings object, its process group, the
-        synchronized path); in eval mode it computes what plain BatchNorm computes, and the
-        export paths that trace a call (``torch.export``, ONNX, ``torch.jit.trace``) take it as
-        it is. Scripting a reverted copy gives the same eval-mode module.
-        """
-        raise TypeError(
-            f"torch.jit.script cannot compile {self._get_name()} (its synchronized forward holds "
-            f"a process group and settings TorchScript has no type for): script "
-            f"revert_sync_batchnorm(copy.deepcopy(model)).eval() instead, plain BatchNorm layers "
-            f"with the same tensors (what these layers compute in eval mode), or export the model "
-            f"in eval mode with torch.export.export, torch.onnx.export or torch.jit.trace "
-            f"(docs/library.md, Export)"
-        )
+    # torch.jit.script asks every submodule first: refuse with the ways that work.
+    __prepare_scriptable__ = refuse_scripting
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._forward(input, None)[0]
 
+    def add_act(
+        self, input: torch.Tensor, residual: torch.Tensor, act: nn.Module | None = None
+    ) -> torch.Tensor:
+        """``act(self(input) + residual)``: the tail of a residual block (BatchNorm, the
+        shortcut added, the activation) as one layer call.
+
+        Synchronized training with ``act`` ``None`` or one of
+        :data:`~syncbn_lightning.ops.activations.ACTIVATIONS` runs add and activation inside the
+        normalize kernel, and the backward computes the residual's gradient ``dy * act'(z +
+        residual)`` in the pass that sums it; anywhere else the same maths runs step by step.
+        ``residual``: the input's shape and dtype. ``convert_sync_batchnorm(...,
+        fuse_residual=True)`` makes residual blocks call this (``docs/library.md``).
+        """
+        code = (0, 0.0) if act is None else fused_activation(act)
+        if code is not None:
+            output, applied = self._forward(input, code, residual)
+            if applied:
+                return output
+        else:
+            output = self._forward(input, None)[0]
+        output = output + residual
+        return output if act is None else act(output)
+
     def _forward(
-        self, input: torch.Tensor, activation: tuple[int, float] | None
+        self,
+        input: torch.Tensor,
+        activation: tuple[int, float] | None,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, bool]:
         """The normalized ``input``, and whether ``activation`` (a code and parameter of
-        :mod:`syncbn_lightning.ops.activations`) was applied too: by the synchronized kernels,
-        never on the local path (plain ``F.batch_norm``), which leaves it to the caller."""
+        :mod:`syncbn_lightning.ops.activations`) was applied too, after adding ``residual`` when
+        one is given: by the synchronized kernels, never on the local path (plain
+        ``F.batch_norm``), which leaves both to the caller."""
         # Parameters and buffers read from their dicts: Module.__getattr__ costs ~0.7 us of host
         # time per name, a tenth of the layer's own host cost on a small tensor.
         params, buffers = self._parameters, self._buffers
@@ -283,10 +272,9 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             if self.training:
                 self.last_batch = BatchRecord(int(input.shape[0]))
             return super().forward(input), False
-        output = self._forward_sync(
-            input, world_size, weight, params["bias"], running_mean, buffers, activation or (0, 0.0)
-        )
-        return output, activation is not None
+        bias = params["bias"]
+        args = (input, world_size, weight, bias, running_mean, buffers, activation, residual)
+        return self._forward_sync(*args)
 
     def _forward_sync(
         self,
@@ -296,12 +284,14 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         bias: torch.Tensor | None,
         running_mean: torch.Tensor | None,
         buffers: dict[str, torch.Tensor | None],
-        activation: tuple[int, float],
-    ) -> torch.Tensor:
+        activation: tuple[int, float] | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, bool]:
         """The synchronized training forward: statistics over the group, running stats updated
         in place (non-finite group statistics skip the update, see :meth:`nonfinite_skips`; an
-        all-empty group leaves them alone as torch does), and the fused ``activation`` (code 0:
-        none)."""
+        all-empty group leaves them alone as torch does), and the fused ``activation`` (None:
+        none) after adding ``residual`` (None: none) when the exchange fuses residuals; returns
+        the output and whether both were applied (see :meth:`_forward`)."""
         calls, nonfinite = self._counters(input.device)
         track = self.track_running_stats and running_mean is not None
         state = LayerState(
@@ -315,10 +305,18 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         group = self.replica_group or group_name_of(self.process_group)
         exchange = resolve_exchange(options.exchange, world_size, group, input.device.type)
         fused = exchange.uses_kernels and uses_extension(input.device.type, options.impl)
-        call = SyncCall(group, world_size, self.layer_tag, exchange, options, fused, *activation)
-        output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
+        if residual is not None and not exchange.fuses_residual:
+            activation = residual = None  # the caller adds and activates
+        act = activation or (0, 0.0)
+        call = SyncCall(group, world_size, self.layer_tag, exchange, options, fused, *act)
+        if residual is None:
+            output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
+        else:
+            output, mean, var, info = SyncBatchNormFunction.apply(
+                input, weight, bias, state, call, residual
+            )
         self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
-        return output
+        return output, activation is not None
 
     def _load_from_state_dict(
         self,

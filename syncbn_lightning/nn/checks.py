@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_dims", "check_input", "check_num_features"]
+__all__ = ["check_dims", "check_input", "check_num_features", "refuse_scripting"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -71,3 +71,21 @@ def check_input(
             f"(model.to({input.dtype})) or the input; float16/bfloat16 inputs may also use "
             f"float32 parameters"
         )
+
+
+def refuse_scripting(layer: Any) -> Any:
+    """A synchronized layer's ``__prepare_scriptable__``: raise a TypeError with the ways that work.
+
+    TorchScript cannot compile the layer (its settings object, its process group, the
+    synchronized path); in eval mode it computes what plain BatchNorm computes, and the export
+    paths that trace a call (``torch.export``, ONNX, ``torch.jit.trace``) take it as it is.
+    Scripting a reverted copy gives the same eval-mode module.
+    """
+    raise TypeError(
+        f"torch.jit.script cannot compile {layer._get_name()} (its synchronized forward holds "
+        f"a process group and settings TorchScript has no type for): script "
+        f"revert_sync_batchnorm(copy.deepcopy(model)).eval() instead, plain BatchNorm layers "
+        f"with the same tensors (what these layers compute in eval mode), or export the model "
+        f"in eval mode with torch.export.export, torch.onnx.export or torch.jit.trace "
+        f"(docs/library.md, Export)"
+    )

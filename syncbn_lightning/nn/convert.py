@@ -30,6 +30,7 @@ __all__ = [
     "convert_sync_batchnorm",
     "convert_with",
     "name_sync_layers",
+    "register_residual_hooks",
     "register_sync_class",
     "revert_sync_batchnorm",
     "sync_layers",
@@ -77,6 +78,20 @@ class _SyncClass:
 
 # Registered synchronized classes, the base class (SyncBatchNorm) first.
 _SYNC_CLASSES: list[_SyncClass] = []
+# fuse_residual's rewrite and its undoing, registered by .residual (which needs the classes
+# registered here): "fuse" and "unfuse", each model -> model.
+_RESIDUAL_HOOKS: dict[str, Callable[[nn.Module], Any]] = {
+    "fuse": lambda module: module,
+    "unfuse": lambda module: module,
+}
+
+
+def register_residual_hooks(
+    fuse: Callable[[nn.Module], Any], unfuse: Callable[[nn.Module], nn.Module]
+) -> None:
+    """What ``fuse_residual=True`` runs after the conversion (``fuse``), and what
+    :func:`revert_sync_batchnorm` runs first (``unfuse``, returning the model to revert)."""
+    _RESIDUAL_HOOKS.update(fuse=fuse, unfuse=unfuse)
 
 
 def register_sync_class(
@@ -119,6 +134,7 @@ def convert_sync_batchnorm(
     stats_mode: str = "N",
     exchange: str = "auto",
     custom_forward: str = "error",
+    fuse_residual: bool = False,
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
 
@@ -151,6 +167,12 @@ def convert_sync_batchnorm(
             naming the layer and its class), ``"convert"`` (convert it anyway: its forward is
             plain batch norm, e.g. another library's synchronized BatchNorm) or ``"skip"`` (leave
             it unsynchronized). Default: ``"error"``.
+        fuse_residual: also rewrite every residual block whose forward ends in BatchNorm → add →
+            activation to run that tail as one fused call
+            (:meth:`SyncBatchNorm.add_act`): torchvision's ``BasicBlock``/``Bottleneck``,
+            timm's ResNet blocks and what ``torch.fx`` can trace (``syncbn_lightning.nn
+            .residual``). Blocks it cannot rewrite stay as they were (a DEBUG log line says
+            why); state_dict keys do not change. Default: ``False``.
 
     Returns:
         ``module`` with its BatchNorm children replaced in place, or the new layer if ``module``
@@ -180,7 +202,12 @@ def convert_sync_batchnorm(
         force_sync=force_sync,
         unbiased_running_var=unbiased_running_var,
     )
-    return convert_with(module, process_group, options, custom_forward)
+    if not isinstance(fuse_residual, bool):
+        raise TypeError(f"fuse_residual must be True or False, got {fuse_residual!r}")
+    converted = convert_with(module, process_group, options, custom_forward)
+    if fuse_residual:
+        _RESIDUAL_HOOKS["fuse"](converted)
+    return converted
 
 
 def convert_with(
@@ -277,7 +304,9 @@ def _sync_class(cls: type[_BatchNorm], custom_forward: str, name: str) -> type[_
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` becomes its original class.
 
-    A layer made by the converter comes back as exactly the class it was (``BatchNorm2d`` as
+    Residual blocks fused by ``fuse_residual=True`` get their original classes (or, for blocks
+    rewritten through ``torch.fx``, their original modules) back first. A layer made by the
+    converter comes back as exactly the class it was (``BatchNorm2d`` as
     ``BatchNorm2d``, with its input-dim check; a subclass with its extra attributes), sharing the
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
     are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a
@@ -297,10 +326,14 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         'BatchNorm2d'
     """
     _require_module(module)
+    return _revert_tree(_RESIDUAL_HOOKS["unfuse"](module))
+
+
+def _revert_tree(module: nn.Module) -> nn.Module:
     if isinstance(module, _sync_base()):
         return _from_sync(module)
     for name, child in module.named_children():
-        reverted = revert_sync_batchnorm(child)
+        reverted = _revert_tree(child)
         if reverted is not child:
             module.add_module(name, reverted)
     return module

@@ -5,14 +5,41 @@ from __future__ import annotations
 
 import itertools
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from ..distributed.call_order import register_layer_name
 from ..ops.reference import TAG_LIMIT
 
-__all__ = ["BatchRecord", "SyncCallState"]
+__all__ = ["OPTION_ATTRIBUTES", "BatchRecord", "SyncCallState", "option_property"]
+
+#: Attributes that older versions kept on the layer itself and now live in its SyncOptions.
+OPTION_ATTRIBUTES = (
+    "momentum",
+    "eps",
+    "impl",
+    "stats_mode",
+    "exchange",
+    "force_sync",
+    "unbiased_running_var",
+)
+
+
+def option_property(name: str, doc: str) -> property:
+    """A layer attribute that reads ``sync_options.<name>``; assigning a different value makes new
+    (validated) options."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.sync_options, name)
+
+    def set_(self: Any, value: Any) -> None:
+        current = getattr(self.sync_options, name)
+        if value is not current and value != current:
+            self.sync_options = self.sync_options.replace(**{name: value})
+
+    return property(get, set_, doc=doc)
+
 
 # Construction order of layers built directly (not by the converter): their call-order tag until
 # they get a name. Models built the same way on every rank get the same numbers.

@@ -1,22 +1,27 @@
 """The ``syncbn::`` operators' fake (meta) kernels, registered when the extension is loaded.
 
-The extension (``csrc/ops.cpp``) registers six operators, one per step of a synchronized layer
+The extension (``csrc/ops.cpp``) registers seven operators, one per step of a synchronized layer
 call, with CPU and CUDA kernels:
 
 * the gather exchange: ``syncbn::stats_row(input, layer_tag, calls!) -> row`` and
   ``syncbn::merge_normalize(input, rows, weight, bias, running_mean!, running_var!,
   num_batches_tracked!, nonfinite!, momentum, eps, unbiased, act=0, act_param=0.,
-  equal_rank_weights=False) -> (output, mean, mean_lo, invstd, var, info, grad_info)``;
+  equal_rank_weights=False, residual=None) -> (output, mean, mean_lo, invstd, var, info,
+  grad_info)``;
 * the reduce exchange: ``syncbn::reduce_sums(input, shift, layer_tag, calls!,
   equal_rank_weights) -> sums`` and ``syncbn::reduce_merge_normalize(input, total, sent, weight,
   bias, running_mean!, running_var!, num_batches_tracked!, nonfinite!, momentum, eps, unbiased,
-  equal_rank_weights, world_size, act=0, act_param=0.)`` with the same outputs;
+  equal_rank_weights, world_size, act=0, act_param=0., residual=None)`` with the same outputs;
 * the backward of both: ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None,
-  act=0, act_param=0., mean_lo=None, info=None) -> (sums, grad_weight, grad_bias)`` and
+  act=0, act_param=0., mean_lo=None, info=None) -> (sums, grad_weight, grad_bias)``, with a
+  fused residual ``syncbn::grad_sums_residual(grad_out, input, mean, invstd, weight, bias,
+  residual, act=0, act_param=0., mean_lo=None, info=None) -> (sums, grad_weight, grad_bias,
+  grad_residual)``, and
   ``syncbn::grad_input(grad_out, input, mean, invstd, weight, sums, info, bias=None, act=0,
   act_param=0., mean_lo=None, world_size=1) -> (grad_input, order_ok)``.
 
-``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none).
+``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none); ``residual`` is
+added before it (``act(z + residual)``, a residual block's tail).
 
 Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
@@ -98,6 +103,19 @@ def _grad_sums_fake(
     )
 
 
+def _grad_sums_residual_fake(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    *_rest: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_grad_sums_fake`'s three, and the residual's gradient: the input's shape and
+    layout."""
+    return (*_grad_sums_fake(grad_out, input, mean, invstd, weight), _dense_like(input))
+
+
 def _grad_input_fake(
     grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, *_rest: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +130,7 @@ _FAKES = {
     "syncbn::reduce_sums": _reduce_sums_fake,
     "syncbn::reduce_merge_normalize": _reduce_merge_normalize_fake,
     "syncbn::grad_sums": _grad_sums_fake,
+    "syncbn::grad_sums_residual": _grad_sums_residual_fake,
     "syncbn::grad_input": _grad_input_fake,
 }
 _registered = False

@@ -23,6 +23,7 @@ __all__ = [
     "CALL_ORDER_MARK",
     "TAG_LIMIT",
     "acc_dtype",
+    "check_residual",
     "finish_merge",
     "local_count",
     "merge_infos",
@@ -285,13 +286,32 @@ def finish_merge(
     bias: torch.Tensor | None,
     act: int,
     act_param: float,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``(output, mean, mean_lo, invstd, var)`` from the float64 group statistics."""
+    """``(output, mean, mean_lo, invstd, var)`` from the float64 group statistics; the output is
+    ``act(z + residual)`` (``residual`` optional: ``act(z)``), rounded once."""
     acc = acc_dtype(input.dtype)
     mean, mean_lo = split_mean(mean64, acc)
     invstd = invstd64.to(acc)
     z = affine(centered(input, mean, mean_lo), input, scale(input, invstd, weight), bias)
+    if residual is not None:
+        check_residual(residual, input)
+        z = z + residual.to(acc)
     return activate(z, act, act_param).to(input.dtype), mean, mean_lo, invstd, var64.to(acc)
+
+
+def check_residual(residual: torch.Tensor, input: torch.Tensor) -> None:
+    """The operators' checks of a fused ``residual`` (the input's shape, dtype and device)."""
+    for what, got, want in (
+        ("shape", tuple(residual.shape), tuple(input.shape)),
+        ("dtype", residual.dtype, input.dtype),
+        ("device", residual.device, input.device),
+    ):
+        if got != want:
+            raise RuntimeError(
+                f"syncbn: `residual` must have the input's {what} {want} (it is added to the "
+                f"normalized input), got {got}"
+            )
 
 
 def merge_infos(

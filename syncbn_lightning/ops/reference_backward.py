@@ -20,12 +20,20 @@ from .reference import (
     CALL_ORDER_MARK,
     affine,
     centered,
+    check_residual,
     per_channel,
     reduce_dims,
     scale,
 )
 
-__all__ = ["GRAD_HEADER", "grad_input", "grad_sums", "header_tags", "tag_header"]
+__all__ = [
+    "GRAD_HEADER",
+    "grad_input",
+    "grad_sums",
+    "grad_sums_residual",
+    "header_tags",
+    "tag_header",
+]
 
 #: Values in front of the backward's sums (the call-order header).
 GRAD_HEADER = 16
@@ -107,6 +115,35 @@ def grad_sums(
         (sum_dy_xmu * invstd).to(param_dtype),
         sum_dy.to(param_dtype),
     )
+
+
+def grad_sums_residual(
+    grad_out: torch.Tensor,
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    act: int = 0,
+    act_param: float = 0.0,
+    mean_lo: torch.Tensor | None = None,
+    info: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`grad_sums` of a layer whose output was ``act(z + residual)``: ``g = dy * act'(z +
+    residual)`` (``dy`` without an activation), rounded to the input's dtype as the unfused
+    activation's backward rounds it, stands for ``dy``. Returns ``(sums, grad_weight, grad_bias,
+    g)``: ``g`` is the residual's gradient, and what :func:`grad_input` takes next with
+    ``act=0``."""
+    check_activation(act, act_param)
+    check_residual(residual, input)
+    if act == 0:
+        g = grad_out.clone()
+    else:
+        xmu = centered(input, mean, mean_lo)
+        z = affine(xmu, input, scale(input, invstd, weight), bias) + residual.to(xmu.dtype)
+        g = (grad_out.to(xmu.dtype) * activation_grad(z, act, act_param)).to(input.dtype)
+    return (*grad_sums(g, input, mean, invstd, weight, None, 0, 0.0, mean_lo, info), g)
 
 
 def grad_input(

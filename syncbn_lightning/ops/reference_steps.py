@@ -44,6 +44,7 @@ __all__ = [
     "SHIFT_MISMATCH",
     "grad_input",
     "grad_sums",
+    "grad_sums_residual",
     "header_tags",
     "merge_normalize",
     "own_tags",
@@ -122,9 +123,11 @@ def merge_normalize(
     act: int = 0,
     act_param: float = 0.0,
     equal_rank_weights: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Merge the gathered rows in float64, update the running statistics, normalize (and apply the
-    activation ``act`` before rounding to the input's dtype).
+    """Merge the gathered rows in float64, update the running statistics, normalize (add
+    ``residual`` and apply the activation ``act`` before rounding to the input's dtype:
+    ``act(z + residual)``).
 
     ``equal_rank_weights`` (``stats_mode="default"``): every rank with a non-empty batch weighs
     the same, ``n / R`` (``R`` non-empty ranks), its ``M2`` scaled to that count; the input
@@ -169,7 +172,9 @@ def merge_normalize(
         total > 0,
         momentum,
     )
-    output, *stats_out = finish_merge(input, mean64, invstd64, var64, weight, bias, act, act_param)
+    output, *stats_out = finish_merge(
+        input, mean64, invstd64, var64, weight, bias, act, act_param, residual
+    )
     grad_count = ranks * local_count(input) if equal_rank_weights else total
     infos = merge_infos(
         total, table[:, 1].sum(), order_ok, finite, grad_count, rows.dtype, table[0, 2:ROW_HEADER]
@@ -265,6 +270,7 @@ def reduce_merge_normalize(
     world_size: int,
     act: int = 0,
     act_param: float = 0.0,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The group statistics from ``total`` (every rank's :func:`reduce_sums`, summed, or gathered
     and then summed here in rank order; ``sent`` is this rank's) in float64, the running-stat
@@ -309,7 +315,9 @@ def reduce_merge_normalize(
         n > 0,
         momentum,
     )
-    output, *stats_out = finish_merge(input, mean64, invstd64, var64, weight, bias, act, act_param)
+    output, *stats_out = finish_merge(
+        input, mean64, invstd64, var64, weight, bias, act, act_param, residual
+    )
     grad_count = total[2] * sent[0] if equal_rank_weights else n
     acc = acc_dtype(input.dtype)
     tags = sent[3:11:4] * float(1 << _CHUNK_BITS) + sent[5:11:4]  # (layer, call), on the device
@@ -328,6 +336,7 @@ from .reference_backward import (  # noqa: E402  (after the constants it imports
     GRAD_HEADER,
     grad_input,
     grad_sums,
+    grad_sums_residual,
     header_tags,
     tag_header,
 )

@@ -72,11 +72,12 @@ syncbn::MergedOutputs merge_normalize(
     const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights) {
+    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
+    const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::merge_normalize_cuda(
       input, rows, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased, act, act_param, equal_rank_weights);
+      momentum, eps, unbiased, act, act_param, equal_rank_weights, residual);
 }
 
 at::Tensor reduce_sums(
@@ -92,11 +93,12 @@ syncbn::MergedOutputs reduce_merge_normalize(
     const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
     const c10::optional<at::Tensor>& num_batches_tracked,
     const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param) {
+    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::reduce_merge_normalize_cuda(
       input, total, sent, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased, equal_rank_weights, world_size, act, act_param);
+      momentum, eps, unbiased, equal_rank_weights, world_size, act, act_param, residual);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
@@ -107,6 +109,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
   const PoisonScope poison;
   return syncbn::grad_sums_cuda(
       grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
+    double act_param, const c10::optional<at::Tensor>& mean_lo,
+    const c10::optional<at::Tensor>& info) {
+  const PoisonScope poison;
+  return syncbn::grad_sums_residual_cuda(
+      grad_out, input, mean, invstd, weight, bias, residual, act, act_param, mean_lo, info);
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input(
@@ -193,18 +206,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bias"), py::arg("running_mean"), py::arg("running_var"),
         py::arg("num_batches_tracked"), py::arg("nonfinite"), py::arg("momentum"),
         py::arg("eps"), py::arg("unbiased"), py::arg("act") = 0, py::arg("act_param") = 0.0,
-        py::arg("equal_rank_weights") = false);
+        py::arg("equal_rank_weights") = false, py::arg("residual") = py::none());
   m.def("reduce_sums", &reduce_sums, py::arg("input"), py::arg("shift"), py::arg("layer_tag"),
         py::arg("calls"), py::arg("equal_rank_weights"));
   m.def("reduce_merge_normalize", &reduce_merge_normalize, py::arg("input"), py::arg("total"),
         py::arg("sent"), py::arg("weight"), py::arg("bias"), py::arg("running_mean"),
         py::arg("running_var"), py::arg("num_batches_tracked"), py::arg("nonfinite"),
         py::arg("momentum"), py::arg("eps"), py::arg("unbiased"), py::arg("equal_rank_weights"),
-        py::arg("world_size"), py::arg("act") = 0, py::arg("act_param") = 0.0);
+        py::arg("world_size"), py::arg("act") = 0, py::arg("act_param") = 0.0,
+        py::arg("residual") = py::none());
   m.def("grad_sums", &grad_sums, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("act") = 0,
         py::arg("act_param") = 0.0, py::arg("mean_lo") = py::none(),
         py::arg("info") = py::none());
+  m.def("grad_sums_residual", &grad_sums_residual, py::arg("grad_out"), py::arg("input"),
+        py::arg("mean"), py::arg("invstd"), py::arg("weight"), py::arg("bias"),
+        py::arg("residual"), py::arg("act") = 0, py::arg("act_param") = 0.0,
+        py::arg("mean_lo") = py::none(), py::arg("info") = py::none());
   m.def("grad_input", &grad_input, py::arg("grad_out"), py::arg("input"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("sums"), py::arg("info"),
         py::arg("bias") = py::none(), py::arg("act") = 0, py::arg("act_param") = 0.0,
