@@ -197,33 +197,14 @@ class SplitMeanBackward(Exchange):
 
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
         input, weight, mean, mean_lo, invstd, grad_info, bias, residual = saved
+        head = (grad_output, input, mean, invstd, weight, bias)
+        tail = (call.act, call.act_param, mean_lo, grad_info)
         if residual is not None:
             sums, grad_weight, grad_bias, grad = kernels(call).grad_sums_residual(
-                grad_output,
-                input,
-                mean,
-                invstd,
-                weight,
-                bias,
-                residual,
-                call.act,
-                call.act_param,
-                mean_lo,
-                grad_info,
+                *head, residual, *tail
             )
             return LocalGrads(sums, grad_weight, grad_bias, saved, grad)
-        sums, grad_weight, grad_bias = kernels(call).grad_sums(
-            grad_output,
-            input,
-            mean,
-            invstd,
-            weight,
-            bias,
-            call.act,
-            call.act_param,
-            mean_lo,
-            grad_info,
-        )
+        sums, grad_weight, grad_bias = kernels(call).grad_sums(*head, *tail)
         return LocalGrads(sums, grad_weight, grad_bias, saved)
 
     def grad_input(

@@ -95,10 +95,13 @@ def _rule_of(cls: type) -> _Block | None:
     return _KNOWN.get((cls.__module__, cls.__qualname__))
 
 
+# The attribute of a fused block's class holding its _Block (looked up once, at class creation).
+_RULE = "_syncbn_residual_rule"
+
+
 def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """The block's forward with its tail as one :meth:`SyncBatchNorm.add_act` call."""
-    rule = _rule_of(getattr(type(self), FUSED_FROM))
-    assert rule is not None
+    rule: _Block = getattr(type(self), _RULE)
     out = rule.head(self, x)
     shortcut = x if self.downsample is None else self.downsample(x)
     return getattr(self, rule.bn).add_act(out, shortcut, getattr(self, rule.act))
@@ -108,7 +111,12 @@ def _fused_class(cls: type) -> type:
     """The subclass of ``cls`` with the fused forward (one per class, made once)."""
     fused = _FUSED_CLASSES.get(cls)
     if fused is None:
-        namespace = {"forward": _fused_forward, FUSED_FROM: cls, "__module__": cls.__module__}
+        namespace = {
+            "forward": _fused_forward,
+            FUSED_FROM: cls,
+            _RULE: _rule_of(cls),
+            "__module__": cls.__module__,
+        }
         fused = type(cls.__name__, (cls,), namespace)
         fused.__qualname__ = cls.__qualname__
         _FUSED_CLASSES[cls] = fused
