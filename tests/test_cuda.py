@@ -173,8 +173,10 @@ def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
     memory = torch.channels_last if channels_last else torch.contiguous_format
     dist.init_process_group("nccl", init_method=f"file://{_store_path()}", rank=0, world_size=1)
     try:
-        model = convert_sync_batchnorm(_residual_net(), exchange=exchange, fuse_residual=fuse)
-        assert isinstance(model[3], torch.fx.GraphModule) is fuse
+        net = _residual_net()
+        named = [type(net[3])] if fuse else False
+        model = convert_sync_batchnorm(net, exchange=exchange, fuse_residual=named)
+        assert hasattr(type(model[3]), "_syncbn_fused_from") is fuse
         model = model.cuda()
         model = model.to(memory_format=memory).train()
         for layer in model.modules():

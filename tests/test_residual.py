@@ -4,8 +4,9 @@ The operators (``merge_normalize``/``reduce_merge_normalize`` with ``residual``,
 ``grad_sums_residual``) against their pure-PyTorch twins; :meth:`SyncBatchNorm.add_act` against
 BatchNorm, add and activation as modules (a one-rank gloo group, ``force_sync``: every kernel
 and collective of the synchronized path runs); ``convert_sync_batchnorm(fuse_residual=True)`` on
-torchvision's and timm's ResNets and on fx-traceable blocks, its refusals, revert and
-checkpoints. Several ranks: ``tests/test_residual_dist.py``.
+torchvision's and timm's ResNets and on named fx-traceable blocks, its refusals, revert and
+checkpoints. What a fused block must keep (results in every mode and call, class, hooks, pickles):
+``tests/test_residual_fidelity.py``. Several ranks: ``tests/test_residual_dist.py``.
 """
 
 from __future__ import annotations
@@ -294,25 +295,33 @@ class _BnUsedTwice(nn.Module):
         return F.relu(y + x) * y
 
 
-def test_fx_rewrites_traceable_blocks_and_leaves_the_rest(one_rank, caplog) -> None:
+def test_fx_rewrites_the_named_traceable_blocks_and_leaves_the_rest(one_rank, caplog) -> None:
     torch.manual_seed(2)
     model = nn.Sequential(
         _ModuleAct(nn.SiLU()), _FunctionalRelu(), _DataDependent(), _BnUsedTwice()
     ).double()
+    classes = [type(m) for m in model]
     unfused = convert_sync_batchnorm(copy.deepcopy(model), force_sync=True)
     with caplog.at_level(logging.DEBUG, logger="syncbn_lightning"):
-        fused = convert_sync_batchnorm(copy.deepcopy(model), force_sync=True, fuse_residual=True)
+        fused = convert_sync_batchnorm(copy.deepcopy(model), force_sync=True, fuse_residual=classes)
     assert [type(m).__name__ for m in fused] == [
         "_ModuleAct",
         "_FunctionalRelu",
         "_DataDependent",
         "_BnUsedTwice",
     ]
-    assert [isinstance(m, torch.fx.GraphModule) for m in fused] == [True, True, False, False]
-    assert "add_act" in fused[0].code and "add_act" in fused[1].code
-    text = caplog.text
-    assert "left 2 (_DataDependent) as it was: torch.fx cannot trace it" in text
-    assert "left 3 (_BnUsedTwice) as it was: no BatchNorm -> add -> activation" in text
+    assert all(isinstance(m, cls) for m, cls in zip(fused, classes, strict=True))
+    assert [hasattr(type(m), FUSED_FROM) for m in fused] == [True, True, False, False]
+    for block in fused[:2]:
+        assert "fused_tail" in type(block)._syncbn_traced_forward.sources[1]
+    refusals = {r.getMessage(): r.levelno for r in caplog.records if "left" in r.getMessage()}
+    assert refusals == {
+        next(k for k in refusals if k.startswith(prefix)): logging.WARNING
+        for prefix in (
+            "fuse_residual: left 2 (_DataDependent) as it was: torch.fx cannot trace it",
+            "fuse_residual: left 3 (_BnUsedTwice) as it was: no BatchNorm -> add -> activation",
+        )
+    }, refusals
     assert list(fused.state_dict()) == list(model.state_dict())
     x = torch.randn(3, 4, 6, 6, dtype=torch.float64, requires_grad=True)
     outs = [net(x) for net in (unfused, fused)]
@@ -329,9 +338,27 @@ def test_fx_rewrites_traceable_blocks_and_leaves_the_rest(one_rank, caplog) -> N
     assert not reverted[0].training and isinstance(reverted[0].bn, nn.BatchNorm2d)
 
 
-def test_fuse_residual_must_be_a_bool() -> None:
-    with pytest.raises(TypeError, match="fuse_residual must be True or False"):
+def test_blocks_of_classes_not_named_are_not_traced(caplog) -> None:
+    """``fuse_residual=True`` fuses the known classes only: a user's block is left to its own
+    forward unless its class is named."""
+    model = nn.Sequential(_ModuleAct(nn.ReLU()), _FunctionalRelu())
+    with caplog.at_level(logging.DEBUG, logger="syncbn_lightning"):
+        fused = convert_sync_batchnorm(copy.deepcopy(model), fuse_residual=True)
+    assert [type(m) for m in fused] == [type(m) for m in model]
+    assert "fuse_residual" not in caplog.text
+
+
+def test_fuse_residual_takes_a_bool_or_block_classes() -> None:
+    with pytest.raises(TypeError, match="fuse_residual must be True, False or a list"):
         convert_sync_batchnorm(nn.BatchNorm2d(3), fuse_residual="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"each entry must be a torch\.nn\.Module subclass"):
+        convert_sync_batchnorm(nn.BatchNorm2d(3), fuse_residual=[int])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"cannot import the block class 'torch\.nn\.NoSuchBlock'"):
+        convert_sync_batchnorm(nn.BatchNorm2d(3), fuse_residual=["torch.nn.NoSuchBlock"])
+    net = nn.Sequential(_ModuleAct(nn.ReLU()))
+    path = f"{_ModuleAct.__module__}._ModuleAct"
+    converted = convert_sync_batchnorm(net, fuse_residual=[path])
+    assert getattr(type(converted[0]), FUSED_FROM) is _ModuleAct
 
 
 @pytest.mark.slow
@@ -345,6 +372,6 @@ def test_fused_blocks_compile_to_one_graph_and_match_eager(impl: str) -> None:
     tail = _ModuleAct(nn.ReLU())
     tail.conv, tail.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
     net = nn.Sequential(tv.models.resnet.BasicBlock(4, 8, stride=2, downsample=down), tail)
-    net = convert_sync_batchnorm(net, force_sync=True, impl=impl, fuse_residual=True)
-    assert hasattr(type(net[0]), FUSED_FROM) and isinstance(net[1], torch.fx.GraphModule)
+    net = convert_sync_batchnorm(net, force_sync=True, impl=impl, fuse_residual=[_ModuleAct])
+    assert hasattr(type(net[0]), FUSED_FROM) and hasattr(type(net[1]), FUSED_FROM)
     assert_one_graph_and_compiled_matches_eager(net, torch.randn(4, 4, 8, 8))

@@ -108,7 +108,9 @@ class Merged(NamedTuple):
     mean: torch.Tensor
     #: the group's variance as used for ``running_var`` (unbiased unless the options say not).
     var: torch.Tensor
-    #: ``[count, samples, order_ok, finite]``: the group's values per channel and samples.
+    #: ``[count, samples, order_ok, finite, layer_tag, call_tag]``: the group's values per
+    #: channel and samples, whether the ranks' tags agreed, whether the statistics are finite,
+    #: and this call's tags (which the backward's sums carry back).
     info: torch.Tensor
     #: the tensors the strategy's backward needs.
     saved: Saved

@@ -56,9 +56,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
     Returns:
         ``output`` (differentiable), and, not differentiable, the group mean, the group variance
         used for the running-stat update (unbiased unless ``options.unbiased_running_var`` is
-        false) and ``info = [count, samples, order_ok, finite]``: the group's element count per
-        channel and number of samples (the sum of every rank's ``N``; it rides in the same
-        collective, so batch-size tracking costs no communication).
+        false) and ``info = [count, samples, order_ok, finite, layer_tag, call_tag]``: the group's
+        element count per channel and number of samples (the sum of every rank's ``N``; it rides
+        in the same collective, so batch-size tracking costs no communication), whether every
+        rank's call-order tags agreed, whether the group statistics were finite, and the call's
+        two tags.
     """
 
     @staticmethod

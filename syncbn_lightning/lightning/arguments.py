@@ -9,7 +9,7 @@ messages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, validate_group_size
@@ -78,7 +78,7 @@ def check_callback_arguments(
     single_process: str = "leave",
     stats_mode: str | None = None,
     exchange: str | None = None,
-    fuse_residual: bool = False,
+    fuse_residual: bool | Sequence[Any] = False,
 ) -> SyncOptions:
     """Check the arguments of :class:`~syncbn_lightning.SyncBNCallback` (the same names and
     defaults; ``tests/test_keys.py`` keeps the two signatures equal).
@@ -109,9 +109,19 @@ def check_callback_arguments(
         raise ValueError(f"precise_bn_at must be one of {PRECISE_AT}, got {precise_bn_at!r}")
     if precise_bn_forward is not None and not callable(precise_bn_forward):
         raise TypeError("precise_bn_forward must be a callable fn(module, batch)")
-    if not isinstance(fuse_residual, bool):
-        raise TypeError(
-            f"fuse_residual must be True or False (fuse each residual block's BatchNorm, add and "
-            f"activation), got {fuse_residual!r}"
-        )
+    _check_fuse_residual(fuse_residual)
     return options
+
+
+def _check_fuse_residual(value: Any) -> None:
+    """``fuse_residual``'s type: a bool, or a list of block classes or their import paths (the
+    paths are imported, and the classes checked, where the callback is made)."""
+    if isinstance(value, bool):
+        return
+    entries_ok = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+    if entries_ok and all(isinstance(entry, (str, type)) for entry in value):
+        return
+    raise TypeError(
+        f"fuse_residual must be True, False or a list of residual block classes (or their "
+        f"import paths, 'package.module.Class') to trace with torch.fx, got {value!r}"
+    )

@@ -22,6 +22,7 @@ from ..distributed.collectives import gather_rows
 from ..distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, GroupSize, resolve_group_size
 from ..distributed.groups import new_sync_group
 from ..nn.batchnorm import SyncBatchNorm
+from ..nn.checks import FuseResidual, check_fuse_residual
 from ..nn.convert import revert_sync_batchnorm
 from ..nn.precise_bn import update_bn_stats
 from ..nn.running_stats import average_running_stats, running_stat_layers
@@ -71,9 +72,10 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             ``SYNCBN_IMPL`` environment variable, default ``"auto"``); see
             :class:`~syncbn_lightning.SyncBatchNorm`. Default: None.
         fuse_residual: also run each residual block's tail (BatchNorm, shortcut add,
-            activation) as one fused call: ``convert_sync_batchnorm(..., fuse_residual=True)``
-            (torchvision and timm ResNet blocks, and what ``torch.fx`` can trace; the rest stay
-            as they were). Same results and state_dict keys. Default: False.
+            activation) as one fused call, as ``convert_sync_batchnorm(..., fuse_residual=...)``:
+            ``True`` for torchvision's and timm's ResNet blocks, or a list of your block classes
+            (or ``"package.module.Class"`` paths) to trace with ``torch.fx`` besides those. Same
+            results, classes and state_dict keys. Default: False.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -168,7 +170,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         single_process: Literal["leave", "monitor"] = "leave",
         stats_mode: Literal["N", "default"] | None = None,
         exchange: Literal["auto", "gather", "reduce"] | None = None,
-        fuse_residual: bool = False,
+        fuse_residual: FuseResidual = False,
     ) -> None:
         options = check_callback_arguments(
             group_size,
@@ -202,6 +204,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         self.on_nonfinite = on_nonfinite
         self.single_process = single_process
         self.fuse_residual = fuse_residual
+        self._fuse_classes = check_fuse_residual(fuse_residual)  # imports the named paths
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -224,7 +227,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             if is_overridden("configure_model", pl_module):
                 pl_module.configure_model()
             forced = self.sync_options.trusted_replace(force_sync=True)
-            self._layers = convert_layers(pl_module, None, forced, self.fuse_residual)
+            self._layers = convert_layers(pl_module, None, forced, self._fuse_classes)
             self._active = bool(self._layers)
             self.resolved_group_size = 1
             rank_zero_info(
@@ -251,7 +254,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             size = resolve_group_size(self.group_size, world, trainer.num_devices)
             self.resolved_group_size = size
         group = new_sync_group(size) if size is not None and size < world else None
-        self._layers = convert_layers(pl_module, group, self.sync_options, self.fuse_residual)
+        self._layers = convert_layers(pl_module, group, self.sync_options, self._fuse_classes)
         if size is None or size < world:
             refuse_buffer_broadcast(trainer.strategy)  # fail before training; switched off later
         self._active = bool(self._layers)

@@ -62,17 +62,17 @@ def convert_layers(
     model: nn.Module,
     group: dist.ProcessGroup | None,
     options: SyncOptions,
-    fuse_residual: bool = False,
+    fuse_classes: tuple[type, ...] | None = None,
 ) -> list[SyncBatchNorm]:
     """Convert ``model`` in place; every SyncBatchNorm, also one the model was built with, joins
     ``group`` with ``options`` (see :func:`overrides`). With ``group=None`` in a distributed run,
     the world's SyncBN group (:func:`~syncbn_lightning.distributed.groups.sync_world_group`) is
-    made here, where every rank converts, rather than in the first training step. With
-    ``fuse_residual``, the residual blocks' tails are fused too
-    (:func:`~syncbn_lightning.nn.residual.fuse_residual_blocks`)."""
+    made here, where every rank converts, rather than in the first training step. Unless
+    ``fuse_classes`` is ``None``, the residual blocks' tails are fused too: the known classes
+    and ``fuse_classes`` (:func:`~syncbn_lightning.nn.residual.fuse_residual_blocks`)."""
     convert_with(model, group, options)
-    if fuse_residual:
-        fuse_residual_blocks(model)
+    if fuse_classes is not None:
+        fuse_residual_blocks(model, fuse_classes)
     layers = configure_sync_layers(model, group, options)
     if group is None and layers and dist.is_available() and dist.is_initialized():
         sync_world_group()

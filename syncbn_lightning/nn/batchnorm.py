@@ -36,7 +36,7 @@ from ..functional.options import SyncOptions
 from ..functional.registry import resolve_exchange
 from ..ops.activations import fused_activation
 from ..ops.dispatch import uses_extension
-from .checks import check_dims, check_input, check_num_features, refuse_scripting
+from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
 from .layer_state import option_property as _option
@@ -230,11 +230,13 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         :data:`~syncbn_lightning.ops.activations.ACTIVATIONS` runs add and activation inside the
         normalize kernel, and the backward computes the residual's gradient ``dy * act'(z +
         residual)`` in the pass that sums it; anywhere else the same maths runs step by step.
-        ``residual``: the input's shape and dtype. ``convert_sync_batchnorm(...,
-        fuse_residual=True)`` makes residual blocks call this (``docs/library.md``).
+        A ``residual`` of another shape (a broadcast add, e.g. a ``[1, C, 1, 1]`` bias), dtype
+        or device is added by torch after the layer, as ``self(input) + residual`` would.
+        ``convert_sync_batchnorm(..., fuse_residual=True)`` makes residual blocks call this
+        (``docs/library.md``).
         """
         code = (0, 0.0) if act is None else fused_activation(act)
-        if code is not None:
+        if code is not None and same_operands(input, residual):
             output, applied = self._forward(input, code, residual)
             if applied:
                 return output

@@ -21,6 +21,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from ..distributed.groups import check_process_group
 from ..functional.options import KEEP, SyncOptions
+from .checks import FuseResidual, check_fuse_residual
 
 __all__ = [
     "CUSTOM_FORWARD",
@@ -79,18 +80,19 @@ class _SyncClass:
 # Registered synchronized classes, the base class (SyncBatchNorm) first.
 _SYNC_CLASSES: list[_SyncClass] = []
 # fuse_residual's rewrite and its undoing, registered by .residual (which needs the classes
-# registered here): "fuse" and "unfuse", each model -> model.
-_RESIDUAL_HOOKS: dict[str, Callable[[nn.Module], Any]] = {
-    "fuse": lambda module: module,
+# registered here): "fuse" (model, classes to trace) and "unfuse" (model -> model).
+_RESIDUAL_HOOKS: dict[str, Callable[..., Any]] = {
+    "fuse": lambda module, classes: module,
     "unfuse": lambda module: module,
 }
 
 
 def register_residual_hooks(
-    fuse: Callable[[nn.Module], Any], unfuse: Callable[[nn.Module], nn.Module]
+    fuse: Callable[[nn.Module, tuple[type, ...]], Any], unfuse: Callable[[nn.Module], nn.Module]
 ) -> None:
-    """What ``fuse_residual=True`` runs after the conversion (``fuse``), and what
-    :func:`revert_sync_batchnorm` runs first (``unfuse``, returning the model to revert)."""
+    """What ``fuse_residual`` runs after the conversion (``fuse``, with the named classes to
+    trace), and what :func:`revert_sync_batchnorm` runs first (``unfuse``, returning the model to
+    revert)."""
     _RESIDUAL_HOOKS.update(fuse=fuse, unfuse=unfuse)
 
 
@@ -134,7 +136,7 @@ def convert_sync_batchnorm(
     stats_mode: str = "N",
     exchange: str = "auto",
     custom_forward: str = "error",
-    fuse_residual: bool = False,
+    fuse_residual: FuseResidual = False,
 ) -> nn.Module:
     """Replace every BatchNorm layer of ``module`` with :class:`SyncBatchNorm`.
 
@@ -167,12 +169,14 @@ def convert_sync_batchnorm(
             naming the layer and its class), ``"convert"`` (convert it anyway: its forward is
             plain batch norm, e.g. another library's synchronized BatchNorm) or ``"skip"`` (leave
             it unsynchronized). Default: ``"error"``.
-        fuse_residual: also rewrite every residual block whose forward ends in BatchNorm → add →
-            activation to run that tail as one fused call
-            (:meth:`SyncBatchNorm.add_act`): torchvision's ``BasicBlock``/``Bottleneck``,
-            timm's ResNet blocks and what ``torch.fx`` can trace (``syncbn_lightning.nn
-            .residual``). Blocks it cannot rewrite stay as they were (a DEBUG log line says
-            why); state_dict keys do not change. Default: ``False``.
+        fuse_residual: also run the tail of residual blocks (BatchNorm → add → activation) as
+            one fused call (:meth:`SyncBatchNorm.add_act`). ``True``: the blocks whose forward
+            the library knows (torchvision's ``BasicBlock``/``Bottleneck``, timm's ResNet
+            blocks); a list of block classes (or ``"package.module.Class"`` paths): those too,
+            and every block of exactly these classes, traced with ``torch.fx``
+            (``syncbn_lightning.nn.residual``; the rule in docs/library.md). A fused block
+            keeps its class (as a subclass), hooks, state_dict keys and pickles; one that
+            cannot be fused stays as it was, with a log line saying why. Default: ``False``.
 
     Returns:
         ``module`` with its BatchNorm children replaced in place, or the new layer if ``module``
@@ -202,11 +206,10 @@ def convert_sync_batchnorm(
         force_sync=force_sync,
         unbiased_running_var=unbiased_running_var,
     )
-    if not isinstance(fuse_residual, bool):
-        raise TypeError(f"fuse_residual must be True or False, got {fuse_residual!r}")
+    classes = check_fuse_residual(fuse_residual)
     converted = convert_with(module, process_group, options, custom_forward)
-    if fuse_residual:
-        _RESIDUAL_HOOKS["fuse"](converted)
+    if classes is not None:
+        _RESIDUAL_HOOKS["fuse"](converted, classes)
     return converted
 
 
@@ -304,9 +307,8 @@ def _sync_class(cls: type[_BatchNorm], custom_forward: str, name: str) -> type[_
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Undo :func:`convert_sync_batchnorm`: every :class:`SyncBatchNorm` becomes its original class.
 
-    Residual blocks fused by ``fuse_residual=True`` get their original classes (or, for blocks
-    rewritten through ``torch.fx``, their original modules) back first. A layer made by the
-    converter comes back as exactly the class it was (``BatchNorm2d`` as
+    Residual blocks fused by ``fuse_residual`` get their original classes back first. A layer
+    made by the converter comes back as exactly the class it was (``BatchNorm2d`` as
     ``BatchNorm2d``, with its input-dim check; a subclass with its extra attributes), sharing the
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
     are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a

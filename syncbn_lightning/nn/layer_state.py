@@ -58,8 +58,8 @@ class BatchRecord(NamedTuple):
             of one rank, in which case the group is this rank alone).
         var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
             ``unbiased_running_var=False``; ``None`` without synchronization).
-        info: the merge's ``[count, samples, order_ok, finite]`` tensor (``None`` without sync);
-            read through :attr:`samples` and :attr:`count`.
+        info: the merge's ``[count, samples, order_ok, finite, layer_tag, call_tag]`` tensor
+            (``None`` without sync); read through :attr:`samples` and :attr:`count`.
     """
 
     local_samples: int

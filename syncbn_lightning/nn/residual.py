@@ -1,21 +1,26 @@
 """Residual blocks whose tail (BatchNorm, the shortcut added, the activation) runs as one fused
 synchronized layer call: :meth:`SyncBatchNorm.add_act <syncbn_lightning.SyncBatchNorm.add_act>`.
 
-``convert_sync_batchnorm(model, fuse_residual=True)`` calls :func:`fuse_residual_blocks` after
-converting the BatchNorm layers. It rewrites, by swapping the block's class for a subclass with
-the fused forward (no module, parameter or buffer changes, so ``state_dict`` keys stay):
+``convert_sync_batchnorm(model, fuse_residual=...)`` calls :func:`fuse_residual_blocks` after
+converting the BatchNorm layers. A fused block keeps its object, modules, parameters, buffers,
+hooks and ``state_dict`` keys; only its class becomes a subclass of its own class (``isinstance``
+holds) with the fused forward:
 
-* torchvision's ``BasicBlock`` and ``Bottleneck`` (ResNet, ResNeXt, Wide ResNet);
-* timm's ``BasicBlock`` and ``Bottleneck`` (``resnet*``, ``resnet*d`` and the rest of timm's
-  ResNet family), when nothing sits between the last BatchNorm and the add (no
-  squeeze-excitation ``se``, no ``drop_path``);
-* any other module whose ``torch.fx`` trace ends in BatchNorm → add → activation
-  (:mod:`.residual_fx`).
+* ``fuse_residual=True``: the blocks whose forward this module knows, by hand-written rules:
+  torchvision's ``BasicBlock`` and ``Bottleneck`` (ResNet, ResNeXt, Wide ResNet) and timm's
+  ``BasicBlock`` and ``Bottleneck`` (``resnet*``, ``resnet*d``, ...) when nothing sits between
+  the last BatchNorm and the add (no squeeze-excitation ``se``, no ``drop_path``; checked at every
+  call, so setting one later takes the class's own forward).
+* ``fuse_residual=[MyBlock, "pkg.mod.Other"]``: those too, and every block of exactly the named
+  classes, rewritten through ``torch.fx`` (:mod:`.residual_fx`, which says what a trace can and
+  cannot guarantee: the reason a class must be named).
 
-Blocks it cannot rewrite are left exactly as they were, with a DEBUG line of the
-``syncbn_lightning`` logger naming the block and the reason. The fused forward computes the same
-maths in the same order of synchronized calls on every rank (the shortcut's own BatchNorm, in a
-``downsample``, runs before the block's last one, as it must feed it).
+A block that cannot be fused is left exactly as it was, with a log line of the
+``syncbn_lightning`` logger naming it and the reason (DEBUG for the known classes, WARNING for a
+named class). The fused forward computes what the unfused one computes, with the synchronized
+calls in the same order on every rank (the shortcut's own BatchNorm, in a ``downsample``, runs
+before the block's last one, as it must feed it). Pickles, ``torch.save``/``torch.load`` and
+``copy.deepcopy`` of a fused block record its own class and fuse it again when loaded.
 :func:`~syncbn_lightning.revert_sync_batchnorm` (or :func:`unfuse_residual_blocks`) restores the
 original classes.
 """
@@ -23,7 +28,7 @@ original classes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +38,7 @@ from torch import nn
 from ..ops.activations import fused_activation
 from .batchnorm import SyncBatchNorm
 from .convert import register_residual_hooks
-from .residual_fx import fuse_traced_blocks, unfuse_traced_blocks
+from .residual_fx import TracedForward, fused_tail, trace_block
 
 __all__ = ["FUSED_FROM", "fuse_residual_blocks", "unfuse_residual_blocks"]
 
@@ -41,6 +46,9 @@ log = logging.getLogger("syncbn_lightning")
 
 #: The attribute of a fused block's class naming the class it was made from.
 FUSED_FROM = "_syncbn_fused_from"
+# The attributes of a fused block's class: its rule (known classes) or its traced forward.
+_RULE = "_syncbn_residual_rule"
+_TRACED = "_syncbn_traced_forward"
 
 
 @dataclass(frozen=True)
@@ -81,45 +89,89 @@ def _timm_refuse(block: Any) -> str | None:
     return None
 
 
-# Known block classes by (module, qualified name): the rule, and the classes seen.
+# Known block classes by (module, qualified name).
 _KNOWN: dict[tuple[str, str], _Block] = {
     ("torchvision.models.resnet", "BasicBlock"): _Block(_torchvision_basic, "bn2", "relu"),
     ("torchvision.models.resnet", "Bottleneck"): _Block(_torchvision_bottleneck, "bn3", "relu"),
     ("timm.models.resnet", "BasicBlock"): _Block(_timm_basic, "bn2", "act2", _timm_refuse),
     ("timm.models.resnet", "Bottleneck"): _Block(_timm_bottleneck, "bn3", "act3", _timm_refuse),
 }
-_FUSED_CLASSES: dict[type, type] = {}
+# Fused classes made so far: (original class, None) for a rule, (original, sources) if traced.
+_FUSED_CLASSES: dict[tuple[type, Any], type] = {}
+_PENDING_CLASSES: dict[type, type] = {}
 
 
 def _rule_of(cls: type) -> _Block | None:
     return _KNOWN.get((cls.__module__, cls.__qualname__))
 
 
-# The attribute of a fused block's class holding its _Block (looked up once, at class creation).
-_RULE = "_syncbn_residual_rule"
-
-
-def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """The block's forward with its tail as one :meth:`SyncBatchNorm.add_act` call."""
-    rule: _Block = getattr(type(self), _RULE)
+def _rule_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """A known block's forward with its tail as one :func:`fused_tail` call (``out +=
+    shortcut`` in the original, hence ``inplace``)."""
+    cls = type(self)
+    rule: _Block = getattr(cls, _RULE)
+    if rule.refuse(self) is not None:  # e.g. drop_path set after the conversion
+        return getattr(cls, FUSED_FROM).forward(self, x)
     out = rule.head(self, x)
     shortcut = x if self.downsample is None else self.downsample(x)
-    return getattr(self, rule.bn).add_act(out, shortcut, getattr(self, rule.act))
+    return fused_tail(getattr(self, rule.bn), out, shortcut, getattr(self, rule.act), True)
 
 
-def _fused_class(cls: type) -> type:
-    """The subclass of ``cls`` with the fused forward (one per class, made once)."""
-    fused = _FUSED_CLASSES.get(cls)
+def _traced_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """A named block's forward: the traced, rewritten one for calls with the one input it was
+    traced for (in the block's current mode), the class's own for any other call."""
+    cls = type(self)
+    if len(args) == 1 and not kwargs:
+        traced: TracedForward = getattr(cls, _TRACED)
+        return traced.modes[self.training](self, args[0])
+    return getattr(cls, FUSED_FROM).forward(self, *args, **kwargs)
+
+
+def _reduce_fused(self: Any, protocol: int) -> tuple[Any, ...]:
+    """Pickle (and deep-copy) a fused block as its original class, fused again when loaded:
+    the fused class itself is made at run time and cannot be found by name."""
+    return (_restore_fused, (getattr(type(self), FUSED_FROM),), self.__getstate__())
+
+
+def _restore_fused(original: type) -> Any:
+    """An empty block of a placeholder subclass of ``original`` whose ``__setstate__`` (called
+    next by pickle and deepcopy) restores the state, then fuses the block again."""
+    pending = _PENDING_CLASSES.get(original)
+    if pending is None:
+        namespace = {"__setstate__": _finish_restore, "__module__": __name__}
+        pending = type(original.__name__, (original,), namespace)
+        _PENDING_CLASSES[original] = pending
+    return object.__new__(pending)
+
+
+def _finish_restore(self: Any, state: Any) -> None:
+    original = type(self).__bases__[0]
+    self.__class__ = original
+    self.__setstate__(state)
+    reason = _fuse_one(self, _rule_of(original) is None)
+    if reason is not None:
+        log.warning(
+            "fuse_residual: a loaded %s block runs unfused: %s", original.__qualname__, reason
+        )
+
+
+def _fused_class(cls: type, traced: TracedForward | None) -> type:
+    """The subclass of ``cls`` with the fused forward (one per class and traced source)."""
+    key = (cls, None if traced is None else traced.sources)
+    fused = _FUSED_CLASSES.get(key)
     if fused is None:
-        namespace = {
-            "forward": _fused_forward,
+        namespace: dict[str, Any] = {
             FUSED_FROM: cls,
-            _RULE: _rule_of(cls),
+            "__reduce_ex__": _reduce_fused,
             "__module__": cls.__module__,
         }
+        if traced is None:
+            namespace.update(forward=_rule_forward, **{_RULE: _rule_of(cls)})
+        else:
+            namespace.update(forward=_traced_forward, **{_TRACED: traced})
         fused = type(cls.__name__, (cls,), namespace)
         fused.__qualname__ = cls.__qualname__
-        _FUSED_CLASSES[cls] = fused
+        _FUSED_CLASSES[key] = fused
     return fused
 
 
@@ -138,42 +190,70 @@ def _refusal(block: nn.Module, rule: _Block) -> str | None:
     return rule.refuse(block)
 
 
-def fuse_residual_blocks(model: nn.Module) -> list[str]:
-    """Rewrite every residual block of ``model`` whose tail is BatchNorm → add → activation to
-    run it as one fused call (see the module docstring); returns the rewritten blocks' names.
+def _fuse_one(block: nn.Module, traced: bool) -> str | None:
+    """Fuse ``block`` (of a known class, or ``traced`` through fx); returns why not, or
+    ``None`` when it was fused."""
+    cls = type(block)
+    if not traced:
+        rule = _rule_of(cls)
+        assert rule is not None, cls
+        reason = _refusal(block, rule)
+        if reason is None:
+            block.__class__ = _fused_class(cls, None)
+        return reason
+    if not any(isinstance(child, SyncBatchNorm) for child in block.children()):
+        return "it has no SyncBatchNorm child (not converted)"
+    result = trace_block(block)
+    if isinstance(result, str):
+        return result
+    block.__class__ = _fused_class(cls, result)
+    return None
+
+
+def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list[str]:
+    """Fuse the tail (BatchNorm → add → activation) of every residual block of ``model`` that
+    is of a known class, or of exactly one of ``classes`` (traced through ``torch.fx``); see the
+    module docstring. Returns the fused blocks' names (``""`` for ``model`` itself).
 
     Run it after the BatchNorm layers are converted (the tail's layer must be a
     :class:`~syncbn_lightning.SyncBatchNorm`). Idempotent.
     """
+    named = set(classes)
     fused: list[str] = []
-    refused: set[str] = set()  # known classes: fx would find the same
-    for name, block in model.named_modules():
+    seen: set[type] = set()
+    for name, block in list(model.named_modules()):
         cls = type(block)
         if hasattr(cls, FUSED_FROM):
             continue
-        rule = _rule_of(cls)
-        if rule is None:
+        known = _rule_of(cls) is not None
+        if not known and cls not in named:
             continue
-        reason = _refusal(block, rule)
-        if reason is not None:
-            log.debug(
-                "fuse_residual: left %s (%s) as it was: %s", name or "<model>", cls.__name__, reason
-            )
-            refused.add(name)
+        seen.add(cls)
+        reason = _fuse_one(block, traced=not known)
+        if reason is None:
+            fused.append(name)
             continue
-        block.__class__ = _fused_class(cls)
-        fused.append(name)
-    return fused + fuse_traced_blocks(model, skip=refused | set(fused))
+        level = logging.DEBUG if known else logging.WARNING
+        where = name or "<model>"
+        log.log(level, "fuse_residual: left %s (%s) as it was: %s", where, cls.__name__, reason)
+    present = seen | {getattr(type(m), FUSED_FROM, None) for m in model.modules()}
+    for cls in sorted(named - present, key=lambda c: c.__qualname__):
+        log.warning(
+            "fuse_residual: the model has no module of class %s.%s (named in fuse_residual)",
+            cls.__module__,
+            cls.__qualname__,
+        )
+    return fused
 
 
 def unfuse_residual_blocks(model: nn.Module) -> nn.Module:
-    """Give every block :func:`fuse_residual_blocks` rewrote its original class back; returns
-    ``model`` (or its replacement, when ``model`` itself was a traced block)."""
+    """Give every block :func:`fuse_residual_blocks` fused its original class back; returns
+    ``model``."""
     for block in model.modules():
         original = getattr(type(block), FUSED_FROM, None)
         if original is not None:
             block.__class__ = original
-    return unfuse_traced_blocks(model)
+    return model
 
 
 register_residual_hooks(fuse_residual_blocks, unfuse_residual_blocks)

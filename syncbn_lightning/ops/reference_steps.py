@@ -135,9 +135,10 @@ def merge_normalize(
     values weighs ``1 / (R n_r)``.
 
     Returns ``(output, mean, mean_lo, invstd, var, info, grad_info)`` with ``info = [count,
-    samples, order_ok, finite]``. On CPU tensors a call-order mismatch raises (message starting
-    with :data:`CALL_ORDER_MARK`) and a group with a single value per channel raises torch's
-    ValueError; on other devices these need a host sync, so only ``info[2]`` reports the order.
+    samples, order_ok, finite, layer_tag, call_tag]``. On CPU tensors a call-order mismatch
+    raises (message starting with :data:`CALL_ORDER_MARK`) and a group with a single value per
+    channel raises torch's ValueError; on other devices these need a host sync, so only
+    ``info[2]`` reports the order.
     """
     check_activation(act, act_param)
     channels = input.shape[1]
