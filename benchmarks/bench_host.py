@@ -61,15 +61,18 @@ def _time(fn: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def measure(rounds: int, steps: int) -> dict[str, dict[str, Any]]:
-    """Per layer: median microseconds per step and the op counts of one step."""
+def measure(rounds: int, steps: int, floor: bool = False) -> dict[str, dict[str, Any]]:
+    """Per layer: median microseconds per step and the op counts of one step; with ``floor``,
+    the floor's step (:func:`floor_step`) too, interleaved with the others."""
     x = torch.randn(*SHAPE, requires_grad=True)
     grad = torch.ones_like(x)
     results: dict[str, dict[str, Any]] = {}
     runs = {}
-    for name, (impl, layer) in _layers().items():
+    steps_of = {name: (impl, _step(layer, x, grad)) for name, (impl, layer) in _layers().items()}
+    if floor:
+        steps_of["floor"] = ("auto", floor_step(x, grad))
+    for name, (impl, run) in steps_of.items():
         os.environ["SYNCBN_IMPL"] = impl
-        run = _step(layer, x, grad)
         for _ in range(50):
             run()
         with OpCounter() as counter:
@@ -83,6 +86,29 @@ def measure(rounds: int, steps: int) -> dict[str, dict[str, Any]]:
     for entry in results.values():
         entry["median_us"] = statistics.median(entry["us"])
     return results
+
+
+def floor_step(x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """What no synchronized layer can go under: ``nn.BatchNorm2d`` forward + backward, one
+    all_gather of ``2C + 1`` floats and one all_reduce of ``2C`` floats, called straight on the
+    ProcessGroup (options made once), as a layer's two collectives would be."""
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+
+    from syncbn_lightning.distributed.groups import sync_world_group
+
+    group, channels = sync_world_group(), SHAPE[1]
+    layer = nn.BatchNorm2d(channels)
+    row, sums = torch.randn(2 * channels + 1), torch.randn(2 * channels)
+    gathered = torch.empty(row.numel())
+    gather_options, sum_options = AllgatherOptions(), AllreduceOptions()
+
+    def run() -> None:
+        y = layer(x)
+        group._allgather_base(gathered, row, gather_options).wait()
+        y.backward(grad)
+        group.allreduce([sums], sum_options).wait()
+
+    return run
 
 
 def gloo_cost(rounds: int, steps: int) -> float:
@@ -147,8 +173,10 @@ def main() -> None:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
             print("\nOne-rank gloo group (one all-gather forward, one collective backward):\n")
-            results = measure(args.rounds, args.steps)
+            results = measure(args.rounds, args.steps, floor=True)
             print("\n".join(_table(results)))
+            floor = results["floor"]["median_us"]
+            print(f"\next / floor: {results['ext']['median_us'] / floor:.2f}")
             print(f"\ngloo alone, all_gather + all_reduce with waits: {gloo_cost(5, 500):.1f} us")
             print("\nops of one ext step:", dict(results["ext"]["ops"]))
         finally:

@@ -332,7 +332,7 @@ at::Tensor act_grad_residual_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& residual,
     const at::Tensor& mean, const at::Tensor& mean_lo, const ActAffine& act) {
   if (act.act.identity()) return grad_out.clone(at::MemoryFormat::Preserve);
-  at::Tensor out = at::empty_like(input);
+  at::Tensor out = new_empty_like(input);
   if (input.numel() == 0) return out;
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "act_grad_residual_cpu", [&] {

@@ -293,10 +293,12 @@ void grad_header_cuda(const GradHeader& h) {
   });
 }
 
-void backward_sums_into_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu, const ActAffine& act,
-    const at::Tensor& info, at::Tensor* header, const at::Tensor& residual, at::Tensor* grad) {
+void backward_sums_into_cuda(const SumsInto& into) {
+  const at::Tensor &grad_out = into.grad_out, &input = into.input, &mean = into.mean,
+                   &mean_lo = into.mean_lo, &info = into.info, &residual = into.residual;
+  const ActAffine& act = into.act;
+  at::Tensor *header = into.header, *grad = into.grad;
+  at::Tensor &sum_dy = into.sum_dy, &sum_dy_xmu = into.sum_dy_xmu;
   const Geometry g = geometry_of(input);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -5,6 +5,7 @@
 
 // ATen's per-operator headers rather than ATen/ATen.h (every operator): a faster first build.
 #include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/sum.h>
 
@@ -31,9 +32,19 @@ at::Tensor dense_input(const at::Tensor& x) {
   return x.contiguous();
 }
 
+at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (options.device().is_cpu()) return at::detail::empty_cpu(sizes, options);
+  return at::empty(sizes, options);
+}
+
+at::Tensor new_empty_like(const at::Tensor& like) {
+  if (like.is_cpu()) return at::detail::empty_strided_cpu(like.sizes(), like.strides(), like.options());
+  return at::empty_like(like);
+}
+
 at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like) {
   if (t.strides() == like.strides()) return t;
-  return at::empty_like(like).copy_(t);
+  return new_empty_like(like).copy_(t);
 }
 
 void check_input(const at::Tensor& input, c10::DeviceType device) {
@@ -148,8 +159,8 @@ MergeStatsArgs merge_stats_args(
   const int64_t W = counts.size(0), C = means.size(1);
   const auto opts = means.options();
   return {
-      W, C, counts.contiguous(), means.contiguous(), m2s.contiguous(), at::empty({C}, opts),
-      at::empty({C}, opts), at::empty({C}, opts)};
+      W, C, counts.contiguous(), means.contiguous(), m2s.contiguous(), new_empty({C}, opts),
+      new_empty({C}, opts), new_empty({C}, opts)};
 }
 
 ElemtOperands elemt_operands(
@@ -162,7 +173,7 @@ ElemtOperands elemt_operands(
       input, grad_out.defined() ? with_strides_of(grad_out, input) : at::Tensor(),
       mean.contiguous(), mean_lo.defined() ? mean_lo.contiguous() : at::Tensor(),
       invstd.contiguous(), optional_acc(weight, "weight", input),
-      optional_acc(bias, "bias", input), at::empty_like(input)};
+      optional_acc(bias, "bias", input), new_empty_like(input)};
 }
 
 at::Tensor checked_residual(const c10::optional<at::Tensor>& residual, const at::Tensor& input) {
@@ -284,20 +295,18 @@ const char* const kShiftMismatch =
     "the same one on every rank (as it is after every synchronized update). Load the same "
     "checkpoint on every rank, keep the buffers in sync, or use exchange='gather'.";
 
-MergeOutputs prepare_merge(
-    const at::Tensor& input, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, double eps, c10::DeviceType device) {
+MergeOutputs prepare_merge(const MergeArgs& args, c10::DeviceType device) {
+  const at::Tensor& input = args.input;
   check_input(input, device);
-  check_running(running_mean, running_var, num_batches_tracked, nonfinite, input);
-  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  const RunningBuffers& r = args.running;
+  check_running(r.mean, r.var, r.num_batches_tracked, r.nonfinite, input);
+  TORCH_CHECK(args.eps > 0, "syncbn: `eps` must be > 0, got ", args.eps);
   const int64_t C = input.size(1);
   const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
   return {
-      at::empty({C}, opts),           at::empty({C}, opts), at::empty({C}, opts),
-      at::empty({C}, opts),           at::empty({kInfoFields}, opts),
-      at::empty({kInfoFields}, opts)};
+      new_empty({C}, opts),           new_empty({C}, opts), new_empty({C}, opts),
+      new_empty({C}, opts),           new_empty({kInfoFields}, opts),
+      new_empty({kInfoFields}, opts)};
 }
 
 at::Tensor summed_reduce_vector(
@@ -344,6 +353,13 @@ at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::
   const int64_t R = check_sums(sums, info, input), C = input.size(1);
   // Rows summed in rank order: the same bits on every rank of the group.
   return R == 1 ? sums : sums.view({R, kGradHeader + 2 * C}).sum(0);
+}
+
+at::Tensor required_info(const c10::optional<at::Tensor>& info) {
+  TORCH_CHECK(
+      info.has_value() && info->defined(),
+      "syncbn: grad_input: `info` (the merge's grad_info) is required");
+  return *info;
 }
 
 at::Tensor checked_grad_info(const c10::optional<at::Tensor>& info, const at::Tensor& input) {

@@ -23,6 +23,11 @@ struct Geometry {
   Layout layout;
 };
 
+// at::empty and at::empty_like (of a dense tensor: its sizes and strides) without the dispatcher
+// for CPU tensors: a layer call allocates about a dozen small tensors, at ~0.5 us of host time
+// each through the dispatcher (at::empty on other devices).
+at::Tensor new_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+at::Tensor new_empty_like(const at::Tensor& like);
 // float64 for float64 storage, else float32.
 at::ScalarType acc_dtype_of(at::ScalarType t);
 // Whether `t` is dense with the channel dim innermost (NHWC, NDHWC; (N, C) matrices included).
@@ -139,11 +144,7 @@ void check_running(
 struct MergeOutputs {
   at::Tensor mean, mean_lo, invstd, var, info, grad_info;
 };
-MergeOutputs prepare_merge(
-    const at::Tensor& input, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, double eps, c10::DeviceType device);
+MergeOutputs prepare_merge(const MergeArgs& args, c10::DeviceType device);
 // The reduce exchange's `total` and `sent` (1-D float64, contiguous, on the input's device; `sent`
 // kReduceHeader + 2C values, `total` the summed vector or R >= 1 ranks' vectors gathered) and
 // `world_size` >= 1. Returns `total` summed: itself, or its rows added in rank order.
@@ -157,6 +158,8 @@ int64_t check_sums(const at::Tensor& sums, const at::Tensor& info, const at::Ten
 // The group's [header, sum_dy, sum_dy_xmu] from R checked rows of sums (summed in row order when
 // R > 1).
 at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::Tensor& input);
+// `info` of grad_input: required (grad_input reads its count and tags).
+at::Tensor required_info(const c10::optional<at::Tensor>& info);
 // `info` of grad_sums: undefined, or kInfoFields values of the acc dtype on the input's device.
 at::Tensor checked_grad_info(const c10::optional<at::Tensor>& info, const at::Tensor& input);
 // The ranks whose sums `sums` holds for grad_input's check: its R rows when gathered (R > 1), else
@@ -216,9 +219,7 @@ at::Tensor backward_elemt_checked_cpu(
 // counters; `total` is the group's count.
 void update_running_cpu(
     const double* mean, const double* var, int64_t C, double total, bool finite,
-    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum);
+    const MergeArgs& args);
 // The merges' outputs from the float64 group statistics: mean split into (mean, mean_lo),
 // invstd, var in the acc dtype.
 void store_split_stats_cpu(
@@ -258,11 +259,16 @@ void shifted_sums_into_cuda(
 // `grad` (the input's shape and layout), z + residual stands for z, and the reduction writes
 // g = dy * act'(z + residual), rounded to the input's dtype, into `grad` as it loads each element
 // and sums that rounded g (grad_sums_residual: one pass).
-void backward_sums_into_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& mean_lo, at::Tensor& sum_dy, at::Tensor& sum_dy_xmu,
-    const ActAffine& act = {}, const at::Tensor& info = {}, at::Tensor* header = nullptr,
-    const at::Tensor& residual = {}, at::Tensor* grad = nullptr);
+struct SumsInto {
+  const at::Tensor &grad_out, &input, &mean, &mean_lo;
+  at::Tensor &sum_dy, &sum_dy_xmu;
+  ActAffine act = {};
+  at::Tensor info = {};
+  at::Tensor* header = nullptr;
+  at::Tensor residual = {};
+  at::Tensor* grad = nullptr;
+};
+void backward_sums_into_cuda(const SumsInto& into);
 // The backward's call-order header on the device: the tags are info[4..5] (grad_info); `header`
 // (may be null) receives the header of the tags; `order_ok` (may be null) whether `total`, the
 // summed header, is `ranks` times it.

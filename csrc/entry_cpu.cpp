@@ -54,9 +54,9 @@ namespace detail {
 
 void update_running_cpu(
     const double* mean, const double* var, int64_t C, double total, bool finite,
-    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum) {
+    const MergeArgs& args) {
+  const auto& [running_mean, running_var, num_batches_tracked, nonfinite] = args.running;
+  const c10::optional<double> momentum = args.momentum;
   int64_t tracked = 0;
   if (num_batches_tracked.has_value() && num_batches_tracked->defined()) {
     tracked = (*num_batches_tracked->mutable_data_ptr<int64_t>() += finite ? 1 : 0);
@@ -125,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> param_grads(
   if (has_weight) check_channel_vector(*weight, "weight", input, false);
   const int64_t C = input.size(1);
   const auto opts = sums.options().dtype(has_weight ? weight->scalar_type() : sums.scalar_type());
-  at::Tensor grad_weight = at::empty({C}, opts), grad_bias = at::empty({C}, opts);
+  at::Tensor grad_weight = new_empty({C}, opts), grad_bias = new_empty({C}, opts);
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "param_grads_cpu", [&] {
     using acc_t = scalar_t;
     const acc_t* sum_dy = sums.const_data_ptr<acc_t>() + kGradHeader;
@@ -153,8 +153,8 @@ std::tuple<at::Tensor, at::Tensor> local_stats_cpu(const at::Tensor& input_) {
   check_input(input_, c10::DeviceType::CPU);
   const at::Tensor input = dense_input(input_);
   const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
-  at::Tensor mean = at::empty({input.size(1)}, opts);
-  at::Tensor m2 = at::empty({input.size(1)}, opts);
+  at::Tensor mean = new_empty({input.size(1)}, opts);
+  at::Tensor m2 = new_empty({input.size(1)}, opts);
   local_stats_into_cpu(input, {mean}, {m2});
   return {mean, m2};
 }
@@ -183,8 +183,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cpu(
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const at::Tensor mean = mean_.contiguous(), invstd = invstd_.contiguous();
-  at::Tensor sum_dy = at::empty({input.size(1)}, mean.options());
-  at::Tensor sum_dy_xmu = at::empty({input.size(1)}, mean.options());
+  at::Tensor sum_dy = new_empty({input.size(1)}, mean.options());
+  at::Tensor sum_dy_xmu = new_empty({input.size(1)}, mean.options());
   backward_sums_into_cpu(grad_out, input, mean, at::Tensor(), {sum_dy}, {sum_dy_xmu});
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
@@ -209,7 +209,7 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
   check_calls(calls, input_);
   const at::Tensor input = dense_input(input_);
   const int64_t C = input.size(1);
-  at::Tensor row = at::empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
+  at::Tensor row = new_empty({row_width(C)}, input.options().dtype(acc_dtype_of(input.scalar_type())));
   const Channels mean_lo{row, kRowHeader + C};
   local_stats_into_cpu(input, {row, kRowHeader}, {row, kRowHeader + 2 * C}, &mean_lo);
   int64_t& call = *calls.mutable_data_ptr<int64_t>();
@@ -224,18 +224,13 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
   return row;
 }
 
-MergedOutputs merge_normalize_cpu(
-    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
-    const c10::optional<at::Tensor>& residual) {
-  const Activation activation = checked_activation(act, act_param);  // before any update
-  const at::Tensor res = checked_residual(residual, input);
-  MergeOutputs out = prepare_merge(
-      input, running_mean, running_var, num_batches_tracked, nonfinite, eps, c10::DeviceType::CPU);
+MergedOutputs merge_normalize_cpu(const MergeArgs& args, const at::Tensor& rows) {
+  const at::Tensor& input = args.input;
+  const double eps = args.eps;
+  const bool unbiased = args.unbiased, equal_rank_weights = args.equal_rank_weights;
+  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const at::Tensor res = checked_residual(args.residual, input);
+  MergeOutputs out = prepare_merge(args, c10::DeviceType::CPU);
   const int64_t W = check_rows(rows, input);
   const int64_t C = input.size(1), width = row_width(C);
   std::vector<double> mean(C), invstd(C), var(C);
@@ -261,30 +256,30 @@ MergedOutputs merge_normalize_cpu(
       finite = finite && std::isfinite(mean[c]) && std::isfinite(var[c]);
     }
     store_split_stats_cpu(mean.data(), invstd.data(), var.data(), C, out);
-    update_running_cpu(
-        mean.data(), var.data(), C, total, finite, running_mean, running_var,
-        num_batches_tracked, nonfinite, momentum);
+    update_running_cpu(mean.data(), var.data(), C, total, finite, args);
     const double local = static_cast<double>(input.numel() / C);
     const double grad_count = equal_rank_weights ? ranks * local : total;
     write_info<scalar_t>(out, total, grad_count, samples, true, finite, r[2], r[3]);
   });
-  at::Tensor output =
-      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
+  at::Tensor output = normalize_act_cpu(
+      input, out.mean, out.mean_lo, out.invstd, args.weight, args.bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
-    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(const GradArgs& args) {
+  const at::Tensor &grad_out_ = args.grad_out, &input_ = args.input, &mean = args.mean,
+                   &invstd = args.invstd;
+  const c10::optional<at::Tensor>&weight = args.weight, &bias = args.bias,
+                                  &mean_lo = args.mean_lo, &info_ = args.info;
+  const int64_t act = args.act;
+  const double act_param = args.act_param;
   check_backward_args(grad_out_, input_, mean, invstd, c10::DeviceType::CPU);
   const at::Tensor lo = checked_mean_lo(mean_lo, input_);
   const at::Tensor info = checked_grad_info(info_, input_);
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
   const int64_t C = input.size(1);
-  at::Tensor sums = at::empty({kGradHeader + 2 * C}, mean.options());
+  at::Tensor sums = new_empty({kGradHeader + 2 * C}, mean.options());
   AT_DISPATCH_FLOATING_TYPES(sums.scalar_type(), "grad_sums_cpu", [&] {
     scalar_t* header = sums.mutable_data_ptr<scalar_t>();
     if (info.defined()) {
@@ -303,39 +298,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cpu(
-    const at::Tensor& grad_out, const at::Tensor& input_, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
-    double act_param, const c10::optional<at::Tensor>& mean_lo,
-    const c10::optional<at::Tensor>& info) {
+    const GradArgs& args, const at::Tensor& residual) {
+  const at::Tensor &grad_out = args.grad_out, &input_ = args.input, &mean = args.mean,
+                   &invstd = args.invstd;
   check_backward_args(grad_out, input_, mean, invstd, c10::DeviceType::CPU);
   TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
   const at::Tensor res = checked_residual(residual, input_);
-  const at::Tensor lo = checked_mean_lo(mean_lo, input_);
-  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input_);
+  const at::Tensor lo = checked_mean_lo(args.mean_lo, input_);
+  const ActAffine activation =
+      act_affine(args.act, args.act_param, invstd, args.weight, args.bias, input_);
   // Two passes on the CPU (g, then the sums of g): the sums' kernels stay as they are.
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad = act_grad_residual_cpu(
       with_strides_of(grad_out, input), input, with_strides_of(res, input), mean.contiguous(),
       lo.defined() ? lo.contiguous() : lo, activation);
-  auto [sums, grad_weight, grad_bias] =
-      grad_sums_cpu(grad, input, mean, invstd, weight, bias, 0, 0.0, mean_lo, info);
+  GradArgs of_g = args;  // g for dy, without an activation
+  of_g.grad_out = grad;
+  of_g.input = input;
+  of_g.act = 0;
+  of_g.act_param = 0.0;
+  auto [sums, grad_weight, grad_bias] = grad_sums_cpu(of_g);
   return {sums, grad_weight, grad_bias, grad};
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
+    const GradArgs& args, const at::Tensor& sums, int64_t world_size) {
+  const at::Tensor &grad_out = args.grad_out, &input = args.input, &mean = args.mean,
+                   &invstd = args.invstd;
   check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CPU);
-  const at::Tensor lo = checked_mean_lo(mean_lo, input);
-  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input);
+  const at::Tensor info = required_info(args.info);
+  const at::Tensor lo = checked_mean_lo(args.mean_lo, input);
+  const ActAffine activation =
+      act_affine(args.act, args.act_param, invstd, args.weight, args.bias, input);
   const int64_t C = input.size(1);
   const int64_t rows = check_sums(sums, info, input);
   const double ranks = summed_ranks(rows, world_size);
   const at::Tensor total = group_sums(sums, info, input);
-  at::Tensor order_ok = at::empty({1}, info.options());
+  at::Tensor order_ok = new_empty({1}, info.options());
   double count = 0;
   AT_DISPATCH_FLOATING_TYPES(info.scalar_type(), "grad_input_cpu", [&] {
     const scalar_t* f = info.const_data_ptr<scalar_t>();
@@ -348,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
     *order_ok.mutable_data_ptr<scalar_t>() = scalar_t(1);  // a mismatch has thrown
   });
   at::Tensor grad = backward_elemt_checked_cpu(
-      grad_out, input, mean, lo, invstd, weight, {total, kGradHeader},
+      grad_out, input, mean, lo, invstd, args.weight, {total, kGradHeader},
       {total, kGradHeader + C}, count, activation);
   return {grad, order_ok};
 }

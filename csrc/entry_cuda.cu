@@ -76,11 +76,22 @@ struct GatherStats {
 // Merges the W gathered rows (one block, channels strided by blockDim.x), writes mean / mean_lo /
 // invstd / var, info and grad_info, then updates the running statistics unless a merged value is
 // NaN/inf or the group is empty (cuda_running.cuh).
+// How merge_update_kernel merges W rows of C channels (named fields, not positional booleans).
+struct MergeRule {
+  int64_t W, C;
+  double eps;
+  bool unbiased;            // running_var from the unbiased variance
+  bool equal_rank_weights;  // stats_mode="default"
+  double local_count;       // this rank's values per channel
+};
+
 template <typename acc_t, typename run_t>
 __global__ void __launch_bounds__(kMergeThreads) merge_update_kernel(
-    const acc_t* __restrict__ rows, int64_t W, int64_t C, double eps, bool unbiased,
-    bool equal_rank_weights, double local_count, MergedPointers<acc_t> out, run_t* running_mean,
-    run_t* running_var, RunningState state) {
+    const acc_t* __restrict__ rows, MergeRule rule, MergedPointers<acc_t> out,
+    run_t* running_mean, run_t* running_var, RunningState state) {
+  const int64_t W = rule.W, C = rule.C;
+  const double eps = rule.eps, local_count = rule.local_count;
+  const bool unbiased = rule.unbiased, equal_rank_weights = rule.equal_rank_weights;
   const int64_t width = kRowHeader + 3 * C;  // row_width(C), a host function
   double total = 0, samples = 0, ranks = 0;
   bool same_order = true;
@@ -161,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_reduce_cuda(
   } else {
     sum_dy = at::empty({g.C}, mean.options());
     sum_dy_xmu = at::empty({g.C}, mean.options());
-    backward_sums_into_cuda(grad_out, input, mean, at::Tensor(), sum_dy, sum_dy_xmu);
+    backward_sums_into_cuda({grad_out, input, mean, at::Tensor(), sum_dy, sum_dy_xmu});
   }
   return with_param_grads(sum_dy, sum_dy_xmu, invstd, weight, input, weight_grad, bias_grad);
 }
@@ -203,24 +214,20 @@ at::Tensor stats_row_cuda(const at::Tensor& input_, int64_t layer_tag, const at:
   return row;
 }
 
-MergedOutputs merge_normalize_cuda(
-    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
-    const c10::optional<at::Tensor>& residual) {
-  const Activation activation = checked_activation(act, act_param);
-  const at::Tensor res = checked_residual(residual, input);  // before any update
-  MergeOutputs out = prepare_merge(
-      input, running_mean, running_var, num_batches_tracked, nonfinite, eps,
-      c10::DeviceType::CUDA);
+MergedOutputs merge_normalize_cuda(const MergeArgs& args, const at::Tensor& rows) {
+  const at::Tensor& input = args.input;
+  const c10::optional<at::Tensor>& running_mean = args.running.mean;
+  const Activation activation = checked_activation(args.act, args.act_param);
+  const at::Tensor res = checked_residual(args.residual, input);  // before any update
+  MergeOutputs out = prepare_merge(args, c10::DeviceType::CUDA);
   const int64_t W = check_rows(rows, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t C = input.size(1);
-  const double local_count = static_cast<double>(input.numel() / C);
-  const RunningState state = running_state(num_batches_tracked, nonfinite, momentum);
+  const MergeRule rule{
+      W, C, args.eps, args.unbiased, args.equal_rank_weights,
+      static_cast<double>(input.numel() / C)};
+  const RunningState state =
+      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.momentum);
   const bool has_running = running_mean.has_value() && running_mean->defined();
   const auto run_type = has_running ? running_mean->scalar_type() : rows.scalar_type();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.get_device()).stream();
@@ -228,14 +235,14 @@ MergedOutputs merge_normalize_cuda(
     using acc_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, run_type, "merge_update_cuda", [&] {
       merge_update_kernel<acc_t, scalar_t><<<1, kMergeThreads, 0, stream>>>(
-          rows.const_data_ptr<acc_t>(), W, C, eps, unbiased, equal_rank_weights, local_count,
-          merged_pointers<acc_t>(out), mutable_or_null<scalar_t>(running_mean),
-          mutable_or_null<scalar_t>(running_var), state);
+          rows.const_data_ptr<acc_t>(), rule, merged_pointers<acc_t>(out),
+          mutable_or_null<scalar_t>(running_mean), mutable_or_null<scalar_t>(args.running.var),
+          state);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  at::Tensor output =
-      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
+  at::Tensor output = normalize_act_cuda(
+      input, out.mean, out.mean_lo, out.invstd, args.weight, args.bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
@@ -244,15 +251,14 @@ namespace {
 // grad_sums_cuda, and with `residual` (checked, or undefined) grad_sums_residual_cuda's four
 // outputs (the fourth, g, undefined without a residual).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_with(
-    const at::Tensor& grad_out_, const at::Tensor& input_, const at::Tensor& mean_,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info_,
-    const at::Tensor& residual) {
+    const GradArgs& args, const at::Tensor& residual) {
+  const at::Tensor &grad_out_ = args.grad_out, &input_ = args.input, &mean_ = args.mean,
+                   &invstd = args.invstd;
   check_backward_args(grad_out_, input_, mean_, invstd, c10::DeviceType::CUDA);
-  const at::Tensor lo = checked_mean_lo(mean_lo, input_);
-  const at::Tensor info = checked_grad_info(info_, input_);
-  const ActAffine activation = act_affine(act, act_param, invstd, weight, bias, input_);
+  const at::Tensor lo = checked_mean_lo(args.mean_lo, input_);
+  const at::Tensor info = checked_grad_info(args.info, input_);
+  const ActAffine activation =
+      act_affine(args.act, args.act_param, invstd, args.weight, args.bias, input_);
   const c10::cuda::CUDAGuard guard(input_.device());
   const at::Tensor input = dense_input(input_);
   const at::Tensor grad_out = with_strides_of(grad_out_, input);
@@ -265,47 +271,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_with(
   at::Tensor sum_dy_xmu = sums.narrow(0, kGradHeader + C, C);
   at::Tensor grad = residual.defined() ? at::empty_like(input) : at::Tensor();
   if (input.numel() > 0) {
-    backward_sums_into_cuda(
-        grad_out, input, mean, lo.defined() ? lo.contiguous() : lo, sum_dy, sum_dy_xmu,
-        activation, info, &header,
-        residual.defined() ? with_strides_of(residual, input) : residual,
-        residual.defined() ? &grad : nullptr);
+    const at::Tensor lo_dense = lo.defined() ? lo.contiguous() : lo;
+    SumsInto into{grad_out, input, mean, lo_dense, sum_dy, sum_dy_xmu};
+    into.act = activation;
+    into.info = info;
+    into.header = &header;
+    if (residual.defined()) {
+      into.residual = with_strides_of(residual, input);
+      into.grad = &grad;
+    }
+    backward_sums_into_cuda(into);
   } else if (info.defined()) {
     grad_header_cuda({info, &header});
   }
-  auto [packed, grad_weight, grad_bias] = with_packed_param_grads(sums, invstd, weight, input);
+  auto [packed, grad_weight, grad_bias] =
+      with_packed_param_grads(sums, invstd, args.weight, input);
   return {packed, grad_weight, grad_bias, grad};
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info) {
-  auto [sums, grad_weight, grad_bias, unused] = grad_sums_with(
-      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info, at::Tensor());
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(const GradArgs& args) {
+  auto [sums, grad_weight, grad_bias, unused] = grad_sums_with(args, at::Tensor());
   return {sums, grad_weight, grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
-    double act_param, const c10::optional<at::Tensor>& mean_lo,
-    const c10::optional<at::Tensor>& info) {
+    const GradArgs& args, const at::Tensor& residual) {
   TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
-  const at::Tensor res = checked_residual(residual, input);
-  return grad_sums_with(
-      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info, res);
+  return grad_sums_with(args, checked_residual(residual, args.input));
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input_cuda(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
+    const GradArgs& args, const at::Tensor& sums, int64_t world_size) {
+  const at::Tensor &grad_out = args.grad_out, &input = args.input, &mean = args.mean,
+                   &invstd = args.invstd;
+  const at::Tensor info = required_info(args.info);
   check_input(input, c10::DeviceType::CUDA);
   check_backward_args(grad_out, input, mean, invstd, c10::DeviceType::CUDA);
   const int64_t C = input.size(1);
@@ -314,13 +315,13 @@ std::tuple<at::Tensor, at::Tensor> grad_input_cuda(
   const at::Tensor sum_dy = total.narrow(0, kGradHeader, C);
   const at::Tensor sum_dy_xmu = total.narrow(0, kGradHeader + C, C);
   const at::Tensor count = info.narrow(0, 0, 1);
-  const at::Tensor lo = checked_mean_lo(mean_lo, input);
+  const at::Tensor lo = checked_mean_lo(args.mean_lo, input);
   at::Tensor order_ok = at::empty({1}, info.options());
   const at::Tensor tags = info.contiguous();
   const GradHeader check{tags, nullptr, &total, ranks, &order_ok};
   at::Tensor grad = backward_elemt_act_cuda(
-      grad_out, input, mean, lo, invstd, weight, sum_dy, sum_dy_xmu, count,
-      act_affine(act, act_param, invstd, weight, bias, input), &check);
+      grad_out, input, mean, lo, invstd, args.weight, sum_dy, sum_dy_xmu, count,
+      act_affine(args.act, args.act_param, invstd, args.weight, args.bias, input), &check);
   return {grad, order_ok};
 }
 

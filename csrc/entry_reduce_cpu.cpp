@@ -24,7 +24,7 @@ at::Tensor reduce_sums_cpu(
   const at::Tensor input = dense_input(input_);
   const at::Tensor k = shift_float64(shift, input);
   const int64_t C = input.size(1), count = input.numel() / C;
-  at::Tensor out = at::empty({kReduceHeader + 2 * C}, input.options().dtype(at::kDouble));
+  at::Tensor out = new_empty({kReduceHeader + 2 * C}, input.options().dtype(at::kDouble));
   double* v = out.mutable_data_ptr<double>();
   shifted_sums_into_cpu(input, k, v + kReduceHeader, v + kReduceHeader + C);
   if (equal_rank_weights && count > 0) {
@@ -42,17 +42,11 @@ at::Tensor reduce_sums_cpu(
 }
 
 MergedOutputs reduce_merge_normalize_cpu(
-    const at::Tensor& input, const at::Tensor& total, const at::Tensor& sent,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& residual) {
-  const Activation activation = checked_activation(act, act_param);  // before any update
-  const at::Tensor res = checked_residual(residual, input);
-  MergeOutputs out = prepare_merge(
-      input, running_mean, running_var, num_batches_tracked, nonfinite, eps, c10::DeviceType::CPU);
+    const MergeArgs& args, const at::Tensor& total, const at::Tensor& sent, int64_t world_size) {
+  const at::Tensor& input = args.input;
+  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const at::Tensor res = checked_residual(args.residual, input);
+  MergeOutputs out = prepare_merge(args, c10::DeviceType::CPU);
   const at::Tensor summed = summed_reduce_vector(total, sent, world_size, input);
   const double* t = summed.const_data_ptr<double>();
   const double* own = sent.const_data_ptr<double>();
@@ -70,28 +64,26 @@ MergedOutputs reduce_merge_normalize_cpu(
       "torch.Size(", input.sizes(), ") (1 value per channel in the whole sync group of ",
       world_size, " rank(s))");
   const int64_t C = input.size(1);
-  const at::Tensor k = shift_float64(running_mean, input);
+  const at::Tensor k = shift_float64(args.running.mean, input);
   const double* kp = k.defined() ? k.const_data_ptr<double>() : nullptr;
   std::vector<double> mean(C), invstd(C), var(C);
   bool finite = true;
   for (int64_t c = 0; c < C; ++c) {
     const ReducedChannel r =
-        reduce_channel(t, C, c, kp ? kp[c] : 0.0, equal_rank_weights, eps, unbiased);
+        reduce_channel(t, C, c, kp ? kp[c] : 0.0, args.equal_rank_weights, args.eps, args.unbiased);
     mean[c] = r.mean, invstd[c] = r.invstd, var[c] = r.var;
     finite = finite && std::isfinite(r.mean) && std::isfinite(r.var);
   }
   store_split_stats_cpu(mean.data(), invstd.data(), var.data(), C, out);
-  update_running_cpu(
-      mean.data(), var.data(), C, t[0], finite, running_mean, running_var, num_batches_tracked,
-      nonfinite, momentum);
-  const double grad_count = equal_rank_weights ? t[2] * own[0] : t[0];
+  update_running_cpu(mean.data(), var.data(), C, t[0], finite, args);
+  const double grad_count = args.equal_rank_weights ? t[2] * own[0] : t[0];
   double layer = 0, call = 0;
   reduce_tags(own, &layer, &call);
   AT_DISPATCH_FLOATING_TYPES(out.info.scalar_type(), "reduce_merge_normalize_cpu", [&] {
     write_info<scalar_t>(out, t[0], grad_count, t[1], true, finite, layer, call);
   });
-  at::Tensor output =
-      normalize_act_cpu(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
+  at::Tensor output = normalize_act_cpu(
+      input, out.mean, out.mean_lo, out.invstd, args.weight, args.bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 

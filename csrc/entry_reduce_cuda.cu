@@ -119,25 +119,21 @@ at::Tensor reduce_sums_cuda(
 }
 
 MergedOutputs reduce_merge_normalize_cuda(
-    const at::Tensor& input, const at::Tensor& total, const at::Tensor& sent,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& residual) {
-  const Activation activation = checked_activation(act, act_param);  // before any update
-  const at::Tensor res = checked_residual(residual, input);
-  MergeOutputs out = prepare_merge(
-      input, running_mean, running_var, num_batches_tracked, nonfinite, eps,
-      c10::DeviceType::CUDA);
+    const MergeArgs& args, const at::Tensor& total, const at::Tensor& sent, int64_t world_size) {
+  const at::Tensor& input = args.input;
+  const c10::optional<at::Tensor>&running_mean = args.running.mean,
+                                  &running_var = args.running.var;
+  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const at::Tensor res = checked_residual(args.residual, input);
+  MergeOutputs out = prepare_merge(args, c10::DeviceType::CUDA);
   const at::Tensor summed = summed_reduce_vector(total, sent, world_size, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor k = shift_float64(running_mean, input);
   const ReduceStats stats{
       summed.const_data_ptr<double>(), k.defined() ? k.const_data_ptr<double>() : nullptr,
-      input.size(1), eps, equal_rank_weights, unbiased};
-  const RunningState state = running_state(num_batches_tracked, nonfinite, momentum);
+      input.size(1), args.eps, args.equal_rank_weights, args.unbiased};
+  const RunningState state =
+      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.momentum);
   const bool has_running = running_mean.has_value() && running_mean->defined();
   const auto acc = acc_dtype_of(input.scalar_type());
   const auto run_type = has_running ? running_mean->scalar_type() : acc;
@@ -152,8 +148,8 @@ MergedOutputs reduce_merge_normalize_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  at::Tensor output =
-      normalize_act_cuda(input, out.mean, out.mean_lo, out.invstd, weight, bias, activation, res);
+  at::Tensor output = normalize_act_cuda(
+      input, out.mean, out.mean_lo, out.invstd, args.weight, args.bias, activation, res);
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 

@@ -58,16 +58,75 @@ constexpr const char* kOperators[] = {
     "grad_sums_residual", "grad_input"};
 constexpr const char* kMutating[] = {
     "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize"};
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// The operators' positional arguments (their schemas above) as the steps' structs (syncbn.h),
+// for the twin `Fn` (CPU or CUDA).
+template <syncbn::MergeNormalizeFn* Fn>
+syncbn::MergedOutputs merge_normalize(
+    const at::Tensor& input, const at::Tensor& rows, const OptTensor& weight,
+    const OptTensor& bias, const OptTensor& running_mean, const OptTensor& running_var,
+    const OptTensor& num_batches_tracked, const OptTensor& nonfinite,
+    c10::optional<double> momentum, double eps, bool unbiased, int64_t act, double act_param,
+    bool equal_rank_weights, const OptTensor& residual) {
+  return Fn(
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
+       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      rows);
+}
+
+template <syncbn::ReduceMergeNormalizeFn* Fn>
+syncbn::MergedOutputs reduce_merge_normalize(
+    const at::Tensor& input, const at::Tensor& total, const at::Tensor& sent,
+    const OptTensor& weight, const OptTensor& bias, const OptTensor& running_mean,
+    const OptTensor& running_var, const OptTensor& num_batches_tracked,
+    const OptTensor& nonfinite, c10::optional<double> momentum, double eps, bool unbiased,
+    bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
+    const OptTensor& residual) {
+  return Fn(
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
+       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      total, sent, world_size);
+}
+
+template <syncbn::GradSumsFn* Fn>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const OptTensor& weight, const OptTensor& bias, int64_t act,
+    double act_param, const OptTensor& mean_lo, const OptTensor& info) {
+  return Fn({grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info});
+}
+
+template <syncbn::GradSumsResidualFn* Fn>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const OptTensor& weight, const OptTensor& bias,
+    const at::Tensor& residual, int64_t act, double act_param, const OptTensor& mean_lo,
+    const OptTensor& info) {
+  return Fn({grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info}, residual);
+}
+
+template <syncbn::GradInputFn* Fn>
+std::tuple<at::Tensor, at::Tensor> grad_input(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
+    const at::Tensor& invstd, const OptTensor& weight, const at::Tensor& sums,
+    const at::Tensor& info, const OptTensor& bias, int64_t act, double act_param,
+    const OptTensor& mean_lo, int64_t world_size) {
+  return Fn(
+      {grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info}, sums,
+      world_size);
+}
 }  // namespace
 
 TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
   m.impl("stats_row", &syncbn::stats_row_cpu);
-  m.impl("merge_normalize", &syncbn::merge_normalize_cpu);
+  m.impl("merge_normalize", &merge_normalize<syncbn::merge_normalize_cpu>);
   m.impl("reduce_sums", &syncbn::reduce_sums_cpu);
-  m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cpu);
-  m.impl("grad_sums", &syncbn::grad_sums_cpu);
-  m.impl("grad_sums_residual", &syncbn::grad_sums_residual_cpu);
-  m.impl("grad_input", &syncbn::grad_input_cpu);
+  m.impl("reduce_merge_normalize", &reduce_merge_normalize<syncbn::reduce_merge_normalize_cpu>);
+  m.impl("grad_sums", &grad_sums<syncbn::grad_sums_cpu>);
+  m.impl("grad_sums_residual", &grad_sums_residual<syncbn::grad_sums_residual_cpu>);
+  m.impl("grad_input", &grad_input<syncbn::grad_input_cpu>);
 }
 
 // Autograd: the steps are not differentiable on their own (the Function above them is), so the
@@ -89,11 +148,11 @@ TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
 #ifdef WITH_CUDA
 TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
   m.impl("stats_row", &syncbn::stats_row_cuda);
-  m.impl("merge_normalize", &syncbn::merge_normalize_cuda);
+  m.impl("merge_normalize", &merge_normalize<syncbn::merge_normalize_cuda>);
   m.impl("reduce_sums", &syncbn::reduce_sums_cuda);
-  m.impl("reduce_merge_normalize", &syncbn::reduce_merge_normalize_cuda);
-  m.impl("grad_sums", &syncbn::grad_sums_cuda);
-  m.impl("grad_sums_residual", &syncbn::grad_sums_residual_cuda);
-  m.impl("grad_input", &syncbn::grad_input_cuda);
+  m.impl("reduce_merge_normalize", &reduce_merge_normalize<syncbn::reduce_merge_normalize_cuda>);
+  m.impl("grad_sums", &grad_sums<syncbn::grad_sums_cuda>);
+  m.impl("grad_sums_residual", &grad_sums_residual<syncbn::grad_sums_residual_cuda>);
+  m.impl("grad_input", &grad_input<syncbn::grad_input_cuda>);
 }
 #endif

@@ -122,16 +122,30 @@ using StatsRowFn = at::Tensor(const at::Tensor& input, int64_t layer_tag, const 
 using MergedOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// The layer's running statistics and counters a merge updates in place (each optional; the rules
+// above).
+struct RunningBuffers {
+  c10::optional<at::Tensor> mean, var, num_batches_tracked, nonfinite;
+};
+
+// What a merge takes besides what it received: the input, the affine parameters, the running
+// buffers, how to merge and update, and the fused tail (one struct, named fields).
+struct MergeArgs {
+  at::Tensor input;
+  c10::optional<at::Tensor> weight, bias;
+  RunningBuffers running;
+  c10::optional<double> momentum;      // none: the cumulative average
+  double eps = 1e-5;
+  bool unbiased = true;                // running_var from the unbiased group variance
+  bool equal_rank_weights = false;     // stats_mode="default"
+  int64_t act = 0;                     // the fused activation (activation.h; 0: none)
+  double act_param = 0.0;
+  c10::optional<at::Tensor> residual;  // added before the activation
+};
+
 // Merge the W gathered rows (count-weighted, or equal rank weights), update the running
 // statistics, normalize. Call order: every row must carry row 0's tags.
-using MergeNormalizeFn = MergedOutputs(
-    const at::Tensor& input, const at::Tensor& rows, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
-    const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, int64_t act, double act_param, bool equal_rank_weights,
-    const c10::optional<at::Tensor>& residual);
+using MergeNormalizeFn = MergedOutputs(const MergeArgs& args, const at::Tensor& rows);
 
 // The rank's float64 vector of the reduce exchange (layout above): one pass over the input
 // accumulating in double. `shift` (optional, [C], any floating dtype) is K; `calls` as stats_row.
@@ -141,53 +155,47 @@ using ReduceSumsFn = at::Tensor(
 
 // The group statistics from `total` (every rank's vector summed; `sent` is this rank's), in
 // double: mean = K + S1 / D, biased var = S2 / D - (S1 / D)^2 (D = the count, or the non-empty
-// ranks with equal rank weights; K = running_mean), running var * n / (n - 1) when unbiased. The
-// checks: the tag chunks (call order) and K's fingerprint (every rank shifted by the same running
-// mean; CPU throws the message of kShiftMismatch) of `total` are `world_size` times `sent`'s.
+// ranks with equal rank weights; K = the running mean), running var * n / (n - 1) when unbiased.
+// The checks: the tag chunks (call order) and K's fingerprint (every rank shifted by the same
+// running mean; CPU throws the message of kShiftMismatch) of `total` are `world_size` times
+// `sent`'s.
 using ReduceMergeNormalizeFn = MergedOutputs(
-    const at::Tensor& input, const at::Tensor& total, const at::Tensor& sent,
-    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& running_mean, const c10::optional<at::Tensor>& running_var,
-    const c10::optional<at::Tensor>& num_batches_tracked,
-    const c10::optional<at::Tensor>& nonfinite, c10::optional<double> momentum, double eps,
-    bool unbiased, bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& residual);
+    const MergeArgs& args, const at::Tensor& total, const at::Tensor& sent, int64_t world_size);
+
+// What the backward steps take (one struct, named fields). xmu = (x - mean) - mean_lo (mean_lo
+// optional: 0). With an activation (`act` != 0) the layer's output was act(z), z = xmu * invstd *
+// weight + bias: z is recomputed from `input` (so `bias` is needed) and dy * act'(z) stands for
+// dy in every sum, here and in grad_input. `info`: the merge's grad_info, whose tags head the
+// sums (grad_sums: optional, zeros without; grad_input: required, and its count info[0]).
+struct GradArgs {
+  at::Tensor grad_out, input, mean, invstd;
+  c10::optional<at::Tensor> weight, bias;
+  int64_t act = 0;
+  double act_param = 0.0;
+  c10::optional<at::Tensor> mean_lo, info;
+};
 
 // Local backward sums packed for the collective, [header, sum_dy[C], sum_dy_xmu[C]] (acc dtype;
-// the header of the tags in `info`, the merge's grad_info, zeros without it), with the local
-// grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy in the weight's dtype (acc dtype
-// without weight). Returns (sums, grad_weight, grad_bias). xmu = (x - mean) - mean_lo (mean_lo
-// optional: 0).
-// With an activation (`act` != 0) the layer's output was act(z), z = xmu * invstd * weight +
-// bias: z is recomputed from `input` (so `bias` is needed) and dy * act'(z) stands for dy in
-// every sum, here and in grad_input.
-using GradSumsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info);
+// the header of the tags in `info`), with the local grad_weight = sum_dy_xmu * invstd and
+// grad_bias = sum_dy in the weight's dtype (acc dtype without weight). Returns (sums,
+// grad_weight, grad_bias).
+using GradSumsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const GradArgs& args);
 
 // grad_sums of a layer whose forward added `residual` before its activation, y = act(z + r):
 // g = dy * act'(z + r) (z recomputed from `input`; dy itself without an activation) rounded to
 // the input's dtype stands for dy in the sums. Returns (sums, grad_weight, grad_bias, g): g is
 // the residual's gradient and the dy that grad_input takes next, with act = 0.
 using GradSumsResidualFn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
-    const c10::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t act,
-    double act_param, const c10::optional<at::Tensor>& mean_lo,
-    const c10::optional<at::Tensor>& info);
+    const GradArgs& args, const at::Tensor& residual);
 
 // Input gradient from R >= 1 rows of sums ([R * (kGradHeader + 2C)]: all-reduced, R = 1, or
-// gathered, summed here in row order) and the count info[0] (read on the device), and the call-order
-// check of the backward: the summed header against P times the header of info's tags (P = R for
-// gathered rows, world_size for one all-reduced row). Returns (grad_input, order_ok[1]); CPU throws
-// an error starting with "syncbn call order:" instead of returning order_ok = 0.
+// gathered, summed here in row order) and the count info[0] (read on the device), and the
+// call-order check of the backward: the summed header against P times the header of info's tags
+// (P = R for gathered rows, world_size for one all-reduced row). Returns (grad_input,
+// order_ok[1]); CPU throws an error starting with "syncbn call order:" instead of returning
+// order_ok = 0.
 using GradInputFn = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
-    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight, const at::Tensor& sums,
-    const at::Tensor& info, const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
-    const c10::optional<at::Tensor>& mean_lo, int64_t world_size);
+    const GradArgs& args, const at::Tensor& sums, int64_t world_size);
 
 // The twins, declared with the function types above (`LocalStatsFn local_stats_cpu;` declares the
 // function local_stats_cpu of that type): the CPU kernels always, the CUDA ones with CUDA.

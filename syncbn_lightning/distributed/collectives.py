@@ -42,6 +42,7 @@ __all__ = [
     "all_reduce_",
     "gather_rows",
     "group_ranks",
+    "report_collective_failure",
     "sum_over_group",
 ]
 
@@ -119,10 +120,15 @@ def all_reduce(
 
 
 def _report(exc: RuntimeError, op: str) -> None:
-    """Log what the flight recorder knows when a collective failed (a peer died, the transport
-    refused, the process-group timeout); the caller lets the error propagate."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    flight_report.report_failure(f"a failed SyncBN {op} ({first[:200]})")
+    report_collective_failure(op, first[:200])
+
+
+def report_collective_failure(op: str, reason: str) -> None:
+    """Log what the flight recorder knows when a SyncBN collective ``op`` failed with ``reason``
+    (a peer died, the transport refused, the process-group timeout); the caller lets the error
+    propagate (the C++ path too: ``syncbn::collective_failed``)."""
+    flight_report.report_failure(f"a failed SyncBN {op} ({reason})")
 
 
 def sum_over_group(

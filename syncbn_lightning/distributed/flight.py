@@ -27,7 +27,7 @@ import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -153,6 +153,9 @@ class FlightRecorder:
         self._written = 0
         self._group_seq: dict[str, int] = {}
         self._calls: dict[int, int] = {}
+        # Once attached (attach_native), the C++ writer's ops and the view of the ring it holds.
+        self._native: Any = None
+        self._view: torch.Tensor | None = None
         self._job = job.encode()[:24]
         self._write_header()
         self._names_path = None if path is None else _names_path(Path(path))
@@ -179,16 +182,41 @@ class FlightRecorder:
             self._job,
         )
 
+    def attach_native(self) -> None:
+        """Hand the ring and its counters to the C++ writer (``csrc/flight.cpp``), which the
+        synchronized layer's C++ path records through; from then on this recorder's records and
+        call numbers go through it too, so both paths keep one sequence per group and one call
+        number per layer. Needs the extension loaded; idempotent."""
+        if self._native is not None:
+            return
+        ops = torch.ops.syncbn
+        view = torch.frombuffer(self._buffer, dtype=torch.uint8)
+        groups, seqs = list(self._group_seq), list(self._group_seq.values())
+        tags, calls = list(self._calls), list(self._calls.values())
+        ops.flight_attach(view, self.capacity, self._written, groups, seqs, tags, calls)
+        self._native, self._view = ops, view
+
     def next_call(self, layer_tag: int) -> int:
         """The call number of this call of the layer tagged ``layer_tag`` (0, 1, ...)."""
+        if self._native is not None:
+            return int(self._native.flight_next_call(layer_tag))
         call = self._calls.get(layer_tag, 0)
         self._calls[layer_tag] = call + 1
         return call
+
+    def current_call(self, layer_tag: int) -> int:
+        """The number of the layer's current call (its last :meth:`next_call`; 0 before any)."""
+        if self._native is not None:
+            return int(self._native.flight_current_call(layer_tag))
+        return max(self._calls.get(layer_tag, 1) - 1, 0)
 
     def record(
         self, group: str, op: int, direction: int, nbytes: int, layer_tag: int, call: int
     ) -> None:
         """Append one collective (``op``: index into ``("all_gather", "all_reduce")``)."""
+        if self._native is not None:
+            self._native.flight_record(group, op, direction, nbytes, layer_tag, call)
+            return
         seq = self._group_seq.get(group, 0)
         self._group_seq[group] = seq + 1
         offset = _HEADER_SIZE + (self._written % self.capacity) * _RECORD.size
@@ -213,6 +241,9 @@ class FlightRecorder:
         return _decode(bytes(self._buffer))[1]
 
     def close(self) -> None:
+        if self._native is not None:
+            self._native.flight_detach()  # drops the C++ writer's view before the unmap
+            self._native, self._view = None, None
         if isinstance(self._buffer, mmap.mmap):
             self._buffer.close()
         if self._file is not None:
@@ -335,7 +366,7 @@ def check_note(layer_tag: int) -> tuple[int, int, int]:
     """The note of the error-path gather of the layer's current call (its call-order check)."""
     if torch.compiler.is_compiling():
         return CHECK, layer_tag, -1
-    return CHECK, layer_tag, max(flight_recorder()._calls.get(layer_tag, 1) - 1, 0)
+    return CHECK, layer_tag, flight_recorder().current_call(layer_tag)
 
 
 def record(group: str, op: str, tensor: torch.Tensor, note: tuple[int, int, int]) -> None:

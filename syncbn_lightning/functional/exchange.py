@@ -52,6 +52,7 @@ __all__ = [
     "SplitMeanBackward",
     "SyncCall",
     "kernels",
+    "raise_backward_order",
 ]
 
 #: The tensors a strategy's forward keeps for its backward (saved by the Function).
@@ -233,19 +234,19 @@ class SplitMeanBackward(Exchange):
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
                 raise
-            _raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
+            raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
             raise
         if input.device.type != "cpu" and not torch.compiler.is_compiling():
             # Compiled CUDA backwards leave the flag unread: a side effect in a compiled
             # autograd.Function's backward is not traceable (the forward's tags are still read).
             width = local.sums.numel()
             queue_order_check(
-                order_ok, 0, _raise_backward_order, summed, width, grad_info, call, False
+                order_ok, 0, raise_backward_order, summed, width, grad_info, call, False
             )
         return grad
 
 
-def _raise_backward_order(
+def raise_backward_order(
     summed: torch.Tensor, width: int, grad_info: torch.Tensor, call: SyncCall, gather: bool
 ) -> None:
     """The backward's tags disagree: raise :class:`~syncbn_lightning.CallOrderError` naming each

@@ -37,7 +37,7 @@ from ..ops.reference_steps import ROW_HEADER, row_width
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
 
-__all__ = ["GatherExchange"]
+__all__ = ["GatherExchange", "row_tags"]
 
 
 class GatherExchange(SplitMeanBackward):
@@ -79,7 +79,7 @@ class GatherExchange(SplitMeanBackward):
         except RuntimeError as exc:
             if CALL_ORDER_MARK not in str(exc):
                 raise
-            raise_if_out_of_order(_row_tags(received, channels), call.group)
+            raise_if_out_of_order(row_tags(received, channels), call.group)
             raise
         if input.device.type != "cpu":
             queue_order_check(info, 2, _report_order, received, channels, call.group)
@@ -89,14 +89,14 @@ class GatherExchange(SplitMeanBackward):
         return Merged(output, mean, var, info, saved)
 
 
-def _row_tags(rows: torch.Tensor, channels: int) -> torch.Tensor:
+def row_tags(rows: torch.Tensor, channels: int) -> torch.Tensor:
     """``[W, 2]``: every row's (layer_tag, call_tag)."""
     return rows.view(-1, row_width(channels))[:, 2:ROW_HEADER]
 
 
 def _report_order(rows: torch.Tensor, channels: int, group: Group) -> None:
     """A queued CUDA check failed: raise the error naming each rank's layer."""
-    raise_if_out_of_order(_row_tags(rows, channels).cpu(), group)
+    raise_if_out_of_order(row_tags(rows, channels).cpu(), group)
 
 
 register_exchange(GatherExchange())

@@ -29,17 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..distributed.groups import check_process_group, group_name_of, sync_group_size
-from ..functional.exchange import LayerState, SyncCall
-from ..functional.function import SyncBatchNormFunction
+from ..distributed.groups import check_process_group, sync_group_size
 from ..functional.options import SyncOptions
-from ..functional.registry import resolve_exchange
 from ..ops.activations import fused_activation
-from ..ops.dispatch import uses_extension
 from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
 from .layer_state import option_property as _option
+from .sync_plan import SyncPlan, forward_function, forward_native, plan_of
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class"]
 
@@ -138,6 +135,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     #: Under :class:`~syncbn_lightning.SyncDataParallel`: this copy's exchange with the other
     #: replicas (set by ``join_replicas``; it replaces the process group).
     replica_group: Any = None
+    #: The decisions of its training calls, made once (:mod:`.sync_plan`); ``None``: none yet.
+    _sync_plan: SyncPlan | None = None
 
     def __init__(
         self,
@@ -188,6 +187,11 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         """Be a ``torch.nn.SyncBatchNorm`` too exactly when off the CPU (the module docstring)."""
         match_torch_class(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_sync_plan", None)  # holds the process group and the operator: made anew
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Pickles of older versions hold the settings as attributes: they become the options.
         legacy = {k: state.pop(k) for k in OPTION_ATTRIBUTES if k in state}
@@ -208,7 +212,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             memo[id(self.process_group)] = self.process_group
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        state = {k: v for k, v in self.__dict__.items() if k != "_sync_plan"}
+        copied.__dict__.update(copy.deepcopy(state, memo))
         return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -255,6 +260,14 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         :mod:`syncbn_lightning.ops.activations`) was applied too, after adding ``residual`` when
         one is given: by the synchronized kernels, never on the local path (plain
         ``F.batch_norm``), which leaves both to the caller."""
+        replicas, plan = self.replica_group, None
+        training = self.training
+        if training and replicas is None and not torch.compiler.is_compiling():
+            plan = plan_of(self)  # the C++ path checks the input itself
+            if plan.native and type(input) is torch.Tensor and input.is_cpu:
+                return forward_native(
+                    self, plan, input, activation, residual
+                ), activation is not None
         # Parameters and buffers read from their dicts: Module.__getattr__ costs ~0.7 us of host
         # time per name, a tenth of the layer's own host cost on a small tensor.
         params, buffers = self._parameters, self._buffers
@@ -263,62 +276,19 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             check_input(input, self.num_features, weight, "weight")
         else:
             check_input(input, self.num_features, running_mean, "running_mean")
-        replicas = self.replica_group
-        if not self.training:
+        if not training:
             world_size = 1
         elif replicas is not None:
             world_size = replicas.size
+        elif plan is not None:
+            world_size = plan.world_size
         else:
             world_size = sync_group_size(self.process_group)
-        if world_size == 1 and not (self.training and self.sync_options.force_sync):
-            if self.training:
+        if world_size == 1 and not (training and self.sync_options.force_sync):
+            if training:
                 self.last_batch = BatchRecord(int(input.shape[0]))
             return super().forward(input), False
-        bias = params["bias"]
-        args = (input, world_size, weight, bias, running_mean, buffers, activation, residual)
-        return self._forward_sync(*args)
-
-    def _forward_sync(
-        self,
-        input: torch.Tensor,
-        world_size: int,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        running_mean: torch.Tensor | None,
-        buffers: dict[str, torch.Tensor | None],
-        activation: tuple[int, float] | None,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, bool]:
-        """The synchronized training forward: statistics over the group, running stats updated
-        in place (non-finite group statistics skip the update, see :meth:`nonfinite_skips`; an
-        all-empty group leaves them alone as torch does), and the fused ``activation`` (None:
-        none) after adding ``residual`` (None: none) when the exchange fuses residuals; returns
-        the output and whether both were applied (see :meth:`_forward`)."""
-        calls, nonfinite = self._counters(input.device)
-        track = self.track_running_stats and running_mean is not None
-        state = LayerState(
-            running_mean if track else None,
-            buffers["running_var"] if track else None,
-            buffers["num_batches_tracked"] if track else None,
-            nonfinite if track else None,
-            calls,
-        )
-        options = self.sync_options
-        group = self.replica_group or group_name_of(self.process_group)
-        exchange = resolve_exchange(options.exchange, world_size, group, input.device.type)
-        fused = exchange.uses_kernels and uses_extension(input.device.type, options.impl)
-        if residual is not None and not exchange.fuses_residual:
-            activation = residual = None  # the caller adds and activates
-        act = activation or (0, 0.0)
-        call = SyncCall(group, world_size, self.layer_tag, exchange, options, fused, *act)
-        if residual is None:
-            output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
-        else:
-            output, mean, var, info = SyncBatchNormFunction.apply(
-                input, weight, bias, state, call, residual
-            )
-        self.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
-        return output, activation is not None
+        return forward_function(self, input, world_size, activation, residual)
 
     def _load_from_state_dict(
         self,

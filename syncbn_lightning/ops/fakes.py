@@ -23,6 +23,11 @@ call, with CPU and CUDA kernels:
 ``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none); ``residual`` is
 added before it (``act(z + residual)``, a residual block's tail).
 
+The C++ path of a layer call (``csrc/layer.cpp``) adds three: ``syncbn::sync_batch_norm`` (the
+whole call, with its autograd node in C++) and its two steps below autograd,
+``syncbn::sync_batch_norm_forward`` and ``syncbn::sync_batch_norm_backward``; fakes below too,
+so that fake tensors and dispatch modes can run them.
+
 Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
 running a kernel; torch imports this module for them (``set_python_module`` in ``csrc/ops.cpp``),
@@ -124,7 +129,37 @@ def _grad_input_fake(
     return _dense_like(input), mean.new_empty(1)
 
 
+def _layer_forward_fake(input: torch.Tensor, *_rest: Any) -> tuple[Any, ...]:
+    """``syncbn::sync_batch_norm_forward``: the merge's outputs in the operator's order
+    ``(output, mean, var, info, mean_lo, invstd, grad_info)``, and the flight recorder's call
+    number (none is recorded under fake tensors: -1)."""
+    output, mean, mean_lo, invstd, var, info, grad_info = _merged(input, input)
+    return output, mean, var, info, mean_lo, invstd, grad_info, -1
+
+
+def _layer_fake(input: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
+    """``syncbn::sync_batch_norm``: the forward's first four."""
+    return _layer_forward_fake(input, *rest)[:4]
+
+
+def _layer_backward_fake(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    *_rest: Any,
+) -> tuple[torch.Tensor | None, ...]:
+    """``syncbn::sync_batch_norm_backward``: the input's and the residual's gradients like the
+    input, the parameters' like the weight (``None`` where the real kernel returns none)."""
+    grads = [None, None] if weight is None else [weight.new_empty(weight.shape) for _ in "wb"]
+    return _dense_like(input), *grads, None if residual is None else _dense_like(input)
+
+
 _FAKES = {
+    "syncbn::sync_batch_norm": _layer_fake,
+    "syncbn::sync_batch_norm_forward": _layer_forward_fake,
+    "syncbn::sync_batch_norm_backward": _layer_backward_fake,
     "syncbn::stats_row": _stats_row_fake,
     "syncbn::merge_normalize": _merge_normalize_fake,
     "syncbn::reduce_sums": _reduce_sums_fake,

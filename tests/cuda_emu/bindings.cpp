@@ -76,8 +76,9 @@ syncbn::MergedOutputs merge_normalize(
     const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::merge_normalize_cuda(
-      input, rows, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased, act, act_param, equal_rank_weights, residual);
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
+       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      rows);
 }
 
 at::Tensor reduce_sums(
@@ -97,8 +98,9 @@ syncbn::MergedOutputs reduce_merge_normalize(
     const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::reduce_merge_normalize_cuda(
-      input, total, sent, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite,
-      momentum, eps, unbiased, equal_rank_weights, world_size, act, act_param, residual);
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
+       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      total, sent, world_size);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
@@ -107,8 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums(
     const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
     const c10::optional<at::Tensor>& mean_lo, const c10::optional<at::Tensor>& info) {
   const PoisonScope poison;
-  return syncbn::grad_sums_cuda(
-      grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info);
+  return syncbn::grad_sums_cuda({grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual(
@@ -119,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual(
     const c10::optional<at::Tensor>& info) {
   const PoisonScope poison;
   return syncbn::grad_sums_residual_cuda(
-      grad_out, input, mean, invstd, weight, bias, residual, act, act_param, mean_lo, info);
+      {grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info}, residual);
 }
 
 std::tuple<at::Tensor, at::Tensor> grad_input(
@@ -129,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor> grad_input(
     const c10::optional<at::Tensor>& mean_lo, int64_t world_size) {
   const PoisonScope poison;
   return syncbn::grad_input_cuda(
-      grad_out, input, mean, invstd, weight, sums, info, bias, act, act_param, mean_lo,
+      {grad_out, input, mean, invstd, weight, bias, act, act_param, mean_lo, info}, sums,
       world_size);
 }
 

@@ -1,0 +1,117 @@
+// The flight recorder's state and writer in C++ (see flight.h); the `syncbn::flight_*` operators
+// through which Python attaches its ring and records into it are registered in layer.cpp.
+//
+// The ring's layout is flight.py's: a 64-byte header (the record count `written`, int64, at byte
+// 24) and `capacity` records of 56 bytes, little-endian, struct "<qdqqiBB2x16s": the sequence
+// number in the group, the time (seconds since the epoch), bytes sent, the layer's call number,
+// its tag, the op, the direction, two bytes of padding and the group's name (16 bytes, zero
+// padded). The count is written after the record, so a reader (or a kill) between the two sees
+// the previous count.
+#include "flight.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace syncbn::flight {
+namespace {
+
+constexpr int64_t kHeaderSize = 64;
+constexpr int64_t kWrittenOffset = 24;
+constexpr int64_t kRecordSize = 56;
+constexpr size_t kGroupBytes = 16;
+
+struct Ring {
+  at::Tensor buffer;  // uint8, the Python recorder's memory (kept alive while attached)
+  uint8_t* base = nullptr;
+  int64_t capacity = 0;
+  int64_t written = 0;
+  std::unordered_map<std::string, int64_t> group_seq;
+  std::unordered_map<int64_t, int64_t> calls;
+};
+
+std::mutex mutex;
+Ring ring;  // detached while base is null
+
+template <typename T>
+void put(uint8_t* at, T value) {
+  std::memcpy(at, &value, sizeof(T));  // little-endian hosts only (x86-64, aarch64)
+}
+
+}  // namespace
+
+void attach(
+    const at::Tensor& buffer, int64_t capacity, int64_t written,
+    const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,
+    const std::vector<int64_t>& tags, const std::vector<int64_t>& calls) {
+  TORCH_CHECK(
+      buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
+      "syncbn: flight_attach: `buffer` must be a contiguous uint8 CPU tensor");
+  TORCH_CHECK(capacity >= 1, "syncbn: flight_attach: `capacity` must be >= 1");
+  TORCH_CHECK(
+      buffer.numel() >= kHeaderSize + capacity * kRecordSize,
+      "syncbn: flight_attach: `buffer` is smaller than the ring of `capacity` records");
+  TORCH_CHECK(
+      groups.size() == seqs.size() && tags.size() == calls.size(),
+      "syncbn: flight_attach: `groups`/`seqs` and `tags`/`calls` must have equal lengths");
+  std::lock_guard<std::mutex> lock(mutex);
+  ring = Ring{};
+  ring.buffer = buffer;
+  ring.base = buffer.mutable_data_ptr<uint8_t>();
+  ring.capacity = capacity;
+  ring.written = written;
+  for (size_t i = 0; i < groups.size(); ++i) ring.group_seq[groups[i]] = seqs[i];
+  for (size_t i = 0; i < tags.size(); ++i) ring.calls[tags[i]] = calls[i];
+}
+
+void detach() {
+  std::lock_guard<std::mutex> lock(mutex);
+  ring = Ring{};
+}
+
+bool attached() {
+  std::lock_guard<std::mutex> lock(mutex);
+  return ring.base != nullptr;
+}
+
+int64_t next_call(int64_t layer_tag) {
+  std::lock_guard<std::mutex> lock(mutex);
+  return ring.calls[layer_tag]++;
+}
+
+int64_t current_call(int64_t layer_tag) {
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto found = ring.calls.find(layer_tag);
+  return found == ring.calls.end() ? 0 : std::max<int64_t>(found->second - 1, 0);
+}
+
+void record(
+    const std::string& group, Op op, Direction direction, int64_t nbytes, int64_t layer_tag,
+    int64_t call) {
+  if (call < 0) return;
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (ring.base == nullptr) return;
+  const int64_t seq = ring.group_seq[group]++;
+  uint8_t* at = ring.base + kHeaderSize + (ring.written % ring.capacity) * kRecordSize;
+  put<int64_t>(at, seq);
+  put<double>(at + 8, now);
+  put<int64_t>(at + 16, nbytes);
+  put<int64_t>(at + 24, call);
+  put<int32_t>(at + 32, static_cast<int32_t>(layer_tag));
+  at[36] = op;
+  at[37] = direction;
+  at[38] = at[39] = 0;
+  std::memset(at + 40, 0, kGroupBytes);
+  std::memcpy(at + 40, group.data(), std::min(group.size(), kGroupBytes));
+  ++ring.written;
+  put<int64_t>(ring.base + kWrittenOffset, ring.written);
+}
+
+}  // namespace syncbn::flight
+

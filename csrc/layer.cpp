@@ -1,0 +1,367 @@
+// `syncbn::sync_batch_norm`: a synchronized layer call as one operator (see layer.h), with its
+// autograd node in C++.
+//
+//   forward   stats_row -> all_gather -> merge_normalize            (gather exchange)
+//             reduce_sums -> sum over the group -> reduce_merge_normalize  (reduce exchange)
+//   backward  grad_sums[_residual] -> sum over the group -> grad_input
+//
+// The same steps, kernels and collectives as the Python Function (functional/function.py), called
+// from C++: no Python frame per layer call in either direction. CPU tensors only for now (CUDA
+// layers keep the Python path until the GPU tests and profile pass on this one).
+#include "layer.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace syncbn::layer {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = c10::optional<at::Tensor>;
+
+// What the forward returns and keeps for the backward.
+struct Forward {
+  at::Tensor output, mean, mean_lo, invstd, var, info, grad_info;
+  int64_t flight_call = -1;
+};
+
+int64_t forward_call(const Settings& s) {
+  if (!s.group.has_value()) return -1;
+  ensure_flight_ring();
+  return flight::next_call(s.layer_tag);
+}
+
+MergeArgs merge_args(
+    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const State& st,
+    const OptTensor& residual, const Settings& s) {
+  const RunningBuffers running{
+      st.running_mean, st.running_var, st.num_batches_tracked, st.nonfinite};
+  return {input, weight, bias, running, s.momentum, s.eps, s.unbiased, s.equal_rank_weights,
+          s.act, s.act_param, residual};
+}
+
+Forward forward_steps(
+    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const State& st,
+    const OptTensor& residual, const Settings& s) {
+  Forward f;
+  f.flight_call = forward_call(s);
+  const Note note{flight::kForward, s.layer_tag, f.flight_call};
+  MergedOutputs merged;
+  if (!s.reduce) {
+    const at::Tensor row = stats_row_cpu(input, s.layer_tag, st.calls);
+    const at::Tensor rows = all_gather(row, s, note);
+    try {
+      merged = merge_normalize_cpu(merge_args(input, weight, bias, st, residual, s), rows);
+    } catch (const c10::Error& error) {
+      if (is_call_order_error(error)) {
+        call_order_failed(Mismatch::kGatheredRows, rows, {}, row.numel(), s, error);
+      }
+      throw;
+    }
+  } else {
+    const at::Tensor sent = reduce_sums_cpu(
+        input, st.running_mean, s.layer_tag, st.calls, s.equal_rank_weights);
+    const at::Tensor total = sum_over_group(sent, s, note, false);
+    try {
+      merged = reduce_merge_normalize_cpu(
+          merge_args(input, weight, bias, st, residual, s), total, sent, s.world_size);
+    } catch (const c10::Error& error) {
+      if (is_call_order_error(error)) {
+        call_order_failed(Mismatch::kReduceSums, sent, {}, sent.numel(), s, error);
+      }
+      throw;
+    }
+  }
+  std::tie(f.output, f.mean, f.mean_lo, f.invstd, f.var, f.info, f.grad_info) = merged;
+  return f;
+}
+
+OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
+
+// Outputs of a backward run with create_graph=True: differentiating them again raises, as the
+// Python Function's once_differentiable does, instead of silently giving zero.
+variable_list refuse_double_backward(variable_list grads) {
+  bool any = false;
+  for (at::Tensor& g : grads) {
+    if (g.defined()) {
+      g = g.detach().requires_grad_(true);
+      any = true;
+    }
+  }
+  if (!any) return grads;
+  auto error = std::make_shared<torch::autograd::DelayedError>(
+      "trying to differentiate twice a function that was marked with @once_differentiable "
+      "(SyncBatchNorm's backward)",
+      static_cast<int>(grads.size()));
+  return error->apply(std::move(grads));
+}
+
+using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// The forward operator's outputs: output, mean, var, info (the public four), then mean_lo, invstd,
+// grad_info for the backward, and the forward's flight-recorder call number.
+using ForwardOutputs = std::tuple<
+    at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
+Settings settings_of(
+    const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
+    bool reduce, c10::optional<double> momentum, double eps, bool unbiased,
+    bool equal_rank_weights, int64_t act, double act_param) {
+  TORCH_CHECK(world_size >= 1, "syncbn: sync_batch_norm: `world_size` must be >= 1");
+  Settings s;
+  if (group.has_value()) s.group = std::string(*group);
+  s.world_size = world_size;
+  s.layer_tag = layer_tag;
+  s.reduce = reduce;
+  s.momentum = momentum;
+  s.eps = eps;
+  s.unbiased = unbiased;
+  s.equal_rank_weights = equal_rank_weights;
+  s.act = act;
+  s.act_param = act_param;
+  return s;
+}
+
+// The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below).
+#define SYNCBN_LAYER_ARGS                                                                     \
+  const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
+      const OptTensor &running_mean, const OptTensor &running_var,                            \
+      const OptTensor &num_batches_tracked, const OptTensor &nonfinite,                       \
+      const at::Tensor &calls, const OptTensor &residual,                                     \
+      const c10::optional<c10::string_view>&group, int64_t world_size, int64_t layer_tag,     \
+      bool reduce, c10::optional<double> momentum, double eps, bool unbiased,                 \
+      bool equal_rank_weights, int64_t act, double act_param, int64_t num_features
+#define SYNCBN_LAYER_PASS                                                                   \
+  input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite, calls,    \
+      residual, group, world_size, layer_tag, reduce, momentum, eps, unbiased,              \
+      equal_rank_weights, act, act_param, num_features
+
+// `syncbn::sync_batch_norm_forward` on CPU tensors: the forward's steps (no autograd).
+ForwardOutputs forward_cpu(SYNCBN_LAYER_ARGS) {
+  check_layer_input(input, num_features, weight, running_mean);
+  const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
+  const Settings s = settings_of(
+      group, world_size, layer_tag, reduce, momentum, eps, unbiased, equal_rank_weights, act,
+      act_param);
+  Forward f = forward_steps(input, weight, bias, state, residual, s);
+  return {f.output, f.mean, f.var, f.info, f.mean_lo, f.invstd, f.grad_info, f.flight_call};
+}
+
+// `syncbn::sync_batch_norm_backward` on CPU tensors: the local sums, their collective (only when
+// the input needs a gradient) and the input gradient; (grad_input, grad_weight, grad_bias,
+// grad_residual), undefined where not computed (no weight, no residual, no input gradient).
+Outputs backward_cpu(
+    const at::Tensor& dy, const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& residual_, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd, const at::Tensor& grad_info,
+    const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
+    int64_t act, double act_param, int64_t flight_call, bool input_grad) {
+  const Settings s = settings_of(
+      group, world_size, layer_tag, false, c10::nullopt, 1e-5, true, false, act, act_param);
+  const at::Tensor residual = residual_.value_or(at::Tensor());
+  at::Tensor sums, grad_weight, grad_bias, grad;  // grad: dy * act'(z + residual)
+  GradArgs args{dy, input, mean, invstd, weight, bias, act, act_param, mean_lo, grad_info};
+  if (residual.defined()) {
+    std::tie(sums, grad_weight, grad_bias, grad) = grad_sums_residual_cpu(args, residual);
+  } else {
+    std::tie(sums, grad_weight, grad_bias) = grad_sums_cpu(args);
+  }
+  at::Tensor grad_input;
+  if (input_grad) {
+    const Note note{flight::kBackward, layer_tag, flight_call};
+    const at::Tensor summed = sum_over_group(sums, s, note, true);
+    try {
+      if (residual.defined()) {  // g for dy, its activation already applied
+        args.grad_out = grad;
+        args.act = 0;
+      }
+      grad_input = std::get<0>(grad_input_cpu(args, summed, world_size));
+    } catch (const c10::Error& error) {
+      if (is_call_order_error(error)) {
+        call_order_failed(Mismatch::kBackwardSums, summed, grad_info, sums.numel(), s, error);
+      }
+      throw;
+    }
+  }
+  const bool affine = weight.has_value() && weight->defined();
+  return {grad_input, affine ? grad_weight : at::Tensor(), affine ? grad_bias : at::Tensor(), grad};
+}
+
+// The two operators above, called through the dispatcher (dispatch modes, fake tensors and the
+// profiler see them), below autograd.
+const auto& forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("syncbn::sync_batch_norm_forward", "")
+                             .typed<ForwardOutputs(SYNCBN_LAYER_ARGS)>();
+  return op;
+}
+
+const auto& backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn::sync_batch_norm_backward", "")
+          .typed<Outputs(
+              const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+              const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const c10::optional<c10::string_view>&, int64_t, int64_t,
+              int64_t, double, int64_t, bool)>();
+  return op;
+}
+
+// What the backward needs besides the saved tensors (one capsule: the node's saved_data is a map
+// keyed by strings, and each entry costs host time).
+struct SavedCall : torch::CustomClassHolder {
+  c10::optional<std::string> group;
+  int64_t world_size = 1, layer_tag = 0, act = 0, flight_call = -1;
+  double act_param = 0.0;
+};
+
+// The autograd node: the forward operator's call, and the backward operator's.
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  static variable_list forward(
+      AutogradContext* ctx, const at::Tensor& input, const OptTensor& weight,
+      const OptTensor& bias, const OptTensor& residual, const State& st,
+      const SavedCall& call, const std::function<ForwardOutputs()>& run) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->set_materialize_grads(false);
+    auto [output, mean, var, info, mean_lo, invstd, grad_info, flight_call] = run();
+    ctx->save_for_backward(
+        {input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+         residual.value_or(at::Tensor()), mean, mean_lo, invstd, grad_info});
+    auto saved = c10::make_intrusive<SavedCall>(call);
+    saved->flight_call = flight_call;
+    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(saved));
+    ctx->mark_non_differentiable({mean, var, info});
+    return {output, mean, var, info};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list grads(7);  // one per forward argument after ctx
+    const at::Tensor& dy = grad_outputs[0];
+    if (!dy.defined()) return grads;  // nothing flows back through the output
+    const variable_list saved = ctx->get_saved_variables();
+    const auto call =
+        c10::static_intrusive_pointer_cast<SavedCall>(ctx->saved_data["call"].toCapsule());
+    const OptTensor weight = optional(saved[1]), bias = optional(saved[2]);
+    const OptTensor residual = optional(saved[3]);
+    const c10::optional<c10::string_view> group =
+        call->group ? c10::optional<c10::string_view>(*call->group) : c10::nullopt;
+    auto [grad_input, grad_weight, grad_bias, grad_residual] = backward_op().call(
+        dy, saved[0], weight, bias, residual, saved[4], saved[5], saved[6], saved[7], group,
+        call->world_size, call->layer_tag, call->act, call->act_param, call->flight_call,
+        ctx->needs_input_grad(0));
+    // needs_input_grad counts the tensors given (undefined optionals have no edge).
+    const size_t weight_edge = 1, bias_edge = weight_edge + (weight ? 1 : 0);
+    grads[0] = grad_input;
+    if (weight && ctx->needs_input_grad(weight_edge)) grads[1] = grad_weight;
+    if (bias && ctx->needs_input_grad(bias_edge)) grads[2] = grad_bias;
+    grads[3] = grad_residual;
+    if (at::GradMode::is_enabled()) {
+      variable_list refused = refuse_double_backward({grads[0], grads[1], grads[2], grads[3]});
+      std::copy(refused.begin(), refused.end(), grads.begin());
+    }
+    return grads;
+  }
+};
+
+// `syncbn::sync_batch_norm` with autograd: the node above around the forward operator.
+Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
+  check_layer_input(input, num_features, weight, running_mean);
+  const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
+  SavedCall call;
+  if (group.has_value()) call.group = std::string(*group);
+  call.world_size = world_size;
+  call.layer_tag = layer_tag;
+  call.act = act;
+  call.act_param = act_param;
+  const std::function<ForwardOutputs()> run = [&] {
+    return forward_op().call(SYNCBN_LAYER_PASS);
+  };
+  variable_list out =
+      SyncBatchNormFunction::apply(input, weight, bias, residual, state, call, run);
+  return {out[0], out[1], out[2], out[3]};
+}
+
+// `syncbn::sync_batch_norm` below autograd (inference mode): the forward operator alone.
+Outputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
+  auto outputs = forward_op().call(SYNCBN_LAYER_PASS);
+  return {std::get<0>(outputs), std::get<1>(outputs), std::get<2>(outputs), std::get<3>(outputs)};
+}
+
+}  // namespace
+}  // namespace syncbn::layer
+
+#define SYNCBN_LAYER_SCHEMA_ARGS                                                              \
+  "Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "                    \
+  "Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, "         \
+  "Tensor(e!) calls, Tensor? residual, str? group, int world_size, int layer_tag, "           \
+  "bool reduce, float? momentum, float eps, bool unbiased, bool equal_rank_weights, "         \
+  "int act, float act_param, int num_features"
+
+TORCH_LIBRARY_FRAGMENT(syncbn, m) {
+  // The layer call: (output, mean, var, info) as the Python Function returns them. `group` is
+  // the process group's name (None: no collective); the rest are the fused steps' (syncbn.h).
+  m.def("sync_batch_norm(" SYNCBN_LAYER_SCHEMA_ARGS ") -> (Tensor, Tensor, Tensor, Tensor)");
+  // Its two steps, below autograd: the forward (the four, then mean_lo, invstd, grad_info and
+  // the flight recorder's call number) and the backward.
+  m.def(
+      "sync_batch_norm_forward(" SYNCBN_LAYER_SCHEMA_ARGS
+      ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+  m.def(
+      "sync_batch_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor? bias, "
+      "Tensor? residual, Tensor mean, Tensor mean_lo, Tensor invstd, Tensor grad_info, "
+      "str? group, int world_size, int layer_tag, int act, float act_param, int flight_call, "
+      "bool input_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(syncbn, Autograd, m) {
+  m.impl("sync_batch_norm", &syncbn::layer::sync_batch_norm_autograd);
+  m.impl("sync_batch_norm_forward", torch::CppFunction::makeFallthrough());
+  m.impl("sync_batch_norm_backward", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
+  m.impl("sync_batch_norm", torch::CppFunction::makeFallthrough());
+  m.impl("sync_batch_norm_forward", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
+  m.impl("sync_batch_norm", &syncbn::layer::sync_batch_norm_below_autograd);
+  m.impl("sync_batch_norm_forward", &syncbn::layer::forward_cpu);
+  m.impl("sync_batch_norm_backward", &syncbn::layer::backward_cpu);
+}
+
+// The flight recorder's operators (flight.h): Python attaches its ring, and, once attached,
+// records through the same state (distributed/flight.py). One kernel for every key.
+TORCH_LIBRARY_FRAGMENT(syncbn, m) {
+  m.def(
+      "flight_attach(Tensor buffer, int capacity, int written, str[] groups, int[] seqs, "
+      "int[] tags, int[] calls) -> ()",
+      [](const at::Tensor& buffer, int64_t capacity, int64_t written,
+         const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,
+         const std::vector<int64_t>& tags, const std::vector<int64_t>& calls) {
+        syncbn::flight::attach(buffer, capacity, written, groups, seqs, tags, calls);
+      });
+  m.def("flight_detach() -> ()", &syncbn::flight::detach);
+  m.def(
+      "flight_record(str group, int op, int direction, int nbytes, int layer_tag, int call) -> ()",
+      [](const std::string& group, int64_t op, int64_t direction, int64_t nbytes,
+         int64_t layer_tag, int64_t call) {
+        syncbn::flight::record(
+            group, static_cast<syncbn::flight::Op>(op),
+            static_cast<syncbn::flight::Direction>(direction), nbytes, layer_tag, call);
+      });
+  m.def("flight_next_call(int layer_tag) -> int", &syncbn::flight::next_call);
+  m.def("flight_current_call(int layer_tag) -> int", &syncbn::flight::current_call);
+  // The kernels of these three are Python's (functional/native.py): the C++ path's error paths.
+  m.def(
+      "call_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
+      "int world_size, int layer_tag) -> ()");
+  m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
+  m.def("flight_open(Tensor like) -> ()");
+}

@@ -1,0 +1,112 @@
+// The C++ path's collectives (through the c10d ProcessGroup of the layer's group, the same calls
+// DDP's reducer makes) and its hand-offs to Python on failure (see layer.h).
+#include "layer.h"
+
+#include "common.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <vector>
+
+namespace syncbn::layer {
+namespace {
+
+const char* const kCallOrderMark = "syncbn call order:";  // CALL_ORDER_MARK in Python
+const char* const kShiftMark = "running_mean buffers";   // part of SHIFT_MISMATCH
+
+c10::intrusive_ptr<c10d::ProcessGroup> process_group(const std::string& name) {
+  return c10d::resolve_process_group(name);
+}
+
+// Calls the operator `name` (a kernel Python registers, functional/native.py) with `stack`.
+void call_python(const char* name, torch::jit::Stack stack) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  op.callBoxed(&stack);
+}
+
+// Logs what the flight recorder knows about a failed collective (Python's report, once per
+// process), then lets the caller rethrow the failure as it was. A failure of the report itself
+// must not hide the collective's.
+void report_failure(const at::Tensor& sent, const char* op, const std::exception& error) {
+  try {
+    std::string what = error.what();
+    what = what.substr(0, what.find('\n'));
+    call_python("syncbn::collective_failed", {sent, std::string(op), what.substr(0, 200)});
+  } catch (...) {
+  }
+}
+
+flight::Op op_code(bool gather) { return gather ? flight::kAllGather : flight::kAllReduce; }
+
+void record(const at::Tensor& tensor, const Settings& s, const Note& note, bool gather) {
+  flight::record(
+      *s.group, op_code(gather), note.direction, tensor.numel() * tensor.element_size(),
+      note.layer_tag, note.call);
+}
+
+}  // namespace
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // _allgather_base: torch 2.11 too
+
+at::Tensor all_gather(const at::Tensor& tensor, const Settings& s, const Note& note) {
+  if (!s.group.has_value()) return tensor;
+  auto group = process_group(*s.group);
+  at::Tensor input = tensor;
+  at::Tensor gathered = detail::new_empty({s.world_size * tensor.numel()}, tensor.options());
+  record(tensor, s, note, true);
+  try {
+    group->_allgather_base(gathered, input)->wait();
+  } catch (const std::exception& error) {
+    report_failure(tensor, "all_gather", error);
+    throw;
+  }
+  return gathered;
+}
+
+#pragma GCC diagnostic pop
+
+at::Tensor sum_over_group(
+    const at::Tensor& tensor, const Settings& s, const Note& note, bool in_place) {
+  if (!s.group.has_value()) return tensor;
+  if (tensor.is_cpu() && s.world_size <= kGatherSumMaxRanks) {
+    return all_gather(tensor, s, note);
+  }
+  auto group = process_group(*s.group);
+  std::vector<at::Tensor> summed{in_place ? tensor : tensor.clone()};
+  record(tensor, s, note, false);
+  try {
+    group->allreduce(summed)->wait();
+  } catch (const std::exception& error) {
+    report_failure(tensor, "all_reduce", error);
+    throw;
+  }
+  return summed[0];
+}
+
+bool is_call_order_error(const c10::Error& error) {
+  const std::string& text = error.msg();
+  return text.find(kCallOrderMark) != std::string::npos &&
+         text.find(kShiftMark) == std::string::npos;
+}
+
+void call_order_failed(
+    Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
+    const Settings& s, const c10::Error& original) {
+  call_python(
+      "syncbn::call_order_failed",
+      {static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
+       s.group.has_value() ? c10::IValue(*s.group) : c10::IValue(), s.world_size, s.layer_tag});
+  throw original;  // the Python report always raises; if it did not, the kernel's error stands
+}
+
+void ensure_flight_ring() {
+  if (!flight::attached()) {
+    call_python("syncbn::flight_open", {detail::new_empty({0}, at::TensorOptions())});
+  }
+}
+
+}  // namespace syncbn::layer

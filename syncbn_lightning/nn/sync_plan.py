@@ -1,0 +1,208 @@
+"""A synchronized layer's training call: what it decides once (its plan), and its two paths.
+
+Per training call, a :class:`~syncbn_lightning.SyncBatchNorm` needs its group's size and name,
+its exchange strategy, whether the extension's kernels run, and its settings as the operators
+take them. None of that changes from call to call, so :func:`plan_of` works it out once and keeps
+it on the layer (``_sync_plan``) for as long as the objects it came from are the layer's current
+ones: its :class:`~syncbn_lightning.functional.SyncOptions`, its process group, torch's default
+group, its name (the call-order tag) and the ``SYNCBN_IMPL`` variable. Assigning any of them
+(``layer.momentum = 0.01``, a new process group, ``destroy_process_group``) makes a new plan at
+the next call.
+
+The two paths (``docs/architecture.md``, "Which path a call takes"):
+
+* :func:`forward_native`, the C++ path: the built-in exchanges (gather, reduce) on CPU tensors
+  with the extension's kernels, eager. One operator call, ``syncbn::sync_batch_norm``
+  (:mod:`syncbn_lightning.functional.native`), whose backward is a C++ autograd node.
+* :func:`forward_function`, the Python path: everything else (CUDA tensors, for now; code being
+  compiled; a custom exchange; the pure-PyTorch reference; DataParallel replicas), through the
+  Python :class:`~syncbn_lightning.functional.SyncBatchNormFunction`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.groups import group_name_of, sync_group_size
+from ..functional.exchange import LayerState, SyncCall
+from ..functional.function import SyncBatchNormFunction
+from ..functional.native import native_op, register_python_kernels
+from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
+from ..ops.dispatch import IMPL_ENV, uses_extension
+from .layer_state import BatchRecord
+
+__all__ = ["SyncPlan", "forward_function", "forward_native", "plan_of"]
+
+_GROUPS: Any = dist.distributed_c10d.GroupMember if dist.is_available() else None
+_CPU = torch.device("cpu")
+_NO_ACT = (0, 0.0)
+
+
+# os.environ.get costs ~1 us of host time per call (it encodes the key); its dict of encoded keys
+# is read directly where CPython has one (assignments through os.environ update it).
+_ENVIRON: Any = getattr(os.environ, "_data", None)
+_IMPL_KEY: Any = os.environ.encodekey(IMPL_ENV) if _ENVIRON is not None else IMPL_ENV  # type: ignore[attr-defined]
+
+
+def _impl_env() -> Any:
+    """``SYNCBN_IMPL`` as the environment holds it now (encoded where CPython encodes it)."""
+    return _ENVIRON.get(_IMPL_KEY) if _ENVIRON is not None else os.environ.get(IMPL_ENV)
+
+
+def _world() -> Any:
+    """torch's default group (``None`` before ``init_process_group``)."""
+    return _GROUPS.WORLD if _GROUPS is not None else None
+
+
+class SyncPlan:
+    """A layer's decisions for its training calls (see the module docstring).
+
+    Attributes:
+        native: whether calls take the C++ path (CPU tensors; the layer checks the device).
+        op: the C++ path's operator (``None`` on the Python path).
+        world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
+            layer forces synchronization).
+        args: the C++ operator's settings, in its order: the group's name, the world size, the
+            call-order tag, the reduce exchange, momentum, eps, unbiased, equal rank weights.
+    """
+
+    __slots__ = (
+        "args",
+        "impl",
+        "name",
+        "native",
+        "op",
+        "options",
+        "process_group",
+        "world",
+        "world_size",
+    )
+
+    def __init__(self, layer: Any, world: Any, impl: Any) -> None:
+        options = layer.sync_options
+        self.options, self.process_group, self.world = options, layer.process_group, world
+        self.name, self.impl = layer.sync_name, impl
+        self.world_size = sync_group_size(layer.process_group)
+        self.native = False
+        self.op: Any = None
+        self.args: tuple[Any, ...] = ()
+        if self.world_size == 1 and not options.force_sync:
+            return
+        group = group_name_of(layer.process_group)
+        exchange = resolve_exchange(options.exchange, self.world_size, group, "cpu")
+        builtin = exchange.name in BUILTIN and exchange is get_exchange(exchange.name)
+        if not (builtin and exchange.uses_kernels and uses_extension("cpu", options.impl)):
+            return
+        register_python_kernels()
+        self.native, self.op = True, native_op()
+        self.args = (
+            group,
+            self.world_size,
+            layer.layer_tag,
+            exchange.name == "reduce",
+            options.momentum,
+            options.eps,
+            options.unbiased_running_var,
+            options.stats_mode == "default",
+        )
+
+
+def plan_of(layer: Any) -> SyncPlan:
+    """``layer``'s plan: the one it keeps while it still holds (see the module docstring), else
+    a new one."""
+    plan: SyncPlan | None = layer._sync_plan
+    world = _world()
+    impl = _impl_env() if layer.sync_options.impl is None else None
+    if (
+        plan is None
+        or plan.options is not layer.sync_options
+        or plan.process_group is not layer.process_group
+        or plan.world is not world
+        or plan.name is not layer.sync_name
+        or plan.impl != impl
+    ):
+        plan = layer._sync_plan = SyncPlan(layer, world, impl)
+    return plan
+
+
+def forward_native(
+    layer: Any,
+    plan: SyncPlan,
+    input: torch.Tensor,
+    activation: tuple[int, float] | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The C++ path (see :func:`forward_function` for what a call does): ``act(bn(input) +
+    residual)`` with the fused ``activation`` (``None``: none) and ``residual`` (``None``:
+    none), the layer's input checks included."""
+    state = layer.__dict__
+    params, buffers = state["_parameters"], state["_buffers"]
+    running_mean = buffers["running_mean"]
+    calls, nonfinite = layer._calls, layer._nonfinite
+    if calls is None or nonfinite is None or not (calls.is_cpu and nonfinite.is_cpu):
+        calls, nonfinite = layer._counters(_CPU)
+    if running_mean is None or not state["track_running_stats"]:
+        running = (None, None, None, None)
+    else:
+        running = (running_mean, buffers["running_var"], buffers["num_batches_tracked"], nonfinite)
+    act, act_param = activation or _NO_ACT
+    output, mean, var, info = plan.op(
+        input,
+        params["weight"],
+        params["bias"],
+        *running,
+        calls,
+        residual,
+        *plan.args,
+        act,
+        act_param,
+        state["num_features"],
+    )
+    # Module.__setattr__ costs ~2 us of host time per call; last_batch is a plain attribute.
+    state["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
+    return output
+
+
+def forward_function(
+    layer: Any,
+    input: torch.Tensor,
+    world_size: int,
+    activation: tuple[int, float] | None,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool]:
+    """The Python path of the synchronized training forward: statistics over the group, running
+    stats updated in place (non-finite group statistics skip the update, see
+    :meth:`~syncbn_lightning.SyncBatchNorm.nonfinite_skips`; an all-empty group leaves them alone
+    as torch does), and the fused ``activation`` (None: none) after adding ``residual`` (None:
+    none) when the exchange fuses residuals; returns the output and whether both were applied."""
+    params, buffers = layer._parameters, layer._buffers
+    weight, bias, running_mean = params["weight"], params["bias"], buffers["running_mean"]
+    calls, nonfinite = layer._counters(input.device)
+    track = layer.track_running_stats and running_mean is not None
+    state = LayerState(
+        running_mean if track else None,
+        buffers["running_var"] if track else None,
+        buffers["num_batches_tracked"] if track else None,
+        nonfinite if track else None,
+        calls,
+    )
+    options = layer.sync_options
+    group = layer.replica_group or group_name_of(layer.process_group)
+    exchange = resolve_exchange(options.exchange, world_size, group, input.device.type)
+    fused = exchange.uses_kernels and uses_extension(input.device.type, options.impl)
+    if residual is not None and not exchange.fuses_residual:
+        activation = residual = None  # the caller adds and activates
+    act = activation or (0, 0.0)
+    call = SyncCall(group, world_size, layer.layer_tag, exchange, options, fused, *act)
+    if residual is None:
+        output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
+    else:
+        output, mean, var, info = SyncBatchNormFunction.apply(
+            input, weight, bias, state, call, residual
+        )
+    layer.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
+    return output, activation is not None
