@@ -11,7 +11,9 @@ whole ``layer(x).backward(g)`` step, interleaved round by round, median of the r
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
 gloo group (the sync layer really calls gloo twice; gloo's own cost is shown on its own line).
 The flight recorder's share of a collective (the forward's call number and one record, in memory
-and into a memory-mapped file) is timed on its own.
+and into a memory-mapped file) is timed on its own. In the group, a floor is timed beside them:
+``nn.BatchNorm2d`` plus the two collectives any synchronized layer issues, called straight on the
+ProcessGroup; and a whole ResNet-18 train step (plain, ours, and its floor).
 The op counts come from a ``TorchDispatchMode`` around one step, AccumulateGrad's ``add_`` of the
 three gradients included (``bn`` pays them too).
 
@@ -111,6 +113,78 @@ def floor_step(x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     return run
 
 
+def network_steps() -> dict[str, Callable[[], None]]:
+    """A whole network where the host's work shows: a torchvision ResNet-18 train step (forward,
+    loss, backward, SGD) at 2 images of 32x32, in the one-rank gloo group:
+
+    * ``plain``: its ``nn.BatchNorm2d`` layers;
+    * ``ours``: converted, every layer forced through its synchronized path (two collectives);
+    * ``floor``: the plain step plus, per BatchNorm layer, one all_gather of ``2C + 1`` floats and
+      one all_reduce of ``2C`` floats straight on the ProcessGroup (what any synchronized layer
+      issues; :func:`floor_step` for one layer).
+    """
+    from bench_residual import _torchvision
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+
+    from syncbn_lightning import convert_sync_batchnorm
+    from syncbn_lightning.distributed.groups import sync_world_group
+
+    x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    group, gather_options, sum_options = sync_world_group(), AllgatherOptions(), AllreduceOptions()
+
+    def step_of(model: nn.Module, after: Callable[[], None] = lambda: None) -> Callable[[], None]:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), target).backward()
+            optimizer.step()
+            after()
+
+        return run
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return _torchvision().models.resnet18(weights=None, num_classes=5)
+
+    plain = model()
+    buffers = []
+    for layer in plain.modules():
+        if isinstance(layer, nn.BatchNorm2d):
+            c = layer.num_features
+            buffers.append((torch.randn(2 * c + 1), torch.empty(2 * c + 1), torch.randn(2 * c)))
+
+    def collectives() -> None:
+        for row, gathered, sums in buffers:
+            group._allgather_base(gathered, row, gather_options).wait()
+            group.allreduce([sums], sum_options).wait()
+
+    return {
+        "plain": step_of(plain),
+        "ours": step_of(convert_sync_batchnorm(model(), force_sync=True)),
+        "floor": step_of(model(), collectives),
+    }
+
+
+def network_table(rounds: int, steps: int) -> list[str]:
+    """Median ms per step of :func:`network_steps`, interleaved round by round."""
+    runs = network_steps()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for run in runs.values():
+        for _ in range(5):
+            run()
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(_time(run, steps) / 1000)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    lines = ["| ResNet-18 step | ms / step | x plain | x floor |", "|---|---:|---:|---:|"]
+    for name, ms in medians.items():
+        lines.append(
+            f"| {name} | {ms:.2f} | {ms / medians['plain']:.2f} | {ms / medians['floor']:.2f} |"
+        )
+    return lines
+
+
 def gloo_cost(rounds: int, steps: int) -> float:
     """Median microseconds of one functional all_gather + all_reduce pair (+ waits) on the group."""
     c10d = torch.ops._c10d_functional
@@ -178,6 +252,8 @@ def main() -> None:
             floor = results["floor"]["median_us"]
             print(f"\next / floor: {results['ext']['median_us'] / floor:.2f}")
             print(f"\ngloo alone, all_gather + all_reduce with waits: {gloo_cost(5, 500):.1f} us")
+            print("\nA whole network in the same group (ResNet-18, 2 images of 32x32, SGD):\n")
+            print("\n".join(network_table(max(3, args.rounds // 3), 20)))
             print("\nops of one ext step:", dict(results["ext"]["ops"]))
         finally:
             dist.destroy_process_group()

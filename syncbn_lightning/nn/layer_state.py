@@ -12,7 +12,7 @@ import torch
 from ..distributed.call_order import register_layer_name
 from ..ops.reference import TAG_LIMIT
 
-__all__ = ["OPTION_ATTRIBUTES", "BatchRecord", "SyncCallState", "option_property"]
+__all__ = ["OPTION_ATTRIBUTES", "BatchRecord", "SyncCallState", "name_tag", "option_property"]
 
 #: Attributes that older versions kept on the layer itself and now live in its SyncOptions.
 OPTION_ATTRIBUTES = (
@@ -39,6 +39,14 @@ def option_property(name: str, doc: str) -> property:
             self.sync_options = self.sync_options.replace(**{name: value})
 
     return property(get, set_, doc=doc)
+
+
+def name_tag(name: str, salt: int = 0) -> int:
+    """The call-order tag of a layer called ``name``: a hash below ``TAG_LIMIT`` (floats carry it
+    exactly), the same on every rank; ``salt`` > 0 gives the alternatives tried when two layers of
+    one model would share a tag."""
+    key = name if salt == 0 else f"{name}#{salt}"
+    return zlib.crc32(key.encode()) % TAG_LIMIT
 
 
 # Construction order of layers built directly (not by the converter): their call-order tag until
@@ -111,17 +119,23 @@ class SyncCallState:
             return self._sync_serial % TAG_LIMIT
         return self._tag_of(self.sync_name)
 
-    def set_sync_name(self, name: str) -> None:
-        """Name the layer (its qualified name in the model) for call-order checks and errors."""
+    def set_sync_name(self, name: str, tag: int | None = None) -> None:
+        """Name the layer (its qualified name in the model) for call-order checks and errors;
+        ``tag``: its call-order tag (default: the hash of ``name``; :func:`~syncbn_lightning
+        .name_sync_layers` gives another where two layers of a model would share one)."""
         self.sync_name = name
-        register_layer_name(self._tag_of(name), name)
+        if tag is None:
+            tag = self._tag_of(name)
+        else:
+            self._named_tag = (name, int(tag) % TAG_LIMIT)
+        register_layer_name(self._named_tag[1], name)
 
     def _number_layer(self) -> None:
         """Give a layer built directly its construction number (its tag until it is named)."""
         self._sync_serial = next(_SERIALS)
 
     def _tag_of(self, name: str) -> int:
-        tag = zlib.crc32(name.encode()) % TAG_LIMIT
+        tag = name_tag(name)
         self._named_tag = (name, tag)
         return tag
 

@@ -1,0 +1,53 @@
+"""Two layers of one model never share a call-order tag.
+
+A layer's tag is a 24-bit hash of its qualified name; two names can hash alike (the pair below
+does). Two layers with one tag would let ranks that call different ones merge their statistics
+unnoticed: the conversion gives the later layer another tag, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_distributed
+from torch import nn
+
+from syncbn_lightning import CallOrderError, convert_sync_batchnorm
+from syncbn_lightning.nn.layer_state import name_tag
+
+# Two names whose tags collide (found by search; crc32 modulo 2^24).
+FIRST, SECOND = "h324079092367", "b547068720973"
+
+
+def _model() -> nn.ModuleDict:
+    return convert_sync_batchnorm(
+        nn.ModuleDict({FIRST: nn.BatchNorm1d(4), SECOND: nn.BatchNorm1d(4)})
+    )
+
+
+def test_the_names_collide() -> None:
+    assert name_tag(FIRST) == name_tag(SECOND)
+
+
+def test_layers_of_one_model_get_distinct_tags_the_same_on_every_conversion() -> None:
+    model = _model()
+    tags = [model[FIRST].layer_tag, model[SECOND].layer_tag]
+    assert tags[0] == name_tag(FIRST) and tags[1] != tags[0]
+    assert tags[1] == name_tag(SECOND, 1)
+    again = _model()
+    assert [again[FIRST].layer_tag, again[SECOND].layer_tag] == tags
+
+
+def _one_layer_each(rank: int, world: int) -> str:
+    model = _model()
+    try:
+        model[FIRST if rank == 0 else SECOND](torch.randn(3, 4))
+    except CallOrderError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_ranks_calling_the_two_layers_raise_call_order_error() -> None:
+    for message in run_distributed(_one_layer_each, 2, timeout=60, pg_timeout_s=30):
+        assert f"rank 0 ran '{FIRST}'" in message and f"rank 1 ran '{SECOND}'" in message, message
