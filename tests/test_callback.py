@@ -29,8 +29,8 @@ from _numerics import rel_err
 from torch import nn
 
 from syncbn_lightning import SyncBNCallback, SyncBNLayerSync, update_bn_stats
+from syncbn_lightning.distributed.group_sizes import auto_group_summary
 from syncbn_lightning.distributed.groups import DEFAULT_TARGET_NORM_BATCH, resolve_group_size
-from syncbn_lightning.lightning.callback import auto_group_summary
 
 # Real Trainers on several gloo processes (20-80 s each on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -226,7 +226,7 @@ def _check_wandb(cfg: DictConfig) -> None:
 
 def _check_launch(launch: DictConfig) -> None:
     """The launcher's seconds: positive numbers (``abort_after_s`` may be null: no bound)."""
-    for key in ("timeout_s", "start_timeout_s", "abort_after_s"):
+    for key in ("timeout_s", "default_timeout_s", "start_timeout_s", "abort_after_s"):
         value = launch.get(key)
         if value is None and key == "abort_after_s":
             continue

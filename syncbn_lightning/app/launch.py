@@ -355,7 +355,7 @@ def _report_flight(reason: str, directory: Path) -> None:
     from syncbn_lightning.distributed import flight_report
 
     with contextlib.suppress(Exception):  # a report must never hide the failure itself
-        flight_report.report_failure(reason, directory)
+        flight_report.report_directory(reason, directory)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

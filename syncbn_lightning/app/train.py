@@ -31,6 +31,7 @@ from .checkpoint import AtomicCheckpointIO
 from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
 from .console import quiet_third_party
 from .launch import (
+    FLIGHT_DIR_ENV,
     RANK_CONFIG_ENV,
     RankLauncher,
     child_command,
@@ -56,7 +57,8 @@ def _build_trainer(cfg: DictConfig, callbacks: list[Any], loggers: list[Any]) ->
         from .strategy import TimedDDPStrategy
 
         strategy = TimedDDPStrategy(
-            collective_timeout=timedelta(seconds=cfg.launch.timeout_s),
+            collective_timeout=timedelta(seconds=cfg.launch.default_timeout_s),
+            sync_timeout=timedelta(seconds=cfg.launch.timeout_s),
             timeout=timedelta(seconds=cfg.launch.start_timeout_s),
             checkpoint_io=checkpoint_io,
         )
@@ -124,6 +126,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     out = Path(cfg.paths.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with restored_environ():
+        # The SyncBN flight records in the run's folder however the job was launched (the
+        # service's launcher sets the same; torchrun and srun do not).
+        os.environ.setdefault(FLIGHT_DIR_ENV, str(out / ".syncbn"))
         datamodule = build(cfg, "data")
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             datamodule.prepare_data()  # generate data before the other ranks start
@@ -148,10 +153,10 @@ def _report_flight(exc: BaseException) -> None:
     ranks' sequences parted, or each rank's last call); nothing for a Ctrl-C or a config error."""
     if isinstance(exc, (KeyboardInterrupt, ConfigError)):
         return
-    from syncbn_lightning.distributed import flight_report
+    from syncbn_lightning.distributed import flight
 
     with contextlib.suppress(Exception):  # the report must never hide the failure itself
-        flight_report.report_failure(f"{type(exc).__name__}: {str(exc).strip()[:200]}")
+        flight.report_failure(f"{type(exc).__name__}: {str(exc).strip()[:200]}")
 
 
 def prepare_kernels(cfg: DictConfig) -> float | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from . import flight, flight_report
+from . import flight
 from .collectives import Group, group_ranks
 
 __all__ = [
@@ -84,8 +84,8 @@ def layer_text(tag: float) -> str:
 def call_order_error(what: str, ranks: list[int], backward: bool = False) -> CallOrderError:
     """The error for a mismatch among ``ranks`` (global ranks of the group); ``what`` says which
     rank ran which layer; ``backward``: found by the backward's exchange. Logs what the flight
-    recorder knows first (:func:`.flight_report.report_failure`)."""
-    flight_report.report_failure("a SyncBatchNorm call-order mismatch")
+    recorder knows first (:func:`.flight.report_failure`)."""
+    flight.report_failure("a SyncBatchNorm call-order mismatch")
     if backward:
         return CallOrderError(
             f"The backward passes of SyncBatchNorm layers ran in a different order on the ranks of "

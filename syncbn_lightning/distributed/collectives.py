@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import flight, flight_report
+from . import flight
 from .replicas import ReplicaGroup
 
 __all__ = [
@@ -128,7 +128,7 @@ def report_collective_failure(op: str, reason: str) -> None:
     """Log what the flight recorder knows when a SyncBN collective ``op`` failed with ``reason``
     (a peer died, the transport refused, the process-group timeout); the caller lets the error
     propagate (the C++ path too: ``syncbn::collective_failed``)."""
-    flight_report.report_failure(f"a failed SyncBN {op} ({reason})")
+    flight.report_failure(f"a failed SyncBN {op} ({reason})")
 
 
 def sum_over_group(

@@ -6,16 +6,22 @@ question is which call each rank was in, and the first one at which the ranks di
 things. Every collective of a synchronized layer (forward exchange, backward sums, and the
 error-path gather of the call-order check) is recorded *before* it is issued: the group and its
 sequence number in that group, the op, the direction, the bytes, the layer tag and the layer's
-call number. Recording is one fixed-size ``struct.pack_into`` into a ring buffer of
-:data:`DEFAULT_CAPACITY` records (about 1 us of host time per collective;
-``benchmarks/bench_host.py`` measures it). Nothing is recorded while ``torch.compile`` traces
-(compiled code) or a CUDA graph replays (no Python runs).
+call number. Recording is one fixed-size write into a ring buffer of :data:`DEFAULT_CAPACITY`
+records (about 2 us of host time per collective from Python, ``benchmarks/bench_host.py``; the
+layer's C++ path writes from C++, ``csrc/flight.cpp``). Nothing is recorded while
+``torch.compile`` traces or a CUDA graph replays.
 
-The ring buffer is plain memory, or, when ``SYNCBN_FLIGHT_DIR`` names a directory (the training
-service sets it to the job's ``.syncbn`` folder), a memory-mapped file ``flight_rank<R>.bin``
-there: the kernel keeps its pages when the process is killed (SIGKILL, SIGABRT), and any process
-can read every rank's file while the job hangs. :func:`read_flight_dir` reads them;
-:mod:`.flight_report` compares the ranks' records and logs where they parted.
+**A recorder belongs to a job** (one default process group): the process's recorder is made on
+the first collective and made anew when torch's default group is no longer the one it was made
+in. Its ring is plain memory, or, when a flight directory is set (:func:`set_flight_dir`, or the
+``SYNCBN_FLIGHT_DIR`` environment variable; :class:`~syncbn_lightning.SyncBNCallback` sets the
+trainer's log folder, the training service its run folder), a memory-mapped file in it (the
+kernel keeps its pages when the process is killed, and any process can read every rank's file
+while the job hangs), laid out as :mod:`.flight_file` says: ``node<N>/flight_<job>_rank<R>.bin``,
+created for this recorder only (never another job's file, never truncated) with its blocks
+allocated up front (a disk that fills up cannot fault a write into the map). When the file
+cannot be made, or the names file cannot be written, one warning says so and the ring stays in
+memory: recording never raises. :func:`report_failure` logs where the ranks' records parted.
 """
 
 from __future__ import annotations
@@ -23,13 +29,34 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import socket
 import struct
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from . import flight_report
+from .flight_file import (
+    BACKWARD,
+    CHECK,
+    FORWARD,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    OP_CODES,
+    RECORD,
+    FlightRecord,
+    decode,
+    names_path,
+    read_flight_dir,
+    read_flight_file,
+    read_layer_names,
+)
 
 __all__ = [
     "BACKWARD",
@@ -37,46 +64,45 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "FLIGHT_DIR_ENV",
     "FORWARD",
+    "OP_CODES",
     "FlightRecord",
     "FlightRecorder",
     "check_note",
     "current_recorder",
+    "flight_dir",
     "flight_recorder",
-    "job_key",
-    "next_call",
     "layer_text",
+    "next_call",
     "read_flight_dir",
     "read_flight_file",
     "read_layer_names",
-    "register_layer_name",
     "record",
+    "register_layer_name",
+    "report_failure",
+    "reset_flight_recorder",
+    "set_flight_dir",
 ]
 
 log = logging.getLogger(__name__)
 
-#: Environment variable naming the directory of the file-backed recorders (one file per rank).
+#: Environment variable naming the directory of the file-backed recorders.
 FLIGHT_DIR_ENV = "SYNCBN_FLIGHT_DIR"
 #: Records each rank keeps (the oldest are overwritten).
 DEFAULT_CAPACITY = 256
-
-FORWARD, BACKWARD, CHECK = 0, 1, 2
-_DIRECTIONS = ("forward", "backward", "check")
-_OPS = ("all_gather", "all_reduce")
-OP_CODES = {name: code for code, name in enumerate(_OPS)}
-
-# File layout: a header, then `capacity` records. Records are little-endian and fixed-size so a
-# reader in another process needs nothing but this module.
-_MAGIC = b"SBNFLT01"
-_HEADER = struct.Struct("<8siiiiq24s")  # magic, rank, world, pid, capacity, written, job
-_HEADER_SIZE = 64
-# seq in group, time, bytes, call number, layer tag, op, direction, group name
-_RECORD = struct.Struct("<qdqqiBB2x16s")
-
+# The default store's key under which the ranks of a job agree on its id.
+_JOB_KEY = "syncbn_lightning/flight_job"
 
 # Layer tag -> qualified name, for every synchronized layer this process named (the converter names
 # them); a file-backed recorder writes them beside its records, so readers in other processes can
 # name layers they never built.
 _layer_names: dict[int, str] = {}
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
 def register_layer_name(tag: int, name: str) -> None:
@@ -95,40 +121,18 @@ def layer_text(tag: float, names: Mapping[int, str] | None = None) -> str:
     return repr(name or f"<SyncBatchNorm tag {int(tag)}>")
 
 
-class FlightRecord(NamedTuple):
-    """One recorded collective of a synchronized layer."""
-
-    group: str  #: the process group's name (``"0"`` is the default group)
-    seq: int  #: its number among this rank's recorded collectives in ``group`` (from 0)
-    op: str  #: ``"all_gather"`` or ``"all_reduce"``
-    direction: str  #: ``"forward"``, ``"backward"`` or ``"check"`` (the call-order error path)
-    nbytes: int  #: bytes this rank sent
-    layer_tag: int  #: the layer's call-order tag (its name: :func:`layer_text`)
-    call: int  #: the layer's call number on this rank (from 0), host-side
-    time: float  #: ``time.time()`` when it was issued
-
-    def what(self, names: Mapping[int, str] | None = None) -> str:
-        """``backward all_gather of 'layer' (call #3, 264 B)``; the layer named from ``names`` (tag
-        -> name, e.g. a file's), else from this process's layers."""
-        return (
-            f"{self.direction} {self.op} of {layer_text(self.layer_tag, names)} "
-            f"(call #{self.call + 1}, {self.nbytes} B)"
-        )
-
-    def key(self) -> tuple[str, str, int, int, int]:
-        """What two ranks must agree on for the same collective."""
-        return (self.op, self.direction, self.nbytes, self.layer_tag, self.call)
-
-
 class FlightRecorder:
     """A ring buffer of :class:`FlightRecord` in memory or in a memory-mapped file.
 
     Args:
         capacity: records kept.
-        path: the file to map (created or truncated), or ``None`` for plain memory.
+        path: the file to map, created for this recorder (``FileExistsError`` if it exists: an
+            existing file is another recorder's), or ``None`` for plain memory.
         rank, world: this process's global rank and the world size (written to the header).
-        job: a string identifying the job (``MASTER_ADDR:MASTER_PORT``), so that a reader skips
-            files an earlier job left in the same directory.
+        job: the job's id (a reader groups the ranks' files by it).
+
+    Raises:
+        OSError: when ``path`` cannot be created, sized or mapped (the file is removed again).
     """
 
     def __init__(
@@ -141,46 +145,43 @@ class FlightRecorder:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity, self.rank, self.world, self.path = capacity, rank, world, path
-        size = _HEADER_SIZE + capacity * _RECORD.size
-        self._file = None
-        if path is None:
-            self._buffer: bytearray | mmap.mmap = bytearray(size)
-        else:
-            self._file = open(path, "w+b")
-            self._file.truncate(size)
-            self._buffer = mmap.mmap(self._file.fileno(), size)
+        self.capacity, self.rank, self.world = capacity, rank, world
+        self.path = None if path is None else Path(path)
+        self.job = job
+        size = HEADER_SIZE + capacity * RECORD.size
+        self._buffer: bytearray | mmap.mmap = (
+            bytearray(size) if self.path is None else _map_new_file(self.path, size)
+        )
         self._written = 0
         self._group_seq: dict[str, int] = {}
         self._calls: dict[int, int] = {}
         # Once attached (attach_native), the C++ writer's ops and the view of the ring it holds.
         self._native: Any = None
         self._view: torch.Tensor | None = None
-        self._job = job.encode()[:24]
-        self._write_header()
-        self._names_path = None if path is None else _names_path(Path(path))
+        HEADER.pack_into(
+            self._buffer, 0, MAGIC, rank, world, os.getpid(), capacity, 0, job.encode()[:24]
+        )
+        self._names_path = None if self.path is None else names_path(self.path)
         if self._names_path is not None:
-            self._names_path.write_text("")
             self.write_names(_layer_names)
 
     def write_names(self, names: Mapping[int, str]) -> None:
-        """Append ``names`` (tag -> layer name) to the names file (file-backed recorders)."""
-        if self._names_path is not None and names:
+        """Append ``names`` (tag -> layer name) to the names file (file-backed recorders); if that
+        fails (the disk is full or gone), one warning and no more names are written."""
+        if self._names_path is None or not names:
+            return
+        try:
             with open(self._names_path, "a") as f:
                 f.writelines(f"{tag}\t{name}\n" for tag, name in names.items())
-
-    def _write_header(self) -> None:
-        _HEADER.pack_into(
-            self._buffer,
-            0,
-            _MAGIC,
-            self.rank,
-            self.world,
-            os.getpid(),
-            self.capacity,
-            self._written,
-            self._job,
-        )
+        except OSError as exc:
+            self._names_path = None
+            _warn_once(
+                "names",
+                "SyncBN flight recorder: cannot write the layers' names beside %s (%s); the "
+                "records name layers by tag from now on",
+                self.path,
+                exc,
+            )
 
     def attach_native(self) -> None:
         """Hand the ring and its counters to the C++ writer (``csrc/flight.cpp``), which the
@@ -219,26 +220,16 @@ class FlightRecorder:
             return
         seq = self._group_seq.get(group, 0)
         self._group_seq[group] = seq + 1
-        offset = _HEADER_SIZE + (self._written % self.capacity) * _RECORD.size
-        _RECORD.pack_into(
-            self._buffer,
-            offset,
-            seq,
-            time.time(),
-            nbytes,
-            call,
-            layer_tag,
-            op,
-            direction,
-            group.encode()[:16],
-        )
+        offset = HEADER_SIZE + (self._written % self.capacity) * RECORD.size
+        record = (seq, time.time(), nbytes, call, layer_tag, op, direction, group.encode()[:16])
+        RECORD.pack_into(self._buffer, offset, *record)
         self._written += 1
         # The count last: a reader (or a kill) between the two sees the previous count.
         struct.pack_into("<q", self._buffer, 24, self._written)
 
     def records(self) -> list[FlightRecord]:
         """The kept records, oldest first."""
-        return _decode(bytes(self._buffer))[1]
+        return decode(bytes(self._buffer))[1]
 
     def close(self) -> None:
         if self._native is not None:
@@ -246,100 +237,113 @@ class FlightRecorder:
             self._native, self._view = None, None
         if isinstance(self._buffer, mmap.mmap):
             self._buffer.close()
-        if self._file is not None:
-            self._file.close()
 
 
-def _decode(data: bytes) -> tuple[tuple[int, int, str], list[FlightRecord]]:
-    """``((rank, world, job), records oldest first)`` of a recorder's bytes."""
-    magic, rank, world, _pid, capacity, written, job = _HEADER.unpack_from(data, 0)
-    if magic != _MAGIC:
-        raise ValueError("not a SyncBN flight record (bad magic)")
-    first = max(0, written - capacity)
-    out = []
-    for index in range(first, written):
-        offset = _HEADER_SIZE + (index % capacity) * _RECORD.size
-        seq, when, nbytes, call, tag, op, direction, group = _RECORD.unpack_from(data, offset)
-        name = group.rstrip(b"\0").decode(errors="replace")
-        out.append(
-            FlightRecord(name, seq, _OPS[op], _DIRECTIONS[direction], nbytes, tag, call, when)
-        )
-    return (rank, world, job.rstrip(b"\0").decode(errors="replace")), out
-
-
-def _names_path(path: Path) -> Path:
-    return path.with_suffix(".names")
-
-
-def read_flight_file(path: str | os.PathLike[str]) -> tuple[int, str, list[FlightRecord]]:
-    """``(rank, job, records)`` of one rank's file."""
-    (rank, _world, job), records = _decode(Path(path).read_bytes())
-    return rank, job, records
-
-
-def read_layer_names(directory: str | os.PathLike[str]) -> dict[int, str]:
-    """Tag -> layer name from every names file in ``directory``."""
-    names: dict[int, str] = {}
-    for path in sorted(Path(directory).glob("flight_rank*.names")):
-        for line in path.read_text(errors="replace").splitlines():
-            tag, _, name = line.partition("\t")
-            if tag.isdigit() and name:
-                names[int(tag)] = name
-    return names
-
-
-def read_flight_dir(
-    directory: str | os.PathLike[str], job: str | None = None
-) -> dict[int, list[FlightRecord]]:
-    """Every rank's records in ``directory`` (``flight_rank*.bin``), by global rank; with
-    ``job``, only the files of that job. Unreadable files are skipped."""
-    found: dict[int, list[FlightRecord]] = {}
-    for path in sorted(Path(directory).glob("flight_rank*.bin")):
-        try:
-            rank, file_job, records = read_flight_file(path)
-        except (OSError, ValueError, struct.error):
-            continue
-        if job is None or file_job == job:
-            found[rank] = records
-    return found
+def _map_new_file(path: Path, size: int) -> mmap.mmap:
+    """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
+    allocated blocks, mapped; on any failure the file is removed and the error raised (the file
+    descriptor is closed either way: the map holds its own)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
+        else:
+            os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return mapped
 
 
 # ------------------------------------------------------------------------------------------------
-# The process's recorder
+# The process's recorder, and where it writes
 # ------------------------------------------------------------------------------------------------
 
 _recorder: FlightRecorder | None = None
+_recorder_world: Any = None  # the default group the recorder was made in
+_flight_dir: str | None = None
+
+
+def set_flight_dir(path: str | os.PathLike[str] | None) -> None:
+    """Keep this process's flight records in files under ``path`` (``None``: the
+    ``SYNCBN_FLIGHT_DIR`` environment variable, else memory). Takes effect with the next job's
+    recorder; the current one, if any, is closed and a new one made at the next collective."""
+    global _flight_dir
+    _flight_dir = None if path is None else str(path)
+    reset_flight_recorder()
+
+
+def flight_dir() -> str | None:
+    """Where this process's recorders write: :func:`set_flight_dir`'s folder, else the
+    ``SYNCBN_FLIGHT_DIR`` environment variable, else ``None`` (memory)."""
+    return _flight_dir or os.environ.get(FLIGHT_DIR_ENV) or None
+
+
+def _default_group() -> Any:
+    return dist.distributed_c10d.GroupMember.WORLD if dist.is_available() else None
 
 
 def flight_recorder() -> FlightRecorder:
-    """This process's recorder, made on first use: file-backed in ``$SYNCBN_FLIGHT_DIR`` when set
-    (and torch.distributed is initialized, which names the rank), else in memory."""
-    global _recorder
+    """This process's recorder for the current job (see the module docstring), made on first use
+    and anew when torch's default group changed."""
+    global _recorder, _recorder_world
+    world = _default_group()
+    if _recorder is not None and _recorder_world is not world:
+        reset_flight_recorder()
     if _recorder is None:
-        _recorder = _open_recorder()
+        _recorder, _recorder_world = _open_recorder(), world
     return _recorder
 
 
-def job_key() -> str:
-    """This job's key in the recorders' files: ``MASTER_ADDR:MASTER_PORT``."""
-    return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+def _job_id() -> str:
+    """The id every rank of this job shares: made by the first rank to ask, kept in the default
+    process group's store (``MASTER_ADDR:MASTER_PORT`` where there is none)."""
+    fallback = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        mine = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
+        return bytes(store.compare_set(_JOB_KEY, "", mine)).decode()
+    except Exception:  # no store, or one without compare_set: the launcher's address names it
+        return fallback
+
+
+def _node_folder() -> str:
+    """This process's node's folder in a flight directory: ``node<N>`` from the launcher's node
+    rank (torchrun's GROUP_RANK, SLURM_NODEID, Lightning's NODE_RANK), else the host's name."""
+    for variable in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        value = os.environ.get(variable, "")
+        if value.isdigit():
+            return f"node{value}"
+    return f"host-{socket.gethostname()}"
 
 
 def _open_recorder() -> FlightRecorder:
-    import torch.distributed as dist
-
-    directory = os.environ.get(FLIGHT_DIR_ENV)
     if not (dist.is_available() and dist.is_initialized()):
         return FlightRecorder()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, job = dist.get_rank(), dist.get_world_size(), _job_id()
+    directory = flight_dir()
     if directory:
+        folder = Path(directory) / _node_folder()
+        safe = "".join(c if c.isalnum() or c in "-." else "-" for c in job)
         try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-            path = Path(directory) / f"flight_rank{rank}.bin"
-            return FlightRecorder(path=path, rank=rank, world=world, job=job_key())
+            folder.mkdir(parents=True, exist_ok=True)
+            for suffix in ("", *(f"-{n}" for n in range(1, 100))):
+                path = folder / f"flight_{safe}_rank{rank}{suffix}.bin"
+                try:
+                    return FlightRecorder(path=path, rank=rank, world=world, job=job)
+                except FileExistsError:
+                    continue  # another recorder's file (an earlier recorder of this process)
         except OSError as exc:
-            log.warning("SyncBN flight recorder: cannot map a file in %s (%s)", directory, exc)
-    return FlightRecorder(rank=rank, world=world, job=job_key())
+            _warn_once(
+                "file",
+                "SyncBN flight recorder: cannot keep a file in %s (%s); recording in memory",
+                folder,
+                exc,
+            )
+    return FlightRecorder(rank=rank, world=world, job=job)
 
 
 def current_recorder() -> FlightRecorder | None:
@@ -349,10 +353,11 @@ def current_recorder() -> FlightRecorder | None:
 
 def reset_flight_recorder() -> None:
     """Forget this process's recorder (a new job, or a test); the next record makes a new one."""
-    global _recorder
+    global _recorder, _recorder_world
     if _recorder is not None:
         _recorder.close()
-    _recorder = None
+    _recorder, _recorder_world = None, None
+    flight_report.reset_report()
 
 
 def next_call(layer_tag: int) -> int:
@@ -377,3 +382,18 @@ def record(group: str, op: str, tensor: torch.Tensor, note: tuple[int, int, int]
         return
     nbytes = tensor.numel() * tensor.element_size()
     flight_recorder().record(group, OP_CODES[op], direction, nbytes, layer_tag, call)
+
+
+def report_failure(reason: str, directory: str | os.PathLike[str] | None = None) -> str | None:
+    """Log (ERROR, once per job) what the flight records say after ``reason`` failed: every
+    rank's records of this job under ``directory`` (default: this process's flight directory),
+    and this rank's own. Returns the text (``None`` when already reported or nothing was
+    recorded)."""
+    own = _recorder
+    directory = directory or flight_dir()
+    job = own.job if own is not None else None
+    by_rank = read_flight_dir(directory, job) if directory else {}
+    names = {**_layer_names, **(read_layer_names(directory, job) if directory else {})}
+    if own is not None and own.rank not in by_rank:
+        by_rank[own.rank] = own.records()
+    return flight_report.report_once(reason, by_rank, names, directory)

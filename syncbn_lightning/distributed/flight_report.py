@@ -2,9 +2,11 @@
 
 :func:`first_divergence` finds, per process group, the first collective the ranks recorded
 differently, or the first one some rank has not issued (where the others wait);
-:func:`describe_flight` says it in a few lines; :func:`report_failure` logs that once per process
-(the library calls it when one of its collectives fails or a call-order check fails, the service
-when a job fails); :func:`main` is ``syncbn-flight``, the same from the files after the fact.
+:func:`describe_flight` says it in a few lines; :func:`report_once` logs that once per job
+(:func:`.flight.report_failure` gathers the records: the library calls it when one of its
+collectives fails or a call-order check fails, the service when a job fails); :func:`main` is
+``syncbn-flight``, the same from the files after the fact. No torch: ``syncbn-flight`` runs in a
+fraction of a second.
 """
 
 from __future__ import annotations
@@ -14,10 +16,17 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from . import flight
-from .flight import FlightRecord, read_flight_dir, read_layer_names
+from .flight_file import FlightRecord, jobs_in, read_flight_dir, read_layer_names
 
-__all__ = ["Divergence", "describe_flight", "first_divergence", "main", "report_failure"]
+__all__ = [
+    "Divergence",
+    "describe_flight",
+    "first_divergence",
+    "main",
+    "report_directory",
+    "report_once",
+    "reset_report",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,26 +119,33 @@ def reset_report() -> None:
     _reported = False
 
 
-def report_failure(reason: str, directory: str | os.PathLike[str] | None = None) -> str | None:
-    """Log (ERROR, once per process) what the flight records say after ``reason`` failed: every
-    rank's records in ``directory`` (default ``$SYNCBN_FLIGHT_DIR``) when it holds them, and this
-    rank's own. Returns the text (``None`` when already reported or nothing was recorded)."""
+def report_once(
+    reason: str,
+    by_rank: dict[int, list[FlightRecord]],
+    names: Mapping[int, str],
+    directory: str | os.PathLike[str] | None = None,
+) -> str | None:
+    """Log (ERROR, once per job: until :func:`reset_report`) what ``by_rank``, the ranks'
+    records, say after ``reason`` failed; ``directory``: where they were read from. Returns the
+    text (``None`` when already reported or nothing was recorded)."""
     global _reported
-    if _reported:
-        return None
-    directory = directory or os.environ.get(flight.FLIGHT_DIR_ENV)
-    by_rank = read_flight_dir(directory, flight.job_key()) if directory else {}
-    names = read_layer_names(directory) if directory else {}
-    own = flight.current_recorder()
-    if own is not None and own.rank not in by_rank:
-        by_rank[own.rank] = own.records()
-    if not any(by_rank.values()):
+    if _reported or not any(by_rank.values()):
         return None
     _reported = True
     where = f" ({directory})" if directory else ""
     text = f"SyncBN flight recorder{where} after {reason}:\n{describe_flight(by_rank, 3, names)}"
     log.error("%s", text)
     return text
+
+
+def report_directory(reason: str, directory: str | os.PathLike[str]) -> str | None:
+    """:func:`report_once` of the latest job's records in ``directory`` (a process that holds
+    no recorder of its own: the service's launcher, after a rank failed)."""
+    jobs = jobs_in(directory)
+    if not jobs:
+        return None
+    names = read_layer_names(directory, jobs[-1])
+    return report_once(reason, read_flight_dir(directory, jobs[-1]), names, directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         prog="syncbn-flight",
         description="Where the ranks' SyncBN collectives parted, from their flight records.",
     )
-    parser.add_argument("directory", help="the folder of the flight_rank*.bin files")
+    parser.add_argument(
+        "directory", help="a flight folder (a job's .syncbn), with its node folders"
+    )
     parser.add_argument("--last", type=int, default=3, help="collectives shown per rank")
+    parser.add_argument(
+        "--job", default=None, help="the job whose records to read (default: the latest written)"
+    )
     args = parser.parse_args(argv)
-    by_rank = read_flight_dir(args.directory)
+    jobs = jobs_in(args.directory)
+    job = args.job if args.job is not None else (jobs[-1] if jobs else None)
+    by_rank = read_flight_dir(args.directory, job) if job is not None else {}
     if not by_rank:
-        print(f"no SyncBN flight records (flight_rank*.bin) in {args.directory}")
+        print(f"no SyncBN flight records (flight_*rank*.bin) of a job in {args.directory}")
         return 2
-    names = read_layer_names(args.directory)
+    names = read_layer_names(args.directory, job)
+    if len(jobs) > 1:
+        print(f"job {job!r} (the folder holds {len(jobs)} jobs; --job picks another)")
     print(describe_flight(by_rank, args.last, names))
     ranks = ", ".join(f"rank {rank}: {len(records)}" for rank, records in sorted(by_rank.items()))
     print(f"(records kept: {ranks})")

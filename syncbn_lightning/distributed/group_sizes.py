@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_TARGET_NORM_BATCH",
     "GroupSize",
     "NormBatchVerdict",
+    "auto_group_summary",
     "norm_batch_verdict",
     "resolve_group_size",
     "validate_group_size",
@@ -148,3 +149,23 @@ def validate_group_size(group_size: Any, allow_auto: bool = True) -> None:
         )
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1 (1 = per-rank BatchNorm), got {group_size}")
+
+
+def auto_group_summary(size: int, batch: int, world: int, target: int) -> str:
+    """The line the callback logs when ``group_size="auto"`` is decided: the normalization batch
+    it chose, and why (the target, and where the target's default comes from)."""
+    norm = size * batch
+    if norm >= target:
+        why = f"the smallest group of the {world} ranks reaching target_norm_batch={target}"
+    else:
+        why = f"no group of the {world} ranks reaches target_norm_batch={target}: the whole world"
+    origin = (
+        "the default: where BatchNorm's ImageNet accuracy stops falling, see "
+        "docs/choosing-normalization.md"
+        if target == DEFAULT_TARGET_NORM_BATCH
+        else "set by you"
+    )
+    return (
+        f"SyncBNCallback: group_size='auto' -> normalization batch {norm} ({size} ranks x "
+        f"{batch} samples): {why} ({origin})"
+    )

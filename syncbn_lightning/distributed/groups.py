@@ -42,7 +42,9 @@ __all__ = [
     "is_group",
     "new_sync_group",
     "resolve_group_size",
+    "set_sync_timeout",
     "sync_group_size",
+    "sync_timeout",
     "sync_world_group",
     "validate_group_size",
 ]
@@ -95,7 +97,7 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         )
     rank = dist.get_rank()
     mine = None
-    timeout = _default_timeout()
+    timeout = sync_timeout()
     for start in range(0, world, group_size):
         ranks = list(range(start, start + group_size))
         group = dist.new_group(ranks, timeout=timeout, group_desc=f"syncbn_{start}")
@@ -158,7 +160,7 @@ def sync_world_group() -> dist.ProcessGroup:
         )
     world = dist.group.WORLD
     if _world_twin is None or _world_twin[0] is not world:
-        twin = dist.new_group(timeout=_default_timeout(), group_desc="syncbn_world")
+        twin = dist.new_group(timeout=sync_timeout(), group_desc="syncbn_world")
         _world_twin = (world, twin)
     return _world_twin[1]
 
@@ -173,6 +175,35 @@ def _world_group_name() -> str:
 # torch._dynamo (1.7 s) and `import syncbn_lightning` must stay cheap (tests/test_groups.py checks
 # that the public decorator still sets exactly this marker).
 _world_group_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+_sync_timeout: timedelta | None = None
+
+
+def set_sync_timeout(timeout: timedelta | float | None) -> None:
+    """The collective timeout of the process groups SyncBN makes from now on
+    (:func:`sync_world_group`, :func:`new_sync_group`; seconds or a timedelta); call it on every
+    rank before the layers' first synchronized call. ``None`` (the default): the default
+    group's. Set it shorter than the default group's: a rank that stops
+    inside a SyncBN collective then ends the job after this long, while DDP's and Lightning's
+    collectives on the default group (barriers while rank 0 evaluates or saves alone) keep the
+    longer one.
+
+    Raises:
+        ValueError: for a timeout that is not positive.
+    """
+    global _sync_timeout
+    if timeout is not None and not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout is not None and timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
+    _sync_timeout = timeout
+
+
+def sync_timeout() -> timedelta | None:
+    """The timeout of the groups SyncBN makes: :func:`set_sync_timeout`'s, else the default
+    group's."""
+    return _sync_timeout if _sync_timeout is not None else _default_timeout()
 
 
 def _default_timeout() -> timedelta | None:

@@ -9,6 +9,7 @@ messages.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,6 +80,7 @@ def check_callback_arguments(
     stats_mode: str | None = None,
     exchange: str | None = None,
     fuse_residual: bool | Sequence[Any] = False,
+    flight_dir: Any = None,
 ) -> SyncOptions:
     """Check the arguments of :class:`~syncbn_lightning.SyncBNCallback` (the same names and
     defaults; ``tests/test_keys.py`` keeps the two signatures equal).
@@ -110,6 +112,11 @@ def check_callback_arguments(
     if precise_bn_forward is not None and not callable(precise_bn_forward):
         raise TypeError("precise_bn_forward must be a callable fn(module, batch)")
     _check_fuse_residual(fuse_residual)
+    if flight_dir is not None and not isinstance(flight_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"flight_dir must be a folder's path (str or os.PathLike) or None (the trainer's log "
+            f"folder), got {flight_dir!r}"
+        )
     return options
 
 

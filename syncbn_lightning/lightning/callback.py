@@ -6,20 +6,24 @@ checkpoints; what it measures and logs is its base class,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..distributed.collectives import gather_rows
-from ..distributed.group_sizes import DEFAULT_TARGET_NORM_BATCH, GroupSize, resolve_group_size
+from ..distributed.group_sizes import (
+    DEFAULT_TARGET_NORM_BATCH,
+    GroupSize,
+    auto_group_summary,
+    resolve_group_size,
+)
 from ..distributed.groups import new_sync_group
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.checks import FuseResidual, check_fuse_residual
@@ -30,10 +34,13 @@ from .arguments import check_callback_arguments
 from .batches import default_precise_forward, loader_batch_size
 from .ddp_setup import (
     LayerSettings,
+    build_model_layers,
     convert_layers,
+    keep_flight_records,
     keep_group_buffers,
     refuse_buffer_broadcast,
     refuse_other_layer_sync,
+    require_ddp_strategy,
 )
 from .layer_sync import SyncBNLayerSync
 from .monitoring import BatchNormMonitor
@@ -76,6 +83,9 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             ``True`` for torchvision's and timm's ResNet blocks, or a list of your block classes
             (or ``"package.module.Class"`` paths) to trace with ``torch.fx`` besides those. Same
             results, classes and state_dict keys. Default: False.
+        flight_dir: the folder of the ranks' SyncBN flight records (``syncbn-flight`` reads
+            them); ``None``: one set already (``SYNCBN_FLIGHT_DIR``), else the log folder's
+            ``.syncbn``. Default: None.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -171,6 +181,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         stats_mode: Literal["N", "default"] | None = None,
         exchange: Literal["auto", "gather", "reduce"] | None = None,
         fuse_residual: FuseResidual = False,
+        flight_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         options = check_callback_arguments(
             group_size,
@@ -190,6 +201,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             stats_mode=stats_mode,
             exchange=exchange,
             fuse_residual=fuse_residual,
+            flight_dir=flight_dir,
         )
         self._set_layer_settings(momentum, eps, impl, stats_mode, exchange, options)
         self.group_size = group_size
@@ -203,7 +215,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         self.revert_on_fit_end = bool(revert_on_fit_end)
         self.on_nonfinite = on_nonfinite
         self.single_process = single_process
-        self.fuse_residual = fuse_residual
+        self.fuse_residual, self.flight_dir = fuse_residual, flight_dir
         self._fuse_classes = check_fuse_residual(fuse_residual)  # imports the named paths
         self._reset_run_state()
 
@@ -221,11 +233,11 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         if stage != "fit":
             return
         refuse_other_layer_sync(trainer, "SyncBNCallback", SyncBNLayerSync)
+        keep_flight_records(trainer, self.flight_dir)
         world = trainer.world_size
         self._world = world
         if world == 1 and self.single_process == "monitor":
-            if is_overridden("configure_model", pl_module):
-                pl_module.configure_model()
+            build_model_layers(pl_module)
             forced = self.sync_options.trusted_replace(force_sync=True)
             self._layers = convert_layers(pl_module, None, forced, self._fuse_classes)
             self._active = bool(self._layers)
@@ -241,14 +253,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
                 "are: there is nothing to synchronize"
             )
             return
-        if not isinstance(trainer.strategy, DDPStrategy):
-            raise ValueError(
-                f"SyncBNCallback supports the DDP strategies (strategy='ddp', 'ddp_spawn', "
-                f"'ddp_fork'), got {type(trainer.strategy).__name__}: sharded strategies "
-                f"(FSDP, DeepSpeed) keep parameters sharded and are not supported"
-            )
-        if is_overridden("configure_model", pl_module):
-            pl_module.configure_model()  # layers built there must exist to be converted
+        require_ddp_strategy(trainer.strategy)
+        build_model_layers(pl_module)  # layers built in configure_model must exist to convert
         size = None
         if self.group_size != "auto":
             size = resolve_group_size(self.group_size, world, trainer.num_devices)
@@ -267,10 +273,9 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
                 category=UserWarning,
             )
             return
-        rank_zero_info(
-            f"SyncBNCallback: {len(self._layers)} BatchNorm layers synchronized over "
-            f"{'groups of ' + str(size) if size else 'auto-sized groups'} of {world} ranks"
-        )
+        groups = f"groups of {size}" if size else "auto-sized groups"
+        rank_zero_info(f"SyncBNCallback: {len(self._layers)} BatchNorm layers synchronized over "
+                       f"{groups} of {world} ranks")  # fmt: skip
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -377,23 +382,3 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         batches = (trainer.strategy.batch_to_device(b) for b in loader)
         used = update_bn_stats(pl_module, batches, num, forward=lambda b: forward(pl_module, b))
         rank_zero_info(f"SyncBNCallback: PreciseBN recomputed running stats over {used} batches")
-
-
-def auto_group_summary(size: int, batch: int, world: int, target: int) -> str:
-    """The line the callback logs when ``group_size="auto"`` is decided: the normalization batch
-    it chose, and why (the target, and where the target's default comes from)."""
-    norm = size * batch
-    if norm >= target:
-        why = f"the smallest group of the {world} ranks reaching target_norm_batch={target}"
-    else:
-        why = f"no group of the {world} ranks reaches target_norm_batch={target}: the whole world"
-    origin = (
-        "the default: where BatchNorm's ImageNet accuracy stops falling, see "
-        "docs/choosing-normalization.md"
-        if target == DEFAULT_TARGET_NORM_BATCH
-        else "set by you"
-    )
-    return (
-        f"SyncBNCallback: group_size='auto' -> normalization batch {norm} ({size} ranks x "
-        f"{batch} samples): {why} ({origin})"
-    )

@@ -3,14 +3,18 @@ configure the BatchNorm layers, keep DDP from broadcasting one group's running s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..distributed import flight
 from ..distributed.groups import sync_world_group
 from ..functional.options import SyncOptions
 from ..nn.batchnorm import SyncBatchNorm
@@ -20,11 +24,14 @@ from .arguments import overrides
 
 __all__ = [
     "LayerSettings",
+    "build_model_layers",
     "convert_layers",
+    "keep_flight_records",
     "keep_group_buffers",
     "overrides",
     "refuse_buffer_broadcast",
     "refuse_other_layer_sync",
+    "require_ddp_strategy",
 ]
 
 
@@ -132,3 +139,33 @@ def refuse_other_layer_sync(trainer: Any, owner: str, rival: type | None = None)
             "SyncBNCallback and the SyncBNLayerSync plugin both convert BatchNorm layers: use one "
             "of them (pass group_size/momentum/eps to the one you keep)"
         )
+
+
+def keep_flight_records(trainer: pl.Trainer, folder: str | os.PathLike[str] | None) -> None:
+    """Keep this job's SyncBN flight records in files: in ``folder``, else where a folder is set
+    already (``SYNCBN_FLIGHT_DIR``, ``set_flight_dir``), else in ``.syncbn`` of the trainer's
+    log folder (read on every rank: ``trainer.log_dir`` broadcasts rank 0's)."""
+    if folder is None and flight.flight_dir() is not None:
+        return
+    if folder is None:
+        base = trainer.log_dir or trainer.default_root_dir
+        folder = os.path.join(base, ".syncbn")
+    flight.set_flight_dir(folder)
+
+
+def require_ddp_strategy(strategy: Any) -> None:
+    """Raise unless ``strategy`` is one of Lightning's DDP strategies (the callback's and the
+    plugin's conversion needs whole, unsharded parameters)."""
+    if not isinstance(strategy, DDPStrategy):
+        raise ValueError(
+            f"SyncBNCallback supports the DDP strategies (strategy='ddp', 'ddp_spawn', "
+            f"'ddp_fork'), got {type(strategy).__name__}: sharded strategies "
+            f"(FSDP, DeepSpeed) keep parameters sharded and are not supported"
+        )
+
+
+def build_model_layers(pl_module: pl.LightningModule) -> None:
+    """Run the module's ``configure_model`` when it has one (as Lightning's WeightAveraging
+    does): layers built there exist only then, and must exist to be converted."""
+    if is_overridden("configure_model", pl_module):
+        pl_module.configure_model()

@@ -10,7 +10,6 @@ reproduces and the plain class it reverts to when it was not made by the convert
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 from ..distributed.groups import check_process_group
 from ..functional.options import KEEP, SyncOptions
 from .checks import FuseResidual, check_fuse_residual
-from .layer_state import name_tag
+from .layer_state import name_sync_layers
 
 __all__ = [
     "CUSTOM_FORWARD",
@@ -39,8 +38,6 @@ __all__ = [
     "sync_layers",
     "torch_forward",
 ]
-
-log = logging.getLogger("syncbn_lightning")
 
 # Attributes every _NormBase has and shares with its conversion (momentum and eps travel in the
 # synchronized layer's options); everything else of the original module is kept for the revert.
@@ -256,39 +253,6 @@ def _require_module(module: Any) -> None:
             f"module must be a torch.nn.Module (the model or one BatchNorm layer), got "
             f"{type(module).__name__}"
         )
-
-
-def name_sync_layers(module: nn.Module) -> None:
-    """Give every :class:`~syncbn_lightning.SyncBatchNorm` in ``module`` its qualified name
-    (``sync_name``).
-
-    The name fixes the layer's call-order tag (the same on every rank of the same model) and
-    names it in call-order errors. Tags are hashes of the names; where two layers of ``module``
-    would share one, the later layer (in module order, the same on every rank) takes the first
-    free hash of its name with a salt, so that no two layers of one model share a tag (a DEBUG
-    line says which). :func:`convert_sync_batchnorm` calls this; call it yourself for a model
-    whose SyncBatchNorm layers you built directly.
-    """
-    base = _sync_base()
-    taken: dict[int, str] = {}
-    for name, child in module.named_modules():
-        if not isinstance(child, base):
-            continue
-        name = name or type(module).__name__
-        salt, tag = 0, name_tag(name)
-        while taken.get(tag, name) != name:
-            salt += 1
-            tag = name_tag(name, salt)
-        if salt:
-            log.debug(
-                "SyncBatchNorm layers %r and %r hash to one call-order tag: %r takes tag %d",
-                taken[name_tag(name)],
-                name,
-                name,
-                tag,
-            )
-        taken[tag] = name
-        child.set_sync_name(name, tag)  # type: ignore[attr-defined]
 
 
 def _convert_tree(

@@ -4,15 +4,24 @@ tag, its call and non-finite counters, and the record of its last training batch
 from __future__ import annotations
 
 import itertools
+import logging
 import zlib
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from ..distributed.call_order import register_layer_name
 from ..ops.reference import TAG_LIMIT
 
-__all__ = ["OPTION_ATTRIBUTES", "BatchRecord", "SyncCallState", "name_tag", "option_property"]
+__all__ = [
+    "OPTION_ATTRIBUTES",
+    "BatchRecord",
+    "SyncCallState",
+    "name_sync_layers",
+    "name_tag",
+    "option_property",
+]
 
 #: Attributes that older versions kept on the layer itself and now live in its SyncOptions.
 OPTION_ATTRIBUTES = (
@@ -48,6 +57,8 @@ def name_tag(name: str, salt: int = 0) -> int:
     key = name if salt == 0 else f"{name}#{salt}"
     return zlib.crc32(key.encode()) % TAG_LIMIT
 
+
+log = logging.getLogger("syncbn_lightning")
 
 # Construction order of layers built directly (not by the converter): their call-order tag until
 # they get a name. Models built the same way on every rank get the same numbers.
@@ -119,15 +130,16 @@ class SyncCallState:
             return self._sync_serial % TAG_LIMIT
         return self._tag_of(self.sync_name)
 
-    def set_sync_name(self, name: str, tag: int | None = None) -> None:
-        """Name the layer (its qualified name in the model) for call-order checks and errors;
-        ``tag``: its call-order tag (default: the hash of ``name``; :func:`~syncbn_lightning
-        .name_sync_layers` gives another where two layers of a model would share one)."""
+    def set_sync_name(self, name: str) -> None:
+        """Name the layer (its qualified name in the model) for call-order checks and errors."""
         self.sync_name = name
-        if tag is None:
-            tag = self._tag_of(name)
-        else:
-            self._named_tag = (name, int(tag) % TAG_LIMIT)
+        register_layer_name(self._tag_of(name), name)
+
+    def _name_with_tag(self, name: str, tag: int) -> None:
+        """:meth:`set_sync_name` with ``tag`` for the call-order tag instead of the name's hash
+        (where two layers of one model would share one: :func:`name_sync_layers`)."""
+        self.sync_name = name
+        self._named_tag = (name, int(tag) % TAG_LIMIT)
         register_layer_name(self._named_tag[1], name)
 
     def _number_layer(self) -> None:
@@ -164,3 +176,38 @@ def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Ten
     if counter is None:
         return torch.zeros(1, dtype=torch.long, device=device)
     return counter.reshape(1).to(device)
+
+
+def name_sync_layers(module: nn.Module) -> None:
+    """Give every :class:`~syncbn_lightning.SyncBatchNorm` in ``module`` its qualified name
+    (``sync_name``).
+
+    The name fixes the layer's call-order tag (the same on every rank of the same model) and
+    names it in call-order errors. Tags are hashes of the names; where two layers of ``module``
+    would share one, the later layer (in module order, the same on every rank) takes the first
+    free hash of its name with a salt, so that no two layers of one model share a tag (a DEBUG
+    line says which). :func:`convert_sync_batchnorm` calls this; call it yourself for a model
+    whose SyncBatchNorm layers you built directly.
+    """
+    taken: dict[int, str] = {}
+    for name, child in module.named_modules():
+        if not isinstance(child, SyncCallState):
+            continue
+        name = name or type(module).__name__
+        salt, tag = 0, name_tag(name)
+        while taken.get(tag, name) != name:
+            salt += 1
+            tag = name_tag(name, salt)
+        if salt:
+            log.debug(
+                "SyncBatchNorm layers %r and %r hash to one call-order tag: %r takes tag %d",
+                taken[name_tag(name)],
+                name,
+                name,
+                tag,
+            )
+        taken[tag] = name
+        if salt:
+            child._name_with_tag(name, tag)
+        else:
+            child.set_sync_name(name)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed import flight
 from ..distributed.groups import group_name_of, sync_group_size
 from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
@@ -98,6 +99,7 @@ class SyncPlan:
         if not (builtin and exchange.uses_kernels and uses_extension("cpu", options.impl)):
             return
         register_python_kernels()
+        flight.flight_recorder()  # a new job's recorder (the C++ writer follows it)
         self.native, self.op = True, native_op()
         self.args = (
             group,

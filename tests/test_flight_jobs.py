@@ -1,0 +1,185 @@
+"""The flight recorder belongs to a job, keeps its files wherever the job was launched, never
+touches another job's file and never raises (issue 49, items 1 and 2).
+
+* A new default process group (a new job in the same process) gets a new recorder: its rank,
+  world, sequence numbers and file are the new job's.
+* Files: ``<dir>/node<N>/flight_<job>_rank<R>.bin``, created exclusively (an existing file, another
+  job's, is neither truncated nor mapped), removed again when it cannot be sized or mapped; a disk
+  that refuses the file or the names gives one warning and the in-memory ring.
+* Where: ``set_flight_dir`` (plain PyTorch), ``SYNCBN_FLIGHT_DIR``, and ``SyncBNCallback``'s
+  default, the trainer's log folder.
+* ``syncbn-flight`` reads a folder without importing torch, in under a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from _lightning import BNNet, trainer
+
+from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
+from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight_file import jobs_in, read_flight_dir
+
+
+@pytest.fixture(autouse=True)
+def _fresh_recorder():
+    flight.set_flight_dir(None)
+    yield
+    flight.set_flight_dir(None)
+
+
+def _job(tmp_path: Path, name: str) -> None:
+    """One job of one rank: a synchronized layer's forward and backward."""
+    store = tmp_path / f"store-{name}"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        layer = SyncBatchNorm(3, force_sync=True)
+        layer.set_sync_name(f"{name}.bn")
+        layer(torch.randn(4, 3, requires_grad=True)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _ring_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("flight_*rank*.bin"))
+
+
+def test_each_job_in_a_process_gets_its_own_recorder_and_file(tmp_path: Path) -> None:
+    flight.set_flight_dir(tmp_path / "records")
+    _job(tmp_path, "first")
+    first = flight.current_recorder()
+    _job(tmp_path, "second")
+    second = flight.current_recorder()
+    assert second is not first and second.job != first.job
+    assert [r.seq for r in second.records()] == [0, 1]  # its own sequence, from 0
+    files = _ring_files(tmp_path / "records")
+    assert len(files) == 2 and all(f.parent.name.startswith(("node", "host-")) for f in files)
+    assert jobs_in(tmp_path / "records") == [first.job, second.job]
+    for job, name in ((first.job, "first"), (second.job, "second")):
+        (records,) = read_flight_dir(tmp_path / "records", job).values()
+        assert [r.direction for r in records] == ["forward", "backward"], name
+
+
+def test_an_existing_file_is_neither_truncated_nor_mapped(tmp_path: Path) -> None:
+    path = tmp_path / "flight_job_rank0.bin"
+    path.write_bytes(b"another job's records")
+    with pytest.raises(FileExistsError):
+        flight.FlightRecorder(path=path)
+    assert path.read_bytes() == b"another job's records"
+    flight.set_flight_dir(tmp_path / "records")
+    _job(tmp_path, "one")
+    made = _ring_files(tmp_path / "records")
+    flight.reset_flight_recorder()  # a second recorder of the same job: another file
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s2", rank=0, world_size=1)
+    try:
+        flight.flight_recorder()
+    finally:
+        dist.destroy_process_group()
+    assert made[0].exists() and len(_ring_files(tmp_path / "records")) == 2
+
+
+def test_a_file_that_cannot_be_mapped_is_removed(tmp_path: Path, monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise OSError("no map for you")
+
+    monkeypatch.setattr(flight.mmap, "mmap", refuse)
+    path = tmp_path / "flight_job_rank0.bin"
+    with pytest.raises(OSError, match="no map for you"):
+        flight.FlightRecorder(path=path)
+    assert not path.exists()
+
+
+def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The ring's file cannot be made (ENOSPC at fallocate), then the names cannot be written:
+    one warning each, records in memory, no exception from the converter or the layer."""
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(flight.os, "posix_fallocate", full)
+    monkeypatch.setattr(flight, "_warned", set())
+    flight.set_flight_dir(tmp_path / "records")
+    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+        for name in ("a", "b"):
+            _job(tmp_path, name)
+    recorder = flight.current_recorder()
+    assert recorder.path is None and len(recorder.records()) == 2  # in memory
+    assert not _ring_files(tmp_path / "records")
+    warnings = [r for r in caplog.records if "cannot keep a file" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    # A recorder whose names file fails later: converting a model still works.
+    monkeypatch.undo()
+    flight.set_flight_dir(tmp_path / "records")
+    _job(tmp_path, "c")
+    monkeypatch.setattr(flight, "_warned", set())
+
+    def no_names(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("builtins.open", no_names)
+    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+        model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+        model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+    monkeypatch.undo()
+    assert isinstance(model[0], SyncBatchNorm)
+    assert sum("cannot write the layers' names" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_syncbn_flight_reads_a_folder_without_torch_in_under_a_second(tmp_path: Path) -> None:
+    flight.set_flight_dir(tmp_path / "records")
+    _job(tmp_path, "read")
+    code = (
+        "import sys, time\n"
+        "start = time.perf_counter()\n"
+        "from syncbn_lightning.distributed.flight_report import main\n"
+        "code = main([sys.argv[1]])\n"
+        "print('torch' in sys.modules, round(time.perf_counter() - start, 3), code)\n"
+    )
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "records")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    torch_loaded, seconds, code = done.stdout.strip().splitlines()[-1].split()
+    assert torch_loaded == "False", done.stdout
+    assert float(seconds) < 1.0, done.stdout
+    assert code == "0" and "forward all_gather of 'read.bn'" in done.stdout, done.stdout
+    assert time.perf_counter() - started < 10
+
+
+def _plain_rank(rank: int, world: int, directory: str) -> list[str]:
+    flight.set_flight_dir(directory)
+    net = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+    net(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    return [p.name for p in Path(directory).rglob("flight_*rank*.bin")]
+
+
+@pytest.mark.distributed
+def test_plain_pytorch_keeps_records_where_set_flight_dir_says(tmp_path: Path) -> None:
+    run_distributed(_plain_rank, 2, str(tmp_path / "records"), timeout=120)
+    by_rank = read_flight_dir(tmp_path / "records")
+    assert sorted(by_rank) == [0, 1]
+    assert all(len(records) == 2 for records in by_rank.values())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_callback_keeps_records_in_the_trainers_log_folder(tmp_path: Path) -> None:
+    trainer(2, [SyncBNCallback()], default_root_dir=str(tmp_path)).fit(BNNet())
+    folder = tmp_path / ".syncbn"
+    by_rank = read_flight_dir(folder)
+    assert sorted(by_rank) == [0, 1], list(folder.rglob("*"))
+    assert len({r.call for r in by_rank[0]}) >= 4  # the layers' calls of the training steps
