@@ -300,7 +300,7 @@ MergeOutputs prepare_merge(const MergeArgs& args, c10::DeviceType device) {
   check_input(input, device);
   const RunningBuffers& r = args.running;
   check_running(r.mean, r.var, r.num_batches_tracked, r.nonfinite, input);
-  TORCH_CHECK(args.eps > 0, "syncbn: `eps` must be > 0, got ", args.eps);
+  TORCH_CHECK(args.settings.eps > 0, "syncbn: `eps` must be > 0, got ", args.settings.eps);
   const int64_t C = input.size(1);
   const auto opts = input.options().dtype(acc_dtype_of(input.scalar_type()));
   return {

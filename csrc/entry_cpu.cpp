@@ -56,7 +56,7 @@ void update_running_cpu(
     const double* mean, const double* var, int64_t C, double total, bool finite,
     const MergeArgs& args) {
   const auto& [running_mean, running_var, num_batches_tracked, nonfinite] = args.running;
-  const c10::optional<double> momentum = args.momentum;
+  const c10::optional<double> momentum = args.settings.momentum;
   int64_t tracked = 0;
   if (num_batches_tracked.has_value() && num_batches_tracked->defined()) {
     tracked = (*num_batches_tracked->mutable_data_ptr<int64_t>() += finite ? 1 : 0);
@@ -226,9 +226,9 @@ at::Tensor stats_row_cpu(const at::Tensor& input_, int64_t layer_tag, const at::
 
 MergedOutputs merge_normalize_cpu(const MergeArgs& args, const at::Tensor& rows) {
   const at::Tensor& input = args.input;
-  const double eps = args.eps;
-  const bool unbiased = args.unbiased, equal_rank_weights = args.equal_rank_weights;
-  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const double eps = args.settings.eps;
+  const bool unbiased = args.settings.unbiased, equal_rank_weights = args.settings.equal_rank_weights;
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);  // before updates
   const at::Tensor res = checked_residual(args.residual, input);
   MergeOutputs out = prepare_merge(args, c10::DeviceType::CPU);
   const int64_t W = check_rows(rows, input);

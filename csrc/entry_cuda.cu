@@ -217,17 +217,17 @@ at::Tensor stats_row_cuda(const at::Tensor& input_, int64_t layer_tag, const at:
 MergedOutputs merge_normalize_cuda(const MergeArgs& args, const at::Tensor& rows) {
   const at::Tensor& input = args.input;
   const c10::optional<at::Tensor>& running_mean = args.running.mean;
-  const Activation activation = checked_activation(args.act, args.act_param);
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);
   const at::Tensor res = checked_residual(args.residual, input);  // before any update
   MergeOutputs out = prepare_merge(args, c10::DeviceType::CUDA);
   const int64_t W = check_rows(rows, input);
   const c10::cuda::CUDAGuard guard(input.device());
   const int64_t C = input.size(1);
   const MergeRule rule{
-      W, C, args.eps, args.unbiased, args.equal_rank_weights,
+      W, C, args.settings.eps, args.settings.unbiased, args.settings.equal_rank_weights,
       static_cast<double>(input.numel() / C)};
   const RunningState state =
-      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.momentum);
+      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.settings.momentum);
   const bool has_running = running_mean.has_value() && running_mean->defined();
   const auto run_type = has_running ? running_mean->scalar_type() : rows.scalar_type();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.get_device()).stream();

@@ -44,7 +44,7 @@ at::Tensor reduce_sums_cpu(
 MergedOutputs reduce_merge_normalize_cpu(
     const MergeArgs& args, const at::Tensor& total, const at::Tensor& sent, int64_t world_size) {
   const at::Tensor& input = args.input;
-  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);  // before updates
   const at::Tensor res = checked_residual(args.residual, input);
   MergeOutputs out = prepare_merge(args, c10::DeviceType::CPU);
   const at::Tensor summed = summed_reduce_vector(total, sent, world_size, input);
@@ -70,13 +70,13 @@ MergedOutputs reduce_merge_normalize_cpu(
   bool finite = true;
   for (int64_t c = 0; c < C; ++c) {
     const ReducedChannel r =
-        reduce_channel(t, C, c, kp ? kp[c] : 0.0, args.equal_rank_weights, args.eps, args.unbiased);
+        reduce_channel(t, C, c, kp ? kp[c] : 0.0, args.settings.equal_rank_weights, args.settings.eps, args.settings.unbiased);
     mean[c] = r.mean, invstd[c] = r.invstd, var[c] = r.var;
     finite = finite && std::isfinite(r.mean) && std::isfinite(r.var);
   }
   store_split_stats_cpu(mean.data(), invstd.data(), var.data(), C, out);
   update_running_cpu(mean.data(), var.data(), C, t[0], finite, args);
-  const double grad_count = args.equal_rank_weights ? t[2] * own[0] : t[0];
+  const double grad_count = args.settings.equal_rank_weights ? t[2] * own[0] : t[0];
   double layer = 0, call = 0;
   reduce_tags(own, &layer, &call);
   AT_DISPATCH_FLOATING_TYPES(out.info.scalar_type(), "reduce_merge_normalize_cpu", [&] {

@@ -123,7 +123,7 @@ MergedOutputs reduce_merge_normalize_cuda(
   const at::Tensor& input = args.input;
   const c10::optional<at::Tensor>&running_mean = args.running.mean,
                                   &running_var = args.running.var;
-  const Activation activation = checked_activation(args.act, args.act_param);  // before updates
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);  // before updates
   const at::Tensor res = checked_residual(args.residual, input);
   MergeOutputs out = prepare_merge(args, c10::DeviceType::CUDA);
   const at::Tensor summed = summed_reduce_vector(total, sent, world_size, input);
@@ -131,9 +131,9 @@ MergedOutputs reduce_merge_normalize_cuda(
   const at::Tensor k = shift_float64(running_mean, input);
   const ReduceStats stats{
       summed.const_data_ptr<double>(), k.defined() ? k.const_data_ptr<double>() : nullptr,
-      input.size(1), args.eps, args.equal_rank_weights, args.unbiased};
+      input.size(1), args.settings.eps, args.settings.equal_rank_weights, args.settings.unbiased};
   const RunningState state =
-      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.momentum);
+      running_state(args.running.num_batches_tracked, args.running.nonfinite, args.settings.momentum);
   const bool has_running = running_mean.has_value() && running_mean->defined();
   const auto acc = acc_dtype_of(input.scalar_type());
   const auto run_type = has_running ? running_mean->scalar_type() : acc;

@@ -41,8 +41,7 @@ MergeArgs merge_args(
     const OptTensor& residual, const Settings& s) {
   const RunningBuffers running{
       st.running_mean, st.running_var, st.num_batches_tracked, st.nonfinite};
-  return {input, weight, bias, running, s.momentum, s.eps, s.unbiased, s.equal_rank_weights,
-          s.act, s.act_param, residual};
+  return {input, weight, bias, running, s.merge, residual};
 }
 
 Forward forward_steps(
@@ -65,7 +64,7 @@ Forward forward_steps(
     }
   } else {
     const at::Tensor sent = reduce_sums_cpu(
-        input, st.running_mean, s.layer_tag, st.calls, s.equal_rank_weights);
+        input, st.running_mean, s.layer_tag, st.calls, s.merge.equal_rank_weights);
     const at::Tensor total = sum_over_group(sent, s, note, false);
     try {
       merged = reduce_merge_normalize_cpu(
@@ -117,12 +116,7 @@ Settings settings_of(
   s.world_size = world_size;
   s.layer_tag = layer_tag;
   s.reduce = reduce;
-  s.momentum = momentum;
-  s.eps = eps;
-  s.unbiased = unbiased;
-  s.equal_rank_weights = equal_rank_weights;
-  s.act = act;
-  s.act_param = act_param;
+  s.merge = {momentum, eps, unbiased, equal_rank_weights, act, act_param};
   return s;
 }
 
@@ -213,11 +207,10 @@ const auto& backward_op() {
 }
 
 // What the backward needs besides the saved tensors (one capsule: the node's saved_data is a map
-// keyed by strings, and each entry costs host time).
+// keyed by strings, and each entry costs host time): the call's settings, its flight number.
 struct SavedCall : torch::CustomClassHolder {
-  c10::optional<std::string> group;
-  int64_t world_size = 1, layer_tag = 0, act = 0, flight_call = -1;
-  double act_param = 0.0;
+  Settings settings;
+  int64_t flight_call = -1;
 };
 
 // The autograd node: the forward operator's call, and the backward operator's.
@@ -249,11 +242,12 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
         c10::static_intrusive_pointer_cast<SavedCall>(ctx->saved_data["call"].toCapsule());
     const OptTensor weight = optional(saved[1]), bias = optional(saved[2]);
     const OptTensor residual = optional(saved[3]);
+    const Settings& s = call->settings;
     const c10::optional<c10::string_view> group =
-        call->group ? c10::optional<c10::string_view>(*call->group) : c10::nullopt;
+        s.group ? c10::optional<c10::string_view>(*s.group) : c10::nullopt;
     auto [grad_input, grad_weight, grad_bias, grad_residual] = backward_op().call(
         dy, saved[0], weight, bias, residual, saved[4], saved[5], saved[6], saved[7], group,
-        call->world_size, call->layer_tag, call->act, call->act_param, call->flight_call,
+        s.world_size, s.layer_tag, s.merge.act, s.merge.act_param, call->flight_call,
         ctx->needs_input_grad(0));
     // needs_input_grad counts the tensors given (undefined optionals have no edge).
     const size_t weight_edge = 1, bias_edge = weight_edge + (weight ? 1 : 0);
@@ -274,11 +268,9 @@ Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   check_layer_input(input, num_features, weight, running_mean);
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   SavedCall call;
-  if (group.has_value()) call.group = std::string(*group);
-  call.world_size = world_size;
-  call.layer_tag = layer_tag;
-  call.act = act;
-  call.act_param = act_param;
+  call.settings = settings_of(
+      group, world_size, layer_tag, reduce, momentum, eps, unbiased, equal_rank_weights, act,
+      act_param);
   const std::function<ForwardOutputs()> run = [&] {
     return forward_op().call(SYNCBN_LAYER_PASS);
   };

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "flight.h"
+#include "syncbn.h"
 
 namespace syncbn::layer {
 
@@ -23,12 +24,7 @@ struct Settings {
   int64_t world_size = 1;            // ranks in the group
   int64_t layer_tag = 0;             // the call-order tag
   bool reduce = false;               // the reduce exchange (else gather)
-  c10::optional<double> momentum;    // none: the cumulative average
-  double eps = 1e-5;
-  bool unbiased = true;              // running_var from the unbiased group variance
-  bool equal_rank_weights = false;   // stats_mode="default"
-  int64_t act = 0;                   // the fused activation (activation.h; 0: none)
-  double act_param = 0.0;
+  MergeSettings merge;               // momentum, eps, the variance's, the fused activation
 };
 
 // The layer's tensors a call updates in place (all on the input's device).

@@ -71,8 +71,8 @@ syncbn::MergedOutputs merge_normalize(
     c10::optional<double> momentum, double eps, bool unbiased, int64_t act, double act_param,
     bool equal_rank_weights, const OptTensor& residual) {
   return Fn(
-      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
-       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite},
+       {momentum, eps, unbiased, equal_rank_weights, act, act_param}, residual},
       rows);
 }
 
@@ -85,8 +85,8 @@ syncbn::MergedOutputs reduce_merge_normalize(
     bool equal_rank_weights, int64_t world_size, int64_t act, double act_param,
     const OptTensor& residual) {
   return Fn(
-      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
-       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite},
+       {momentum, eps, unbiased, equal_rank_weights, act, act_param}, residual},
       total, sent, world_size);
 }
 

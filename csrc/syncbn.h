@@ -130,16 +130,21 @@ struct RunningBuffers {
 
 // What a merge takes besides what it received: the input, the affine parameters, the running
 // buffers, how to merge and update, and the fused tail (one struct, named fields).
+// How a merge combines, updates and normalizes (the layer's settings).
+struct MergeSettings {
+  c10::optional<double> momentum;   // none: the cumulative average
+  double eps = 1e-5;
+  bool unbiased = true;             // running_var from the unbiased group variance
+  bool equal_rank_weights = false;  // stats_mode="default"
+  int64_t act = 0;                  // the fused activation (activation.h; 0: none)
+  double act_param = 0.0;
+};
+
 struct MergeArgs {
   at::Tensor input;
   c10::optional<at::Tensor> weight, bias;
   RunningBuffers running;
-  c10::optional<double> momentum;      // none: the cumulative average
-  double eps = 1e-5;
-  bool unbiased = true;                // running_var from the unbiased group variance
-  bool equal_rank_weights = false;     // stats_mode="default"
-  int64_t act = 0;                     // the fused activation (activation.h; 0: none)
-  double act_param = 0.0;
+  MergeSettings settings;
   c10::optional<at::Tensor> residual;  // added before the activation
 };
 

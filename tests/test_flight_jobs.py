@@ -129,10 +129,12 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
 
     monkeypatch.setattr("builtins.open", no_names)
     with caplog.at_level(logging.WARNING, logger=flight.log.name):
-        model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
-        model = convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+        # New names (a name this process registered before is not written again).
+        for name in ("unwritable_first", "unwritable_second"):
+            model = torch.nn.ModuleDict({name: torch.nn.BatchNorm1d(3)})
+            model = convert_sync_batchnorm(model)
     monkeypatch.undo()
-    assert isinstance(model[0], SyncBatchNorm)
+    assert isinstance(model["unwritable_second"], SyncBatchNorm)
     assert sum("cannot write the layers' names" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -76,8 +76,8 @@ syncbn::MergedOutputs merge_normalize(
     const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::merge_normalize_cuda(
-      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
-       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite},
+       {momentum, eps, unbiased, equal_rank_weights, act, act_param}, residual},
       rows);
 }
 
@@ -98,8 +98,8 @@ syncbn::MergedOutputs reduce_merge_normalize(
     const c10::optional<at::Tensor>& residual) {
   const PoisonScope poison;
   return syncbn::reduce_merge_normalize_cuda(
-      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite}, momentum,
-       eps, unbiased, equal_rank_weights, act, act_param, residual},
+      {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite},
+       {momentum, eps, unbiased, equal_rank_weights, act, act_param}, residual},
       total, sent, world_size);
 }
 
