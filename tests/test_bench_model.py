@@ -75,8 +75,10 @@ def test_profile_eager_writes_its_tables_and_traces_on_cpu(tmp_path: Path) -> No
     assert "device: " in text and "command: " in text
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.count("|") > 9}
     assert {"plain", "ours", "ours_reduce"} <= set(rows)
-    # 6 BN layers; ours adds exactly its 4 syncbn:: operators per layer, and never syncs.
-    assert "syncbn.stats_row.default +6" in text and "syncbn.grad_input.default +6" in text
+    # 6 BN layers; on the CPU ours adds exactly the C++ path's 2 operators per layer (its steps
+    # and collectives inside them), and never syncs.
+    assert "syncbn.sync_batch_norm_forward.default +6" in text
+    assert "syncbn.sync_batch_norm_backward.default +6" in text
     for impl in ("plain", "ours", "ours_reduce"):
         assert (tmp_path / f"trace_{impl}.json").stat().st_size > 0
         assert "Self CPU" in (tmp_path / f"ops_{impl}.txt").read_text()
