@@ -13,11 +13,16 @@ there); the error says so and how to fix it. On CPU tensors the check runs at on
 is in host memory); compiled code raises the kernel's RuntimeError with the same facts, since a
 compiled graph cannot re-raise a Python exception type. On CUDA tensors a check would cost a host
 sync per layer, so the strategy leaves a flag on the device and queues it with
-:func:`queue_order_check`; :func:`check_call_order` reads the queued flags together (the callback
-calls it once per training step; the queue is also checked whenever it holds ``_MAX_PENDING``
-calls). A mismatch that changes the payload size (e.g. the skipped layer has another channel
-count) cannot be told apart by the payload: gloo then aborts the rank whose receive size does not
-match within seconds, NCCL fails the collective at its timeout; the flight recorder
+:func:`queue_order_check`, which copies it to pinned host memory behind the call's kernels and
+records an event. Every later synchronized call polls the queue (:func:`poll_order_checks`: an
+event query per flag, no host sync), so a mismatch is found a few layer calls after the device
+reached it, within the same step; :func:`check_call_order` reads whatever is left at once (one
+host sync; the callback calls it before each optimizer step, so a step with mixed statistics is
+never applied). The rank that finds a mismatch this way tells its group's other ranks through the
+job's store and aborts the group (:mod:`.group_abort`), since they may be waiting in a collective
+it will never join. A mismatch that changes the payload size (e.g. the skipped layer has another
+channel count) cannot be told apart by the payload: gloo then aborts the rank whose receive size
+does not match within seconds, NCCL fails the collective at its timeout; the flight recorder
 (:mod:`.flight`) names the first collective at which the ranks differed.
 """
 
@@ -28,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import flight
+from . import flight, group_abort
 from .collectives import Group, group_ranks
 
 __all__ = [
@@ -36,12 +41,13 @@ __all__ = [
     "call_order_error",
     "check_call_order",
     "layer_text",
+    "poll_order_checks",
     "queue_order_check",
     "raise_if_out_of_order",
     "register_layer_name",
 ]
 
-# Queued CUDA call-order checks before one is forced (bounds memory; one host sync per this many).
+# Queued flags before a host sync reads them all (bounds memory where the device runs far behind).
 _MAX_PENDING = 1024
 _FIX = (
     "Every rank must run every SyncBatchNorm layer of the group in the same order and the same "
@@ -65,9 +71,44 @@ class CallOrderError(RuntimeError):
     """Ranks of one sync group called their SyncBatchNorm layers in different orders."""
 
 
-# Unchecked CUDA calls: (flags on the device, index of the order flag, the function that raises
-# the error if the flag is 0, its arguments).
-_pending: list[tuple[torch.Tensor, int, Callable[..., None], tuple[Any, ...]]] = []
+# Unchecked calls on the device: (flags, index of the order flag, the function that raises the
+# error if the flag is 0, its arguments, the group, the flag's host copy or None).
+_Entry = tuple[torch.Tensor, int, Callable[..., None], tuple[Any, ...], Group, "_FlagCopy | None"]
+_pending: list[_Entry] = []
+
+
+class _FlagCopy:
+    """A call's order flag copied to pinned host memory behind the call's kernels, with an event
+    after the copy: :meth:`ready` asks the event (no host sync), :meth:`ok` then reads the copy.
+    On CPU (tests of the device path) the copy is made at once."""
+
+    __slots__ = ("event", "host")
+
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host, self.event = host, event
+
+    @staticmethod
+    def of(flags: torch.Tensor, index: int) -> _FlagCopy | None:
+        """The copy of ``flags[index]``; ``None`` on a device without CUDA events (its flags
+        are read by :func:`check_call_order`)."""
+        flag = flags.narrow(0, index, 1)
+        if flag.device.type == "cpu":
+            return _FlagCopy(flag.clone(), None)
+        if flag.device.type != "cuda":
+            return None
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _FlagCopy(host, event)
+
+    def ready(self) -> bool:
+        """Whether the device has written the copy."""
+        return self.event is None or bool(self.event.query())
+
+    def ok(self) -> bool:
+        """Whether the flag says the ranks' tags agreed (only once :meth:`ready`)."""
+        return bool(self.host[0])
 
 
 def register_layer_name(tag: int, name: str) -> None:
@@ -118,28 +159,88 @@ def raise_if_out_of_order(tags: torch.Tensor, group: Group, backward: bool = Fal
 
 
 def check_call_order() -> None:
-    """Check the call-order flags queued by CUDA layers since the last check (one host sync).
+    """Check every call-order flag queued by CUDA layers and not yet read (one host sync), and
+    whether another rank published a mismatch (:mod:`.group_abort`).
 
     Raises:
         CallOrderError: on every rank of a group whose ranks called layers in different orders.
     """
+    _raise_if_published()
     if not _pending:
         return
     queued = list(_pending)
     _pending.clear()
-    flags = torch.stack([flags[index] for flags, index, _, _ in queued]).cpu()
-    for ok, (_, _, report, args) in zip(flags.tolist(), queued, strict=True):
+    flags = torch.stack([entry[0][entry[1]] for entry in queued]).cpu()
+    for ok, entry in zip(flags.tolist(), queued, strict=True):
         if not ok:
-            report(*args)
+            _fail(entry)
+
+
+def poll_order_checks() -> None:
+    """Read, oldest first, the queued flags the device has already written (an event query
+    each: no host sync) and raise on the first mismatch; raise if another rank published one.
+    Runs at every synchronized call, so a mismatch is found within the calls of the step it
+    happened in, a few layers after the device got there."""
+    if torch.compiler.is_compiling() or not (_pending or group_abort.signalled()):
+        return
+    _raise_if_published()
+    while _pending:
+        entry = _pending[0]
+        copy = entry[5]
+        if copy is None:  # queued by compiled code: copy it now
+            copy = _FlagCopy.of(entry[0], entry[1])
+            if copy is None:
+                return
+            entry = _pending[0] = (*entry[:5], copy)
+        if not copy.ready():
+            return
+        del _pending[0]
+        if not copy.ok():
+            _fail(entry)
 
 
 def queue_order_check(
-    flags: torch.Tensor, index: int, report: Callable[..., None], *args: Any
+    flags: torch.Tensor,
+    index: int,
+    report: Callable[..., None],
+    *args: Any,
+    group: Group = None,
 ) -> None:
-    """Queue the device-side order flag ``flags[index]`` (nonzero: in order) for
-    :func:`check_call_order`, with ``report(*args)``, which raises the error if it is 0 (called,
-    and ``flags`` indexed, only then: no work per call beyond the append; ``report`` a module-level
-    function, so that compiled code can queue it too)."""
-    _pending.append((flags, index, report, args))
-    if len(_pending) >= _MAX_PENDING and not torch.compiler.is_compiling():
+    """Queue the device-side order flag ``flags[index]`` (nonzero: in order) with
+    ``report(*args)``, which raises the error if it is 0 (called, and ``flags`` indexed, only
+    then; ``report`` a module-level function, so that compiled code can queue it too). The flag
+    is read by :func:`poll_order_checks` once the device has written it, or by
+    :func:`check_call_order`. ``group``: the call's group name, whose ranks learn of a mismatch
+    this rank finds (:mod:`.group_abort`)."""
+    if torch.compiler.is_compiling():
+        _pending.append((flags, index, report, args, group, None))
+        return
+    poll_order_checks()
+    if isinstance(group, str):
+        group_abort.watch_group(group)
+    _pending.append((flags, index, report, args, group, _FlagCopy.of(flags, index)))
+    if len(_pending) >= _MAX_PENDING:
         check_call_order()
+
+
+def _fail(entry: _Entry) -> None:
+    """A queued flag is 0: drop the queue, raise the entry's error, and first tell the other
+    ranks of its group (they may be waiting in a collective this rank will never join)."""
+    _pending.clear()
+    _flags, _index, report, args, group, _copy = entry
+    try:
+        report(*args)
+    except Exception as exc:
+        if isinstance(group, str):
+            group_abort.publish_mismatch(group, str(exc))
+        raise
+
+
+def _raise_if_published() -> None:
+    message = group_abort.published_message()
+    if message is not None:
+        _pending.clear()
+        raise CallOrderError(
+            f"Another rank of this rank's SyncBatchNorm sync group found a call-order mismatch "
+            f"and ended the group: {message}"
+        )

@@ -42,6 +42,7 @@ __all__ = [
     "all_reduce_",
     "gather_rows",
     "group_ranks",
+    "process_group",
     "report_collective_failure",
     "sum_over_group",
 ]
@@ -159,7 +160,7 @@ def _eager_group(tensor: torch.Tensor, group_name: str) -> Any:
     """The process group ``group_name``, whose methods an eager call (not compiling) invokes
     directly; ``None`` while a CUDA graph is being captured on a group other than gloo (graphs
     take the functional collectives). See the module docstring for why."""
-    group = _process_group(group_name)
+    group = process_group(group_name)
     if tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         return group
     return group if dist.get_backend(group) == "gloo" else None
@@ -170,10 +171,11 @@ def group_ranks(group: Group, world_size: int) -> list[int]:
     (DataParallel replicas: their indices)."""
     if not isinstance(group, str) or not dist.is_initialized():
         return list(range(world_size))
-    return list(dist.get_process_group_ranks(_process_group(group)))
+    return list(dist.get_process_group_ranks(process_group(group)))
 
 
-def _process_group(name: str) -> dist.ProcessGroup:
+def process_group(name: str) -> dist.ProcessGroup:
+    """The process group called ``name`` (``ProcessGroup.group_name``) in this job."""
     # A private helper of torch, imported where used: builds of torch without distributed support
     # import this module too.
     from torch.distributed.distributed_c10d import _resolve_process_group

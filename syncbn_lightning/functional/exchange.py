@@ -38,7 +38,7 @@ from ..distributed.call_order import (
 )
 from ..distributed.collectives import Group, all_gather, group_ranks
 from ..ops import reference_steps
-from ..ops.reference import CALL_ORDER_MARK
+from ..ops.reference import CALL_ORDER_MARK, queues_order_flag
 from ..ops.reference_steps import GRAD_HEADER, header_tags
 from .options import SyncOptions
 
@@ -236,12 +236,20 @@ class SplitMeanBackward(Exchange):
                 raise
             raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
             raise
-        if input.device.type != "cpu" and not torch.compiler.is_compiling():
+        if queues_order_flag(input) and not torch.compiler.is_compiling():
             # Compiled CUDA backwards leave the flag unread: a side effect in a compiled
             # autograd.Function's backward is not traceable (the forward's tags are still read).
             width = local.sums.numel()
             queue_order_check(
-                order_ok, 0, raise_backward_order, summed, width, grad_info, call, False
+                order_ok,
+                0,
+                raise_backward_order,
+                summed,
+                width,
+                grad_info,
+                call,
+                False,
+                group=call.group,
             )
         return grad
 

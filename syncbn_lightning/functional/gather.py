@@ -32,7 +32,7 @@ import torch
 
 from ..distributed.call_order import queue_order_check, raise_if_out_of_order
 from ..distributed.collectives import Group
-from ..ops.reference import CALL_ORDER_MARK, check_group_count
+from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
 from ..ops.reference_steps import ROW_HEADER, row_width
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
@@ -81,8 +81,10 @@ class GatherExchange(SplitMeanBackward):
                 raise
             raise_if_out_of_order(row_tags(received, channels), call.group)
             raise
-        if input.device.type != "cpu":
-            queue_order_check(info, 2, _report_order, received, channels, call.group)
+        if queues_order_flag(input):
+            queue_order_check(
+                info, 2, _report_order, received, channels, call.group, group=call.group
+            )
             if input.numel() < 2 * channels and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, call.world_size)
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)

@@ -51,7 +51,7 @@ from ..distributed.call_order import (
     raise_if_out_of_order,
 )
 from ..distributed.collectives import Group, all_gather, group_ranks
-from ..ops.reference import CALL_ORDER_MARK, check_group_count
+from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
 from ..ops.reference_steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
@@ -116,8 +116,10 @@ class ReduceExchange(SplitMeanBackward):
             tags = all_gather(own, call.group, world, flight.check_note(call.layer_tag))
             raise_if_out_of_order(tags.view(-1, 2), call.group)
             raise
-        if input.device.type != "cpu":
-            queue_order_check(info, 2, _report_mismatch, sent, received, world, call.group)
+        if queues_order_flag(input):
+            queue_order_check(
+                info, 2, _report_mismatch, sent, received, world, call.group, group=call.group
+            )
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, world)
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)

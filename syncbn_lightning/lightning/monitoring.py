@@ -81,6 +81,15 @@ class BatchNormMonitor(Callback):
         return step == 1 or step % interval == 0
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self._active:
+            # Flags of the last layers' backward calls may still be queued (CUDA): read them now,
+            # so that a step whose statistics mixed layers is never applied (one host sync).
+            check_call_order()
+
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -91,7 +100,7 @@ class BatchNormMonitor(Callback):
     ) -> None:
         if not self._active:
             return
-        check_call_order()  # CUDA layers queue their call-order tags; one host sync per step
+        check_call_order()  # flags queued since the optimizer step (none, or an accumulation's)
         records = [bn.last_batch for bn in self._layers]
         for bn in self._layers:
             bn.last_batch = None  # so that a layer skipped next time is not read again

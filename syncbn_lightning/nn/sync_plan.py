@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import flight
+from ..distributed.call_order import poll_order_checks
 from ..distributed.groups import group_name_of, sync_group_size
 from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
@@ -181,6 +182,7 @@ def forward_function(
     :meth:`~syncbn_lightning.SyncBatchNorm.nonfinite_skips`; an all-empty group leaves them alone
     as torch does), and the fused ``activation`` (None: none) after adding ``residual`` (None:
     none) when the exchange fuses residuals; returns the output and whether both were applied."""
+    poll_order_checks()  # flags the device has written since the last call (no host sync)
     params, buffers = layer._parameters, layer._buffers
     weight, bias, running_mean = params["weight"], params["bias"], buffers["running_mean"]
     calls, nonfinite = layer._counters(input.device)

@@ -38,8 +38,10 @@ __all__ = [
     "merge_stats",
     "normalize",
     "per_channel",
+    "queues_order_flag",
     "reduce_dims",
     "scale",
+    "set_queue_order_flags_on_cpu",
     "update_running",
 ]
 
@@ -47,6 +49,26 @@ __all__ = [
 TAG_LIMIT = 1 << 24
 # How a call-order mismatch found while merging starts its message (C++ kernels and this file).
 CALL_ORDER_MARK = "syncbn call order:"
+
+# Tests run the device path of the call-order check on CPU tensors (see queues_order_flag).
+_QUEUE_ON_CPU = False
+
+
+def queues_order_flag(input: torch.Tensor) -> bool:
+    """Whether a call on ``input`` leaves its call-order flag on the device, to be read later
+    (:mod:`syncbn_lightning.distributed.call_order`), instead of checking at once: true off CPU,
+    where a check would cost a host sync per call. On CPU the payload is in host memory, so a
+    mismatch raises at the call, except while :func:`set_queue_order_flags_on_cpu` is on (tests
+    run the device path on gloo ranks with it)."""
+    return input.device.type != "cpu" or _QUEUE_ON_CPU
+
+
+def set_queue_order_flags_on_cpu(enabled: bool) -> None:
+    """Make CPU calls of the pure-PyTorch kernels (``impl="reference"``) leave their call-order
+    flags for later, as calls on CUDA tensors do (for tests; the C++ CPU kernels always check
+    at once)."""
+    global _QUEUE_ON_CPU
+    _QUEUE_ON_CPU = enabled
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

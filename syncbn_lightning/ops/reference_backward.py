@@ -22,6 +22,7 @@ from .reference import (
     centered,
     check_residual,
     per_channel,
+    queues_order_flag,
     reduce_dims,
     scale,
 )
@@ -177,7 +178,8 @@ def grad_input(
     ranks = rows.shape[0] if rows.shape[0] > 1 else world_size
     own = tag_header(info[_TAGS])
     order_ok = (total[:GRAD_HEADER] == own * ranks).all()
-    if input.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(order_ok):
+    checks_now = not queues_order_flag(input) and not torch.compiler.is_compiling()
+    if checks_now and not bool(order_ok):
         layer, call = header_tags(own)
         raise RuntimeError(
             f"{CALL_ORDER_MARK} backward: the ranks' layer or call tags differ (this rank: layer "

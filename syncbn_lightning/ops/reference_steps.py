@@ -31,6 +31,7 @@ from .reference import (
     local_count,
     merge_infos,
     per_channel,
+    queues_order_flag,
     reduce_dims,
     split_mean,
     update_state,
@@ -147,7 +148,7 @@ def merge_normalize(
     order_ok = (tags == tags[0]).all()
     counts = table[:, 0].double()
     total = counts.sum()
-    if input.device.type == "cpu" and not torch.compiler.is_compiling():
+    if not queues_order_flag(input) and not torch.compiler.is_compiling():
         _check_order_cpu(tags, order_ok, total, input, table.shape[0])
     stats = table[:, ROW_HEADER:].double()
     means = stats[:, :channels] + stats[:, channels : 2 * channels]
@@ -290,7 +291,7 @@ def reduce_merge_normalize(
     same = (total[3:REDUCE_HEADER] == sent[3:REDUCE_HEADER] * world_size).view(6, 2).all(dim=1)
     order_ok, shift_ok = same[:4].all(), same[4:].all()
     n = total[0]
-    if input.device.type == "cpu" and not torch.compiler.is_compiling():
+    if not queues_order_flag(input) and not torch.compiler.is_compiling():
         if not bool(order_ok):
             layer, call = own_tags(sent)
             raise RuntimeError(

@@ -1,0 +1,165 @@
+"""The device path of the call-order check, run on gloo ranks with CPU tensors.
+
+On CUDA tensors a call's order flag stays on the device and is read later without a host sync
+(``distributed/call_order.py``); the rank that finds a mismatch tells the others through the
+job's store and aborts SyncBN's group (``distributed/group_abort.py``). Here CPU calls of the
+pure-PyTorch kernels queue their flags the same way (``set_queue_order_flags_on_cpu``), so the
+logic runs on 2 gloo ranks: found within the calls of the step, every rank raises naming the
+layers, nobody waits for a timeout, and the callback reads the flags before the optimizer step.
+What only a GPU shows (the pinned copy and event, NCCL's abort ending a pending collective) is
+in ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _dist import run_distributed
+from torch import nn
+
+from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
+from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+
+_REFERENCE = {"SYNCBN_IMPL": "reference"}  # the C++ CPU kernels always check at once
+
+
+@pytest.fixture
+def queued_flags() -> Iterator[None]:
+    set_queue_order_flags_on_cpu(True)
+    try:
+        yield
+    finally:
+        set_queue_order_flags_on_cpu(False)
+        call_order._pending.clear()
+
+
+def _three_layers() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return convert_sync_batchnorm(
+        nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
+    )
+
+
+def _calls(rank: int) -> list[str]:
+    """Rank 1 skips `mid`: its `tail` call meets rank 0's `mid` (same channels, same payload)."""
+    return ["stem", "mid", "tail"] if rank == 0 else ["stem", "tail"]
+
+
+def _skip_a_layer(rank: int, world: int) -> tuple[str, int, int, float]:
+    """Two forward steps; returns the error and the (step, call) at which it was raised."""
+    set_queue_order_flags_on_cpu(True)
+    net = _three_layers()
+    start = time.monotonic()
+    for step in range(2):
+        for number, name in enumerate(_calls(rank)):
+            try:
+                net[name](torch.randn(3, 4))
+            except CallOrderError as exc:
+                return str(exc), step, number, time.monotonic() - start
+    return "", -1, -1, time.monotonic() - start
+
+
+@pytest.mark.distributed
+def test_queued_flags_are_read_within_the_step_on_every_rank() -> None:
+    results = run_distributed(_skip_a_layer, 2, timeout=90, pg_timeout_s=60, env=_REFERENCE)
+    for rank, (text, _step, _number, seconds) in enumerate(results):
+        assert "'mid'" in text and "'tail'" in text, (rank, text)
+        assert seconds < 20, (rank, seconds)  # not the 60 s collective timeout
+    # Rank 0's mismatch was its 2nd call: found at its 3rd, before that call's collective.
+    assert results[0][1:3] == (0, 2)
+    # Rank 1's was its last call of the step: found at its next call, the next step's first.
+    assert results[1][1:3] == (1, 0)
+
+
+def _finder_and_waiter(rank: int, world: int) -> tuple[str, float]:
+    """Rank 0 finds the mismatch at its 3rd call; rank 1 makes no further SyncBN call (as if
+    its device were stuck in a collective) and learns of it from the store."""
+    set_queue_order_flags_on_cpu(True)
+    net = _three_layers()
+    for name in _calls(rank):
+        try:
+            net[name](torch.randn(3, 4))
+        except CallOrderError as exc:
+            assert rank == 0
+            return str(exc), 0.0
+    start = time.monotonic()
+    while not group_abort.signalled() and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    waited = time.monotonic() - start
+    try:
+        check_call_order()  # what the callback or the next layer call does
+    except CallOrderError as exc:
+        return str(exc), waited
+    return "", waited
+
+
+@pytest.mark.distributed
+def test_the_rank_that_finds_a_mismatch_ends_the_others() -> None:
+    (found, _), (told, waited) = run_distributed(
+        _finder_and_waiter, 2, timeout=90, pg_timeout_s=60, env=_REFERENCE
+    )
+    assert "'mid'" in found and "'tail'" in found
+    assert waited < 10, waited  # the watcher's store wait, not a timeout
+    assert told.startswith("Another rank of this rank's SyncBatchNorm sync group")
+    assert "global rank 0 found" in told and "'mid'" in told and "'tail'" in told
+
+
+def test_a_flag_is_read_only_once_the_device_wrote_it(queued_flags: None) -> None:
+    """Polling reads the queue oldest first and stops at the first flag not yet written."""
+
+    class Pending:
+        """A copy whose event has not completed."""
+
+        def ready(self) -> bool:
+            return False
+
+        def ok(self) -> bool:
+            raise AssertionError("read before it was written")
+
+    reported: list[int] = []
+
+    def report(number: int) -> None:
+        reported.append(number)
+        raise CallOrderError(f"call {number}")
+
+    good, bad = torch.ones(3), torch.zeros(3)
+    call_order._pending.append((good, 2, report, (0,), None, call_order._FlagCopy.of(good, 2)))
+    call_order._pending.append((bad, 2, report, (1,), None, Pending()))
+    call_order._pending.append((bad, 2, report, (2,), None, call_order._FlagCopy.of(bad, 2)))
+    call_order.poll_order_checks()  # the first is read; the second is not written yet
+    assert len(call_order._pending) == 2 and reported == []
+    entry = call_order._pending[0]
+    call_order._pending[0] = (*entry[:5], call_order._FlagCopy.of(bad, 2))
+    with pytest.raises(CallOrderError, match="call 1"):
+        call_order.poll_order_checks()
+    assert call_order._pending == []  # the queue is dropped with the first error
+
+
+def test_check_call_order_reads_flags_not_yet_written(queued_flags: None) -> None:
+    """The callback's read does not wait for events: one host copy of every queued flag."""
+
+    def report() -> None:
+        raise CallOrderError("found")
+
+    zero = torch.zeros(1)
+    call_order._pending.append((zero, 0, report, (), None, None))
+    with pytest.raises(CallOrderError, match="found"):
+        check_call_order()
+
+
+def test_the_callback_reads_the_flags_before_the_optimizer_step(queued_flags: None) -> None:
+    from syncbn_lightning import SyncBNCallback
+
+    def report() -> None:
+        raise CallOrderError("found before the step")
+
+    callback: Any = SyncBNCallback()
+    callback._active = True
+    call_order._pending.append((torch.zeros(1), 0, report, (), None, None))
+    with pytest.raises(CallOrderError, match="found before the step"):
+        callback.on_before_optimizer_step(None, None, None)
