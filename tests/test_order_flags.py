@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,3 +164,58 @@ def test_the_callback_reads_the_flags_before_the_optimizer_step(queued_flags: No
     call_order._pending.append((torch.zeros(1), 0, report, (), None, None))
     with pytest.raises(CallOrderError, match="found before the step"):
         callback.on_before_optimizer_step(None, None, None)
+
+
+class _AuxNet(nn.Module):
+    """A stem and two heads; rank 1's loss leaves the auxiliary head out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+        self.aux = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.stem(x)
+        return self.body(h), self.aux(h)
+
+
+def _compiled_unused_head(rank: int, world: int, errors: str) -> str:
+    """A step whose backward has one synchronized layer fewer on rank 1, each block compiled on
+    its own (one whole compiled model would run every head's backward: AOTAutograd gives an
+    unused output a zero gradient). The error propagates, as in a job; its text is also written
+    to ``errors``/rank<R>.txt (the harness reports only the lowest failing rank's)."""
+    set_queue_order_flags_on_cpu(True)
+    torch.manual_seed(0)
+    net = convert_sync_batchnorm(_AuxNet())
+    for name, block in list(net.named_children()):
+        setattr(net, name, torch.compile(block, fullgraph=True))
+    out, aux = net(torch.randn(2, 3, 4, 4))
+    loss = out.square().mean() + (aux.square().mean() if rank == 0 else 0.0)
+    try:
+        loss.backward()
+        check_call_order()  # what the callback does before the optimizer step
+    except CallOrderError as exc:
+        (Path(errors) / f"rank{rank}.txt").write_text(str(exc))
+        raise
+    return "ok"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_compiled_backward_keeps_its_order_flag(tmp_path: Path) -> None:
+    """The compiled backward notes its flag on the layer's status (a mutating operator, which the
+    compiled graph keeps); ``check_call_order`` reads it on rank 1, whose backward ran one
+    synchronized layer fewer, and raises naming the layer; rank 0, left in a collective rank 1
+    never joins, fails when rank 1's process ends, long before the group timeout."""
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank \d of 2 failed"):
+        run_distributed(
+            _compiled_unused_head, 2, str(tmp_path), timeout=400, pg_timeout_s=300, env=_REFERENCE
+        )
+    assert time.monotonic() - started < 200  # compiling included; not the 300 s timeout
+    text = (tmp_path / "rank1.txt").read_text()
+    assert text.startswith("The backward passes of SyncBatchNorm layers"), text
+    # Rank 1's backward of body.1 met rank 0's of aux.1, its stem.1's rank 0's body.1.
+    assert "compiled code found a mismatch at the backward of 'stem.1' (call #1)" in text, text
+    assert "the backward of 'body.1' (call #1)" in text, text

@@ -20,7 +20,9 @@ reached it, within the same step; :func:`check_call_order` reads whatever is lef
 host sync; the callback calls it before each optimizer step, so a step with mixed statistics is
 never applied). The rank that finds a mismatch this way tells its group's other ranks through the
 job's store and aborts the group (:mod:`.group_abort`), since they may be waiting in a collective
-it will never join. A mismatch that changes the payload size (e.g. the skipped layer has another
+it will never join. Compiled calls cannot queue anything at run time: they note their flags on
+the layer's status tensor instead (:func:`note_order_flag`), which :func:`check_call_order`
+reads. A mismatch that changes the payload size (e.g. the skipped layer has another
 channel count) cannot be told apart by the payload: gloo then aborts the rank whose receive size
 does not match within seconds, NCCL fails the collective at its timeout; the flight recorder
 (:mod:`.flight`) names the first collective at which the ranks differed.
@@ -28,6 +30,7 @@ does not match within seconds, NCCL fails the collective at its timeout; the fli
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +47,9 @@ __all__ = [
     "poll_order_checks",
     "queue_order_check",
     "raise_if_out_of_order",
+    "note_order_flag",
     "register_layer_name",
+    "register_order_status",
 ]
 
 # Queued flags before a host sync reads them all (bounds memory where the device runs far behind).
@@ -111,6 +116,40 @@ class _FlagCopy:
         return bool(self.host[0])
 
 
+# Compiled calls note their flags on the layer instead (a compiled graph cannot append to a list
+# at run time, least of all in a backward): each layer with a status registers a weak reference to
+# a method returning (its status or None, its layer tag, its group), read by check_call_order.
+_statuses: list[weakref.WeakMethod] = []
+
+
+@torch.library.custom_op("syncbn_lightning::note_order_flag", mutates_args=("status",))
+def note_order_flag(
+    status: torch.Tensor, order_ok: torch.Tensor, call_tag: torch.Tensor, backward: bool
+) -> None:
+    """Note a compiled call's order flag on its layer: ``status = [failed, call tag, backward]``
+    of the first failed call (float32, on the layer's device); ``order_ok``: one value, 0 for a
+    mismatch; ``call_tag``: the call's tag; ``backward``: the flag is the backward's. Device ops
+    only: no host sync. An operator that mutates ``status``, so that a compiled forward or
+    backward keeps it (a Python side effect would be dropped from the graph)."""
+    failed = (order_ok.reshape(()) == 0).to(status.dtype)
+    first = (failed > 0) & (status[0] == 0)
+    noted = torch.stack([failed, call_tag.reshape(()).to(status.dtype), failed * float(backward)])
+    status.copy_(torch.where(first, noted, status))
+
+
+@note_order_flag.register_fake
+def _note_order_flag_fake(
+    status: torch.Tensor, order_ok: torch.Tensor, call_tag: torch.Tensor, backward: bool
+) -> None:
+    return None
+
+
+def register_order_status(entry: Callable[[], tuple[torch.Tensor | None, int, Group]]) -> None:
+    """Have :func:`check_call_order` read a layer's status: ``entry``, a bound method of the
+    layer (held weakly), returns its status (see :func:`note_order_flag`), tag and group."""
+    _statuses.append(weakref.WeakMethod(entry))  # type: ignore[arg-type]
+
+
 def register_layer_name(tag: int, name: str) -> None:
     """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages and the
     flight records, which keep the names beside the tags)."""
@@ -166,6 +205,8 @@ def check_call_order() -> None:
         CallOrderError: on every rank of a group whose ranks called layers in different orders.
     """
     _raise_if_published()
+    if _statuses:
+        _check_statuses()
     if not _pending:
         return
     queued = list(_pending)
@@ -174,6 +215,48 @@ def check_call_order() -> None:
     for ok, entry in zip(flags.tolist(), queued, strict=True):
         if not ok:
             _fail(entry)
+
+
+def _check_statuses() -> None:
+    """Read the layers' statuses noted by compiled calls (one copy per device) and raise naming
+    every failed layer, after telling the group (the statuses are cleared)."""
+    entries = [entry() for entry in _statuses]
+    _statuses[:] = [ref for ref, entry in zip(_statuses, entries, strict=True) if entry is not None]
+    noted = [entry() for entry in entries if entry is not None]
+    by_device: dict[torch.device, list[tuple[torch.Tensor, int, Group]]] = {}
+    for status, layer, group in noted:
+        if status is not None:
+            by_device.setdefault(status.device, []).append((status, layer, group))
+    failed: list[tuple[int, int, bool, Group]] = []
+    for rows in by_device.values():
+        values = torch.stack([status for status, _, _ in rows]).cpu()
+        for (status, layer, group), row in zip(rows, values.tolist(), strict=True):
+            bad, call, backward = row
+            if bad:
+                status.zero_()
+                failed.append((layer, int(call), bool(backward), group))
+    if failed:
+        group = failed[0][3]
+        _fail((torch.zeros(1), 0, _report_compiled, (failed, group), group, None))
+
+
+def _report_compiled(failed: list[tuple[int, int, bool, Group]], group: Group) -> None:
+    """Flags noted by compiled calls: ``(layer tag, call tag, backward, group)`` of each layer
+    whose status failed, in the order the layers were placed (a status keeps only this rank's
+    layer and call)."""
+    backward = any(row[2] for row in failed)
+    calls = ", ".join(
+        f"{'the backward of ' if back else ''}{layer_text(layer)} (call #{call + 1})"
+        for layer, call, back, _ in failed
+    )
+    raise call_order_error(
+        f"on this rank, compiled code found a mismatch at {calls}: another rank ran a different "
+        f"layer's or call's there (compiled code notes only this rank's layers; the flight "
+        f"records name the others'; with exchange='reduce' the ranks may also hold different "
+        f"running_mean buffers)",
+        group_ranks(group, 1) if isinstance(group, str) else [],
+        backward,
+    )
 
 
 def poll_order_checks() -> None:

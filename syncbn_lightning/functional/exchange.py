@@ -33,6 +33,7 @@ from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
     layer_text,
+    note_order_flag,
     queue_order_check,
     raise_if_out_of_order,
 )
@@ -69,6 +70,9 @@ class LayerState(NamedTuple):
     nonfinite: torch.Tensor | None
     #: int64 counter of the layer's synchronized calls (the call-order tag); always given.
     calls: torch.Tensor
+    #: compiled calls on devices that queue their order flags: the layer's status, where the
+    #: forward and the backward note their flags (``distributed.call_order.note_order_flag``).
+    order: torch.Tensor | None = None
 
 
 class SyncCall(NamedTuple):
@@ -131,6 +135,9 @@ class LocalGrads(NamedTuple):
     #: with a fused residual (:attr:`Exchange.fuses_residual`), the residual's gradient
     #: ``dy * act'(z + residual)``; ``None`` without one.
     grad_residual: torch.Tensor | None = None
+    #: set by the Function for compiled calls: :attr:`LayerState.order`, where the built-in
+    #: strategies' :meth:`Exchange.grad_input` notes the backward's flag.
+    order: torch.Tensor | None = None
 
 
 class Exchange(ABC):
@@ -236,9 +243,9 @@ class SplitMeanBackward(Exchange):
                 raise
             raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
             raise
-        if queues_order_flag(input) and not torch.compiler.is_compiling():
-            # Compiled CUDA backwards leave the flag unread: a side effect in a compiled
-            # autograd.Function's backward is not traceable (the forward's tags are still read).
+        if local.order is not None:  # compiled: noted on the layer, read by check_call_order
+            note_order_flag(local.order, order_ok, grad_info[5], True)
+        elif queues_order_flag(input) and not torch.compiler.is_compiling():
             width = local.sums.numel()
             queue_order_check(
                 order_ok,

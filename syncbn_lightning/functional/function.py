@@ -31,7 +31,7 @@ from ..ops.dispatch import uses_extension
 # first call under torch.compile finds them registered (an import cannot be traced).
 from . import gather as _gather  # noqa: F401
 from . import reduce as _reduce  # noqa: F401
-from .exchange import Inputs, LayerState, SyncCall
+from .exchange import Inputs, LayerState, LocalGrads, SyncCall
 from .options import SyncOptions
 from .registry import get_exchange
 
@@ -85,7 +85,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
             merged = exchange.merge(inputs, sent, received, call)
         else:
             merged = exchange.merge(inputs, sent, received, call, residual=residual)
-        ctx.save_for_backward(*merged.saved)
+        if state.order is None:
+            ctx.save_for_backward(*merged.saved)
+        else:  # compiled: the backward notes its order flag there (a graph input it may mutate)
+            ctx.save_for_backward(*merged.saved, state.order)
+        ctx.notes_order = state.order is not None
         ctx.call = call
         ctx.flight_call = note[2]
         ctx.mark_non_differentiable(merged.mean, merged.var, merged.info)
@@ -110,9 +114,13 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     if grad_output is None:  # grads are not materialized: nothing flows back through output
         return _NO_GRADS
     call: SyncCall = ctx.call
-    saved = ctx.saved_tensors
+    saved, order = ctx.saved_tensors, None
+    if ctx.notes_order:
+        saved, order = saved[:-1], saved[-1]
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     local = call.exchange.local_grads(grad_output, saved, call)
+    if order is not None:
+        local = LocalGrads(*local[:5], order)
     grad_input = None
     if need_input:
         note = (flight.BACKWARD, call.layer_tag, ctx.flight_call)

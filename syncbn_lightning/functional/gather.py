@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.call_order import queue_order_check, raise_if_out_of_order
+from ..distributed.call_order import note_order_flag, queue_order_check, raise_if_out_of_order
 from ..distributed.collectives import Group
 from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
 from ..ops.reference_steps import ROW_HEADER, row_width
@@ -82,9 +82,12 @@ class GatherExchange(SplitMeanBackward):
             raise_if_out_of_order(row_tags(received, channels), call.group)
             raise
         if queues_order_flag(input):
-            queue_order_check(
-                info, 2, _report_order, received, channels, call.group, group=call.group
-            )
+            if state.order is not None:  # compiled: noted on the layer
+                note_order_flag(state.order, info[2], info[5], False)
+            else:
+                queue_order_check(
+                    info, 2, _report_order, received, channels, call.group, group=call.group
+                )
             if input.numel() < 2 * channels and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, call.world_size)
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)

@@ -47,6 +47,7 @@ from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
     layer_text,
+    note_order_flag,
     queue_order_check,
     raise_if_out_of_order,
 )
@@ -117,9 +118,12 @@ class ReduceExchange(SplitMeanBackward):
             raise_if_out_of_order(tags.view(-1, 2), call.group)
             raise
         if queues_order_flag(input):
-            queue_order_check(
-                info, 2, _report_mismatch, sent, received, world, call.group, group=call.group
-            )
+            if state.order is not None:  # compiled: noted on the layer
+                note_order_flag(state.order, info[2], info[5], False)
+            else:
+                queue_order_check(
+                    info, 2, _report_mismatch, sent, received, world, call.group, group=call.group
+                )
             if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
                 check_group_count(int(info[0].item()), input, world)
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)

@@ -353,12 +353,14 @@ class SyncBatchNormOnDevice(SyncBatchNorm, nn.SyncBatchNorm):
 def match_torch_class(layer: SyncBatchNorm) -> None:
     """Give ``layer`` the class its device calls for: :class:`SyncBatchNormOnDevice` when its first
     parameter or buffer is on a device other than the CPU, else :class:`SyncBatchNorm` (also when
-    it has no tensors at all). Subclasses are left as they are."""
+    it has no tensors at all). Subclasses are left as they are. Every layer's call-order status
+    follows it there (``_place_order_status``)."""
+    tensors = itertools.chain(layer.parameters(recurse=False), layer.buffers(recurse=False))
+    first = next(tensors, None)
+    layer._place_order_status(None if first is None else first.device)
     cls = type(layer)
     if cls is not SyncBatchNorm and cls is not SyncBatchNormOnDevice:
         return
-    tensors = itertools.chain(layer.parameters(recurse=False), layer.buffers(recurse=False))
-    first = next(tensors, None)
     off_cpu = first is not None and first.device.type != "cpu"
     layer.__class__ = SyncBatchNormOnDevice if off_cpu else SyncBatchNorm
 

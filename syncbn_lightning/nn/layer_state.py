@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..distributed.call_order import register_layer_name
-from ..ops.reference import TAG_LIMIT
+from ..distributed.call_order import register_layer_name, register_order_status
+from ..distributed.groups import group_name_of
+from ..ops.reference import TAG_LIMIT, queues_order_flags_on
 
 __all__ = [
     "OPTION_ATTRIBUTES",
@@ -116,6 +117,8 @@ class SyncCallState:
     # of the synchronized path (the call-order tag) and the skipped non-finite updates.
     _calls: torch.Tensor | None = None
     _nonfinite: torch.Tensor | None = None
+    # Where compiled calls on a device that queues its order flags note them (made on first use).
+    _order: torch.Tensor | None = None
 
     @property
     def layer_tag(self) -> int:
@@ -169,6 +172,27 @@ class SyncCallState:
         if self._nonfinite is None or self._nonfinite.device != device:
             self._nonfinite = _counter_on(self._nonfinite, device)
         return self._calls, self._nonfinite
+
+    def _place_order_status(self, device: torch.device | None) -> None:
+        """Make the layer's call-order status, or move it, onto ``device`` (the layer's, ``None``
+        without tensors) when calls there queue their order flags; compiled calls note their
+        flags there (:func:`~syncbn_lightning.distributed.call_order.note_order_flag`). Eager
+        only (construction, conversion, ``.to()``): a compiled graph can mutate only a tensor
+        that existed before it was traced."""
+        if device is None or not queues_order_flags_on(device):
+            return
+        if self._order is None:
+            register_order_status(self._order_entry)
+        elif self._order.device == device:
+            return
+        self._order = torch.zeros(3, dtype=torch.float32, device=device)
+
+    def _order_entry(self) -> tuple[torch.Tensor | None, int, Any]:
+        """What ``check_call_order`` reads: the status, the layer's tag and group."""
+        group = getattr(self, "replica_group", None) or group_name_of(
+            getattr(self, "process_group", None)
+        )
+        return self._order, self.layer_tag, group
 
 
 def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ from ..functional.function import SyncBatchNormFunction
 from ..functional.native import native_op, register_python_kernels
 from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
 from ..ops.dispatch import IMPL_ENV, uses_extension
+from ..ops.reference import queues_order_flag
 from .layer_state import BatchRecord
 
 __all__ = ["SyncPlan", "forward_function", "forward_native", "plan_of"]
@@ -187,15 +188,19 @@ def forward_function(
     weight, bias, running_mean = params["weight"], params["bias"], buffers["running_mean"]
     calls, nonfinite = layer._counters(input.device)
     track = layer.track_running_stats and running_mean is not None
+    options = layer.sync_options
+    group = layer.replica_group or group_name_of(layer.process_group)
+    # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
+    # (made where the layer was placed; a layer without one keeps the forward's queued flags).
+    order = layer._order if torch.compiler.is_compiling() and queues_order_flag(input) else None
     state = LayerState(
         running_mean if track else None,
         buffers["running_var"] if track else None,
         buffers["num_batches_tracked"] if track else None,
         nonfinite if track else None,
         calls,
+        order if order is not None and order.device == input.device else None,
     )
-    options = layer.sync_options
-    group = layer.replica_group or group_name_of(layer.process_group)
     exchange = resolve_exchange(options.exchange, world_size, group, input.device.type)
     fused = exchange.uses_kernels and uses_extension(input.device.type, options.impl)
     if residual is not None and not exchange.fuses_residual:

@@ -39,6 +39,7 @@ __all__ = [
     "normalize",
     "per_channel",
     "queues_order_flag",
+    "queues_order_flags_on",
     "reduce_dims",
     "scale",
     "set_queue_order_flags_on_cpu",
@@ -60,7 +61,12 @@ def queues_order_flag(input: torch.Tensor) -> bool:
     where a check would cost a host sync per call. On CPU the payload is in host memory, so a
     mismatch raises at the call, except while :func:`set_queue_order_flags_on_cpu` is on (tests
     run the device path on gloo ranks with it)."""
-    return input.device.type != "cpu" or _QUEUE_ON_CPU
+    return queues_order_flags_on(input.device)
+
+
+def queues_order_flags_on(device: torch.device) -> bool:
+    """:func:`queues_order_flag` for calls on ``device``."""
+    return device.type != "cpu" or _QUEUE_ON_CPU
 
 
 def set_queue_order_flags_on_cpu(enabled: bool) -> None:
