@@ -393,3 +393,35 @@ def test_cuda_a_layer_unused_in_one_ranks_loss_raises_call_order_error(ext, tmp_
     text = (tmp_path / "rank1.txt").read_text()
     assert text.startswith("The backward passes of SyncBatchNorm layers"), text
     assert "'body.1' (call #1)" in text, text
+
+
+def _cuda_skipped_layer_worker(rank: int, world: int) -> tuple[str, int, int]:
+    """Two forward steps on CUDA tensors where rank 1 skips `mid` (its `tail` meets rank 0's
+    `mid`): the flags are copied to pinned memory and read at later calls once their events
+    complete. Returns the error and the (step, call) it was raised at; (-1, -1): by
+    ``check_call_order`` after the steps."""
+    from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
+
+    torch.manual_seed(0)
+    names = ["stem", "mid", "tail"] if rank == 0 else ["stem", "tail"]
+    net = convert_sync_batchnorm(
+        nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
+    ).cuda()
+    try:
+        for step in range(2):
+            for number, name in enumerate(names):
+                net[name](torch.randn(3, 4, device="cuda"))
+                if number == len(names) - 1 and step == 1:
+                    check_call_order()
+    except CallOrderError as exc:
+        return str(exc), step, number
+    return "", -1, -1
+
+
+@pytest.mark.distributed
+def test_cuda_a_skipped_layer_is_found_at_later_calls_without_a_sync(ext) -> None:
+    """Both ranks raise CallOrderError naming the two layers, within the two steps' calls."""
+    results = run_distributed(_cuda_skipped_layer_worker, 2, timeout=120, pg_timeout_s=60)
+    for rank, (text, step, _number) in enumerate(results):
+        assert "'mid'" in text and "'tail'" in text, (rank, text)
+        assert step >= 0, (rank, step)

@@ -30,6 +30,7 @@ does not match within seconds, NCCL fails the collective at its timeout; the fli
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,7 @@ class CallOrderError(RuntimeError):
 # error if the flag is 0, its arguments, the group, the flag's host copy or None).
 _Entry = tuple[torch.Tensor, int, Callable[..., None], tuple[Any, ...], Group, "_FlagCopy | None"]
 _pending: list[_Entry] = []
+_poll_lock = threading.Lock()
 
 
 class _FlagCopy:
@@ -94,12 +96,13 @@ class _FlagCopy:
 
     @staticmethod
     def of(flags: torch.Tensor, index: int) -> _FlagCopy | None:
-        """The copy of ``flags[index]``; ``None`` on a device without CUDA events (its flags
-        are read by :func:`check_call_order`)."""
+        """The copy of ``flags[index]``; ``None`` on a device without CUDA events, and while a
+        CUDA graph is being captured (a pinned allocation or an event query would end the
+        capture; a later call copies it), whose flags :func:`check_call_order` reads."""
         flag = flags.narrow(0, index, 1)
         if flag.device.type == "cpu":
             return _FlagCopy(flag.clone(), None)
-        if flag.device.type != "cuda":
+        if flag.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return None
         host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
         host.copy_(flag, non_blocking=True)
@@ -108,8 +111,10 @@ class _FlagCopy:
         return _FlagCopy(host, event)
 
     def ready(self) -> bool:
-        """Whether the device has written the copy."""
-        return self.event is None or bool(self.event.query())
+        """Whether the device has written the copy (never asked while a graph is captured)."""
+        if self.event is None:
+            return True
+        return not torch.cuda.is_current_stream_capturing() and bool(self.event.query())
 
     def ok(self) -> bool:
         """Whether the flag says the ranks' tags agreed (only once :meth:`ready`)."""
@@ -267,10 +272,20 @@ def poll_order_checks() -> None:
     if torch.compiler.is_compiling() or not (_pending or group_abort.signalled()):
         return
     _raise_if_published()
+    if not _poll_lock.acquire(blocking=False):
+        return  # another thread (a DataParallel replica) is reading the queue
+    try:
+        _poll_queue()
+    finally:
+        _poll_lock.release()
+
+
+def _poll_queue() -> None:
+    """:func:`poll_order_checks`' loop over the queue, oldest first."""
     while _pending:
         entry = _pending[0]
         copy = entry[5]
-        if copy is None:  # queued by compiled code: copy it now
+        if copy is None:  # queued by compiled code: copy it now (not while capturing)
             copy = _FlagCopy.of(entry[0], entry[1])
             if copy is None:
                 return
@@ -298,6 +313,8 @@ def queue_order_check(
     if torch.compiler.is_compiling():
         _pending.append((flags, index, report, args, group, None))
         return
+    if flags.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # a captured graph's flags hold nothing yet, and each replay rewrites them
     poll_order_checks()
     if isinstance(group, str):
         group_abort.watch_group(group)
