@@ -185,3 +185,17 @@ def test_the_callback_keeps_records_in_the_trainers_log_folder(tmp_path: Path) -
     by_rank = read_flight_dir(folder)
     assert sorted(by_rank) == [0, 1], list(folder.rglob("*"))
     assert len({r.call for r in by_rank[0]}) >= 4  # the layers' calls of the training steps
+
+
+def test_the_callback_puts_the_process_folder_back_after_the_fit(tmp_path: Path) -> None:
+    """The trainer's folder is this fit's: a later job of the process (here a one-process fit
+    with the callback) keeps its records where it would have before."""
+    before = flight.set_flight_dir(None)
+    try:
+        trainer(1, [SyncBNCallback()], strategy="auto", default_root_dir=str(tmp_path)).fit(BNNet())
+        assert flight.flight_dir() is None
+        flight.set_flight_dir(tmp_path / "mine")
+        trainer(1, [SyncBNCallback()], strategy="auto", default_root_dir=str(tmp_path)).fit(BNNet())
+        assert flight.flight_dir() == str(tmp_path / "mine")
+    finally:
+        flight.set_flight_dir(before)

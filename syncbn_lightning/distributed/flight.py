@@ -267,13 +267,14 @@ _recorder_world: Any = None  # the default group the recorder was made in
 _flight_dir: str | None = None
 
 
-def set_flight_dir(path: str | os.PathLike[str] | None) -> None:
+def set_flight_dir(path: str | os.PathLike[str] | None) -> str | None:
     """Keep this process's flight records in files under ``path`` (``None``: the
-    ``SYNCBN_FLIGHT_DIR`` environment variable, else memory). Takes effect with the next job's
-    recorder; the current one, if any, is closed and a new one made at the next collective."""
+    ``SYNCBN_FLIGHT_DIR`` environment variable, else memory); returns the folder set before. Takes
+    effect with the next job's recorder (the current one is closed, a new one made when used)."""
     global _flight_dir
-    _flight_dir = None if path is None else str(path)
+    previous, _flight_dir = _flight_dir, None if path is None else str(path)
     reset_flight_recorder()
+    return previous
 
 
 def flight_dir() -> str | None:

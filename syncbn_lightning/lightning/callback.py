@@ -41,6 +41,7 @@ from .ddp_setup import (
     refuse_buffer_broadcast,
     refuse_other_layer_sync,
     require_ddp_strategy,
+    restore_flight_records,
 )
 from .layer_sync import SyncBNLayerSync
 from .monitoring import BatchNormMonitor
@@ -220,6 +221,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
+        self._kept_flight_dir: tuple[str | None] | None = None  # see keep_flight_records
         self._layers: list[SyncBatchNorm] = []
         self._active = False
         self.resolved_group_size: int | None = None
@@ -233,7 +235,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         if stage != "fit":
             return
         refuse_other_layer_sync(trainer, "SyncBNCallback", SyncBNLayerSync)
-        keep_flight_records(trainer, self.flight_dir)
+        self._kept_flight_dir = keep_flight_records(trainer, self.flight_dir)
         world = trainer.world_size
         self._world = world
         if world == 1 and self.single_process == "monitor":
@@ -313,6 +315,12 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             revert_sync_batchnorm(pl_module)
             self._layers = []
             self._active = False
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            restore_flight_records(self._kept_flight_dir)
+            self._kept_flight_dir = None
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "overrides",
     "refuse_buffer_broadcast",
     "refuse_other_layer_sync",
+    "restore_flight_records",
     "require_ddp_strategy",
 ]
 
@@ -141,16 +142,28 @@ def refuse_other_layer_sync(trainer: Any, owner: str, rival: type | None = None)
         )
 
 
-def keep_flight_records(trainer: pl.Trainer, folder: str | os.PathLike[str] | None) -> None:
+def keep_flight_records(
+    trainer: pl.Trainer, folder: str | os.PathLike[str] | None
+) -> tuple[str | None] | None:
     """Keep this job's SyncBN flight records in files: in ``folder``, else where a folder is set
     already (``SYNCBN_FLIGHT_DIR``, ``set_flight_dir``), else in ``.syncbn`` of the trainer's
-    log folder (read on every rank: ``trainer.log_dir`` broadcasts rank 0's)."""
+    log folder (read on every rank: ``trainer.log_dir`` broadcasts rank 0's).
+
+    Returns ``(previous,)``, the process's folder before (``None``: none), when it set one, for
+    :func:`restore_flight_records` at the end of the fit; ``None`` when it left it alone."""
     if folder is None and flight.flight_dir() is not None:
-        return
+        return None
     if folder is None:
         base = trainer.log_dir or trainer.default_root_dir
         folder = os.path.join(base, ".syncbn")
-    flight.set_flight_dir(folder)
+    return (flight.set_flight_dir(folder),)
+
+
+def restore_flight_records(kept: tuple[str | None] | None) -> None:
+    """Undo :func:`keep_flight_records` (``kept``: what it returned): later jobs of the process
+    keep their records where they did before this fit, not in its trainer's folder."""
+    if kept is not None:
+        flight.set_flight_dir(kept[0])
 
 
 def require_ddp_strategy(strategy: Any) -> None:
