@@ -180,6 +180,28 @@ class _AuxNet(nn.Module):
         return self.body(h), self.aux(h)
 
 
+def _eager_unused_head(rank: int, world: int) -> str:
+    """Rank 1's loss leaves the auxiliary head out: its backward has one synchronized layer
+    fewer. No callback and no check_call_order: the backward's own calls read the flags."""
+    set_queue_order_flags_on_cpu(True)
+    torch.manual_seed(0)
+    out, aux = convert_sync_batchnorm(_AuxNet())(torch.randn(2, 3, 4, 4))
+    loss = out.square().mean() + (aux.square().mean() if rank == 0 else 0.0)
+    try:
+        loss.backward()
+    except CallOrderError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.distributed
+def test_a_backward_mismatch_is_found_within_the_backward_on_every_rank() -> None:
+    results = run_distributed(_eager_unused_head, 2, timeout=90, pg_timeout_s=60, env=_REFERENCE)
+    for rank, text in enumerate(results):
+        assert text.startswith("The backward passes of SyncBatchNorm layers"), (rank, text)
+    assert "'aux.1'" in results[0] and "'body.1'" in results[1], results
+
+
 def _compiled_unused_head(rank: int, world: int, errors: str) -> str:
     """A step whose backward has one synchronized layer fewer on rank 1, each block compiled on
     its own (one whole compiled model would run every head's backward: AOTAutograd gives an

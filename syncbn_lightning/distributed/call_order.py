@@ -45,6 +45,7 @@ __all__ = [
     "call_order_error",
     "check_call_order",
     "layer_text",
+    "mark_status_used",
     "poll_order_checks",
     "queue_order_check",
     "raise_if_out_of_order",
@@ -125,6 +126,9 @@ class _FlagCopy:
 # at run time, least of all in a backward): each layer with a status registers a weak reference to
 # a method returning (its status or None, its layer tag, its group), read by check_call_order.
 _statuses: list[weakref.WeakMethod] = []
+# Set by compiled code that passes a status (see mark_status_used): until then there is nothing
+# to read, and an eager step on CUDA must not pay a copy of every layer's status.
+_status_used = False
 
 
 @torch.library.custom_op("syncbn_lightning::note_order_flag", mutates_args=("status",))
@@ -147,6 +151,14 @@ def _note_order_flag_fake(
     status: torch.Tensor, order_ok: torch.Tensor, call_tag: torch.Tensor, backward: bool
 ) -> None:
     return None
+
+
+def mark_status_used() -> None:
+    """Say that compiled code notes flags on layer statuses: :func:`check_call_order` reads them
+    at its next call. Called from traced code, whose compiled graph stores the flag at each
+    call (a global store is a side effect torch.compile keeps)."""
+    global _status_used
+    _status_used = True
 
 
 def register_order_status(entry: Callable[[], tuple[torch.Tensor | None, int, Group]]) -> None:
@@ -209,8 +221,10 @@ def check_call_order() -> None:
     Raises:
         CallOrderError: on every rank of a group whose ranks called layers in different orders.
     """
+    global _status_used
     _raise_if_published()
-    if _statuses:
+    if _status_used:
+        _status_used = False
         _check_statuses()
     if not _pending:
         return
@@ -267,8 +281,9 @@ def _report_compiled(failed: list[tuple[int, int, bool, Group]], group: Group) -
 def poll_order_checks() -> None:
     """Read, oldest first, the queued flags the device has already written (an event query
     each: no host sync) and raise on the first mismatch; raise if another rank published one.
-    Runs at every synchronized call, so a mismatch is found within the calls of the step it
-    happened in, a few layers after the device got there."""
+    Runs before each synchronized call's collective, forward and backward, so a mismatch is
+    found within the calls of the step it happened in, a few layers after the device got
+    there."""
     if torch.compiler.is_compiling() or not (_pending or group_abort.signalled()):
         return
     _raise_if_published()
@@ -315,7 +330,6 @@ def queue_order_check(
         return
     if flags.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # a captured graph's flags hold nothing yet, and each replay rewrites them
-    poll_order_checks()
     if isinstance(group, str):
         group_abort.watch_group(group)
     _pending.append((flags, index, report, args, group, _FlagCopy.of(flags, index)))

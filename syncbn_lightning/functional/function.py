@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from ..distributed import flight
+from ..distributed.call_order import poll_order_checks
 from ..distributed.collectives import all_gather, sum_over_group
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
@@ -114,6 +115,7 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     if grad_output is None:  # grads are not materialized: nothing flows back through output
         return _NO_GRADS
     call: SyncCall = ctx.call
+    poll_order_checks()  # flags the device has written since the last call (no host sync)
     saved, order = ctx.saved_tensors, None
     if ctx.notes_order:
         saved, order = saved[:-1], saved[-1]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import flight
-from ..distributed.call_order import poll_order_checks
+from ..distributed.call_order import mark_status_used, poll_order_checks
 from ..distributed.groups import group_name_of, sync_group_size
 from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
@@ -193,6 +193,8 @@ def forward_function(
     # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
     # (made where the layer was placed; a layer without one keeps the forward's queued flags).
     order = layer._order if torch.compiler.is_compiling() and queues_order_flag(input) else None
+    if order is not None:
+        mark_status_used()
     state = LayerState(
         running_mean if track else None,
         buffers["running_var"] if track else None,
