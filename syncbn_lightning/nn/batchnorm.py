@@ -36,9 +36,9 @@ from .checks import check_dims, check_input, check_num_features, refuse_scriptin
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
 from .layer_state import option_property as _option
-from .sync_plan import SyncPlan, forward_function, forward_native, plan_of
+from .sync_plan import SyncPlan, affine_of, forward_function, forward_native, plan_of
 
-__all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class"]
+__all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class", "traced_call"]
 
 
 class SyncBatchNorm(SyncCallState, _BatchNorm):
@@ -223,6 +223,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     __prepare_scriptable__ = refuse_scripting
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if type(input) is not torch.Tensor and isinstance(input, torch.fx.Proxy):
+            return traced_call(self, input)
         return self._forward(input, None)[0]
 
     def add_act(
@@ -241,7 +243,9 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         (``docs/library.md``).
         """
         code = (0, 0.0) if act is None else fused_activation(act)
-        if code is not None and same_operands(input, residual):
+        if isinstance(input, torch.fx.Proxy):  # fx: the layer is one node, the add and act traced
+            output = self(input)
+        elif code is not None and same_operands(input, residual):
             output, applied = self._forward(input, code, residual)
             if applied:
                 return output
@@ -268,10 +272,9 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
                 return forward_native(
                     self, plan, input, activation, residual
                 ), activation is not None
-        # Parameters and buffers read from their dicts: Module.__getattr__ costs ~0.7 us of host
-        # time per name, a tenth of the layer's own host cost on a small tensor.
-        params, buffers = self._parameters, self._buffers
-        weight, running_mean = params["weight"], buffers["running_mean"]
+        # Buffers read from their dict: Module.__getattr__ costs ~0.7 us of host time per name, a
+        # tenth of the layer's own host cost on a small tensor.
+        weight, running_mean = affine_of(self)[0], self._buffers["running_mean"]
         if weight is not None:
             check_input(input, self.num_features, weight, "weight")
         else:
@@ -348,6 +351,17 @@ class SyncBatchNormOnDevice(SyncBatchNorm, nn.SyncBatchNorm):
     takes the constructor's arguments and ends up in the class its ``device`` calls for. Its
     forward is ours (first in the MRO), so torch's ``nn.SyncBatchNorm.forward`` never runs.
     """
+
+
+def traced_call(layer: nn.Module, input: torch.fx.Proxy) -> torch.fx.Proxy:
+    """The node of an fx trace (``torch.fx.symbolic_trace``, torchvision's
+    ``create_feature_extractor``) for a call of ``layer``: one ``call_module`` node, as fx records
+    ``torch.nn.SyncBatchNorm`` and the other BatchNorm classes (leaves of its default tracer).
+    The layer's forward communicates and updates buffers, which a trace cannot follow; the
+    traced graph calls the layer itself, so what the traced model computes is what the model
+    computes. The tracer has already entered ``layer`` (its module path is the current one)."""
+    tracer = input.tracer
+    return tracer.create_proxy("call_module", tracer.path_of_module(layer), (input,), {})
 
 
 def match_torch_class(layer: SyncBatchNorm) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..ops.activations import fused_activation, make_activation, optional_module
-from .batchnorm import SyncBatchNorm
+from .batchnorm import SyncBatchNorm, traced_call
 from .convert import register_sync_class
 
 __all__ = ["BatchNormActXd", "SyncBatchNormAct"]
@@ -105,6 +105,8 @@ class SyncBatchNormAct(SyncBatchNorm):
         return fused_activation(self._modules["act"])
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if type(input) is not torch.Tensor and isinstance(input, torch.fx.Proxy):
+            return traced_call(self, input)  # one node: normalization, drop and activation
         output, applied = self._forward(input, self.fused_activation)
         if applied:
             return output
