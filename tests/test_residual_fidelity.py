@@ -269,22 +269,26 @@ def _copies(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def _pickle_models() -> dict[str, tuple[nn.Module, Any]]:
-    tv, timm = _torchvision(), import_timm()
+PICKLE_MODELS = ("torchvision resnet18", "timm resnet18d", "fx-rewritten user blocks")
+
+
+def _pickle_model(name: str) -> tuple[nn.Module, Any]:
+    """The model called ``name`` and its ``fuse_residual``; built inside the test, so a missing
+    torchvision or timm skips that test only (never the module, at import)."""
     torch.manual_seed(0)
-    return {
-        "torchvision resnet18": (tv.models.resnet18(weights=None, num_classes=5), True),
-        "timm resnet18d": (timm.create_model("resnet18d", num_classes=5), True),
-        "fx-rewritten user blocks": (
-            nn.Sequential(_user_bottlenecks(), nn.Conv2d(8, 4, 1), _Dropout(), _Optional()),
-            [_UserBottleneck, _Dropout, _Optional],
-        ),
-    }
+    if name == "torchvision resnet18":
+        return _torchvision().models.resnet18(weights=None, num_classes=5), True
+    if name == "timm resnet18d":
+        return import_timm().create_model("resnet18d", num_classes=5), True
+    return (
+        nn.Sequential(_user_bottlenecks(), nn.Conv2d(8, 4, 1), _Dropout(), _Optional()),
+        [_UserBottleneck, _Dropout, _Optional],
+    )
 
 
-@pytest.mark.parametrize("name", list(_pickle_models()))
+@pytest.mark.parametrize("name", PICKLE_MODELS)
 def test_fused_models_survive_pickle_torch_save_and_deepcopy(one_rank, name: str) -> None:
-    model, fuse = _pickle_models()[name]
+    model, fuse = _pickle_model(name)
     fused = convert_sync_batchnorm(model.double(), force_sync=True, fuse_residual=fuse)
     names = _fused_names(fused)
     assert names
