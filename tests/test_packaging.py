@@ -78,6 +78,20 @@ def test_every_config_group_is_packaged() -> None:
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
 
 
+def _see_this_interpreters_packages(venv: Path) -> None:
+    """Let ``venv`` import what this interpreter imports: a ``.pth`` file adding the site folders
+    on this interpreter's ``sys.path`` (and their own ``.pth`` files) after the venv's own.
+
+    Not ``--system-site-packages``: when ``sys.executable`` is itself a virtualenv, that flag
+    exposes the base interpreter's packages, not the ones this suite runs with.
+    """
+    (site_packages,) = venv.glob("lib/python*/site-packages")
+    folders = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    (site_packages / "_syncbn_test_parent.pth").write_text(
+        f"import site; list(map(site.addsitedir, {folders!r}))\n"
+    )
+
+
 @pytest.mark.slow
 def test_installed_wheel_runs_the_service_outside_a_clone(tmp_path: Path) -> None:
     """Build the wheel, install it (no dependencies: they come from this interpreter's
@@ -103,11 +117,8 @@ def test_installed_wheel_runs_the_service_outside_a_clone(tmp_path: Path) -> Non
     assert not any(n.startswith(("conf/", "tests/", "train.py")) for n in names)
 
     venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-        check=True,
-        timeout=120,
-    )
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    _see_this_interpreters_packages(venv)
     bin_dir = venv / "bin"
     subprocess.run(
         [bin_dir / "pip", "install", "--quiet", "--no-deps", str(wheel)],
