@@ -14,6 +14,10 @@ One train step = forward, cross-entropy loss, backward, SGD (momentum) step. The
   GPU groups of more than 8 ranks);
 * ``ours_fused``: ``ours`` converted with ``fuse_residual=True``: every residual block's BN, add
   and ReLU as one fused call (:meth:`syncbn_lightning.SyncBatchNorm.add_act`);
+* ``ours_native``, ``ours_native_fused`` (CUDA only): ``ours`` and ``ours_fused`` with
+  ``SYNCBN_NATIVE_CUDA=1``: every layer call is one C++ operator per direction
+  (``syncbn::sync_batch_norm``) instead of the Python Function (the others run with
+  ``SYNCBN_NATIVE_CUDA=0``);
 * ``torch_sync`` (CUDA only): ``nn.SyncBatchNorm`` forced through torch's own sync Function
   (``torch.nn.modules._functions.SyncBatchNorm``) the same way.
 
@@ -25,14 +29,17 @@ the activation module), forced the same way.
 A one-rank process group (NCCL on CUDA, gloo on CPU) makes the collectives real. Two modes, each
 measured the same way for every implementation:
 
-* ``eager``: whole steps timed from the host (host work included for all);
+* ``eager``: whole steps timed from the host (host work included for all); with ``--rounds R``
+  the implementations' models are built once and measured in R interleaved rounds (each round
+  every implementation in turn), and a cell is the median of the R rounds' medians;
 * ``graph`` (CUDA only): the whole step captured once in a CUDA graph and replayed (host work
   excluded for all), timed with CUDA events.
 
 Configurations: ``fp32-nchw`` (float32, contiguous) and ``bf16-cl`` (bfloat16 autocast,
 channels-last model and input). Prints one markdown table with the device line, the versions
 and the command, and the issue's goals: graph step ours <= 1.05x plain, eager ours at least as
-fast as torch_sync.
+fast as torch_sync; with ``ours_native``: eager ours_native <= 1.3x plain and torch_sync's step
+>= 2x ours_native's.
 """
 
 from __future__ import annotations
@@ -58,10 +65,13 @@ from _common import (
 from torch import nn
 
 import syncbn_lightning
-from syncbn_lightning.ops.impl_choice import IMPL_ENV
+from syncbn_lightning.ops.impl_choice import IMPL_ENV, NATIVE_CUDA_ENV
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
-IMPLS = ("plain", "ours", "ours_reduce", "ours_fused", "torch_sync")
+IMPLS = (
+    "plain", "ours", "ours_reduce", "ours_fused", "ours_native", "ours_native_fused", "torch_sync"
+)
+CUDA_ONLY = ("ours_native", "ours_native_fused", "torch_sync")
 MODES = ("eager", "graph")
 
 
@@ -102,11 +112,17 @@ def _timm() -> Any:
     return timm
 
 
+def impl_env(impl: str) -> Any:
+    """The environment an implementation's calls run in: ``SYNCBN_NATIVE_CUDA`` 1 for the C++
+    path's rows, 0 for the others (a layer reads it when it makes its plan, at its first call)."""
+    return env_var(NATIVE_CUDA_ENV, "1" if impl.startswith("ours_native") else "0")
+
+
 def _with_impl(model: nn.Module, impl: str, name: str) -> nn.Module:
-    if impl in ("ours", "ours_reduce", "ours_fused"):
+    if impl.startswith("ours"):
         exchange = "reduce" if impl == "ours_reduce" else "auto"
         model = syncbn_lightning.convert_sync_batchnorm(
-            model, exchange=exchange, fuse_residual=impl == "ours_fused"
+            model, exchange=exchange, fuse_residual=impl.endswith("_fused")
         )
         for module in model.modules():
             if isinstance(module, syncbn_lightning.SyncBatchNorm):
@@ -163,7 +179,9 @@ def _graph_ms(step: Callable[[], None], device: torch.device, steps: int, warmup
     return median_replay_ms(graph, steps, warmup=warmup)
 
 
-def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> dict[str, float]:
+def _build_step(
+    args: argparse.Namespace, config: str, batch: int, impl: str
+) -> Callable[[], None]:
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = _with_impl(_model(args.model), impl, args.model).to(device).train()
@@ -172,13 +190,50 @@ def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> di
     if config == "bf16-cl":
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
-    step = _train_step(model, x, y, config)
+    return _train_step(model, x, y, config)
+
+
+def _measure(args: argparse.Namespace, config: str, batch: int, impl: str) -> dict[str, float]:
+    device = torch.device(args.device)
     out = {}
-    for mode in args.modes:
-        if mode == "eager":
-            out[mode] = _eager_ms(step, device, args.steps, args.warmup)
-        elif device.type == "cuda":
-            out[mode] = _graph_ms(step, device, args.steps, args.warmup)
+    with impl_env(impl):
+        step = _build_step(args, config, batch, impl)
+        for mode in args.modes:
+            if mode == "eager":
+                out[mode] = _eager_ms(step, device, args.steps, args.warmup)
+            elif device.type == "cuda":
+                out[mode] = _graph_ms(step, device, args.steps, args.warmup)
+    return out
+
+
+def _measure_interleaved(
+    args: argparse.Namespace, config: str, batch: int
+) -> dict[str, dict[str, float]]:
+    """Eager ms of every implementation as the median of ``args.rounds`` interleaved rounds'
+    medians (the models built once), with the rounds' spread; graph mode as :func:`_measure`."""
+    device = torch.device(args.device)
+    steps = {}
+    for impl in args.impls:
+        with impl_env(impl):
+            steps[impl] = _build_step(args, config, batch, impl)
+            for _ in range(args.warmup):
+                steps[impl]()
+    rounds: dict[str, list[float]] = {impl: [] for impl in args.impls}
+    for _ in range(args.rounds):
+        for impl in args.impls:
+            with impl_env(impl):
+                rounds[impl].append(_eager_ms(steps[impl], device, args.steps, 1))
+    del steps
+    out = {}
+    for impl in args.impls:
+        medians = rounds[impl]
+        out[impl] = {
+            "eager": statistics.median(medians),
+            "eager_spread": (max(medians) - min(medians)) / statistics.median(medians),
+        }
+        if "graph" in args.modes and device.type == "cuda":
+            out[impl].update(_measure(argparse.Namespace(**{**vars(args), "modes": ["graph"]}),
+                                      config, batch, impl))
     return out
 
 
@@ -200,17 +255,37 @@ def _report(args: argparse.Namespace, results: Results) -> None:
     device = torch.device(args.device)
     print(f"device: {_device_line(device)}")
     print(f"command: python benchmarks/bench_model.py {' '.join(sys.argv[1:])}")
-    print(f"model: {args.model}, {args.size}x{args.size} input, median of {args.steps} steps\n")
-    print("| config | batch | BN | eager ms | graph ms | eager / plain | graph / plain |")
-    print("|---|---|---|---|---|---|---|")
+    rounds = (
+        f", eager: median of {args.rounds} interleaved rounds (spread: (max - min) / median)"
+        if args.rounds > 1
+        else ""
+    )
+    print(
+        f"model: {args.model}, {args.size}x{args.size} input, median of {args.steps} steps"
+        f"{rounds}\n"
+    )
+    print("| config | batch | BN | eager ms | graph ms | eager / plain | graph / plain | spread |")
+    print("|---|---|---|---|---|---|---|---|")
     goals = []
     for (config, batch, impl), times in results.items():
         plain = results.get((config, batch, "plain"), {})
         print(
             f"| {config} | {batch} | {impl} | {_ms(times.get('eager'))} | "
             f"{_ms(times.get('graph'))} | {ratio_text(times.get('eager'), plain.get('eager'))} | "
-            f"{ratio_text(times.get('graph'), plain.get('graph'))} |"
+            f"{ratio_text(times.get('graph'), plain.get('graph'))} | "
+            f"{_spread(times.get('eager_spread'))} |"
         )
+        if impl == "ours_native" and "eager" in plain:
+            ratio = times["eager"] / plain["eager"]
+            verdict = "PASS" if ratio <= 1.3 else "FAIL"
+            goals.append(f"{verdict} {config} b{batch}: eager ours_native/plain {ratio:.2f} (<= 1.3)")
+        torch_eager = results.get((config, batch, "torch_sync"), {}).get("eager")
+        if impl == "ours_native" and torch_eager is not None:
+            ratio = torch_eager / times["eager"]
+            verdict = "PASS" if ratio >= 2.0 else "FAIL"
+            goals.append(
+                f"{verdict} {config} b{batch}: eager torch_sync/ours_native {ratio:.2f} (>= 2.0)"
+            )
         if impl == "ours" and "graph" in times and "graph" in plain:
             ratio = times["graph"] / plain["graph"]
             verdict = "PASS" if ratio <= 1.05 else "FAIL"
@@ -230,6 +305,10 @@ def _report(args: argparse.Namespace, results: Results) -> None:
         print("\n" + "\n".join(goals))
 
 
+def _spread(value: float | None) -> str:
+    return f"{value:.0%}" if value is not None else "-"
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -243,18 +322,24 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--modes", type=csv_list, help=f"default: all of {MODES} the device has")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="eager: interleaved rounds (models built once)"
+    )
     args = parser.parse_args(argv)
     cuda = not args.device.startswith("cpu")
-    args.impls = args.impls or [i for i in IMPLS if cuda or i != "torch_sync"]
+    args.impls = args.impls or [i for i in IMPLS if cuda or i not in CUDA_ONLY]
     args.modes = args.modes or [m for m in MODES if cuda or m != "graph"]
     for name, allowed in (("configs", CONFIGS), ("impls", IMPLS), ("modes", MODES)):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
             parser.error(f"--{name}: {bad} not in {list(allowed)}")
     if not cuda:
-        for name, cuda_only in (("impls", "torch_sync"), ("modes", "graph")):
-            if cuda_only in getattr(args, name):
-                parser.error(f"--{name} {cuda_only} needs --device cuda")
+        for name, cuda_only in (("impls", CUDA_ONLY), ("modes", ("graph",))):
+            for value in cuda_only:
+                if value in getattr(args, name):
+                    parser.error(f"--{name} {value} needs --device cuda")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.model not in ("resnet50", "tiny") and not args.model.startswith("timm:"):
         parser.error(f"--model: {args.model!r} is not resnet50, tiny or timm:NAME")
     args.batch = [int(b) for b in args.batch]
@@ -268,6 +353,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     with one_rank_group(device), env_var(IMPL_ENV, "ext"):
         for config in args.configs:
             for batch in args.batch:
+                if args.rounds > 1 and "eager" in args.modes:
+                    for impl, times in _measure_interleaved(args, config, batch).items():
+                        results[(config, batch, impl)] = times
+                    continue
                 for impl in args.impls:
                     results[(config, batch, impl)] = _measure(args, config, batch, impl)
     _report(args, results)

@@ -12,8 +12,15 @@
 # syncs with their Python stacks, traces and tables in $OUT/profile.tgz), sanitize (compute-
 # sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py, test_cuda_fused.py and
 # test_cuda_residual.py, the
-# two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"). No step: only the
-# build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
+# two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"), native (CUDA layers
+# on the C++ path, SYNCBN_NATIVE_CUDA=1, in at most 8 minutes on one H100: its tests
+# (test_cuda_native.py: bitwise the Python path, 0 host syncs per step, graph replay bitwise
+# eager, a skipped layer found before the step's last call, one compiled graph) and the layer's
+# GPU test files again on that path (GPU_NATIVE_FILES, default test_cuda.py and
+# test_cuda_residual.py); profile_eager.py with ours_native, goal <= 120 host µs per layer over
+# plain; bench_model.py ResNet-50 eager, medians of 5 interleaved rounds at bf16-cl b32 and fp32
+# b64, goals ours_native <= 1.3x plain and torch_sync >= 2x ours_native. The last line says
+# whether CUDA layers may take the C++ path by default). No step: only the build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
@@ -78,8 +85,37 @@ for step in "$@"; do
       grep -E "SUMMARY|passed|failed" "$OUT/sanitizer_$tool.txt" | tail -2
     done
     ;;
+  native)
+    export SYNCBN_NATIVE_CUDA=1
+    # The budget (8 min on an H100, the build's ~35 s included): 160 s of tests, 100 s of
+    # profile, 2 x 90 s of whole-network timings.
+    read -r -a files <<<"${GPU_NATIVE_FILES:-tests/test_cuda.py tests/test_cuda_residual.py}"
+    timeout 160 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_native.py \
+      "${files[@]}" >"$OUT/native_tests.txt" 2>&1 || failed+=("native tests")
+    tail -4 "$OUT/native_tests.txt"
+    timeout 100 python benchmarks/profile_eager.py --impls plain,ours,ours_native,torch_sync \
+      --out "$OUT/native_profile" >"$OUT/native_profile.md" 2>&1 || failed+=("native profile")
+    tar -czf "$OUT/native_profile.tgz" -C "$OUT" native_profile && rm -rf "$OUT/native_profile"
+    grep -v "^USDT\|profiler_st" "$OUT/native_profile.md" | tail -22
+    grep -q "^PASS ours_native" "$OUT/native_profile.md" || failed+=("native host goal")
+    for cfg in "bf16-cl 32" "fp32-nchw 64"; do
+      read -r config batch <<<"$cfg"
+      timeout 90 python benchmarks/bench_model.py --configs "$config" --batch "$batch" \
+        --modes eager --rounds 5 --steps 10 --warmup 3 \
+        --impls plain,ours,ours_native,ours_native_fused,torch_sync \
+        >"$OUT/native_model_$config.md" 2>&1 || failed+=("native model $config")
+      tail -12 "$OUT/native_model_$config.md"
+      ! grep -q "^FAIL" "$OUT/native_model_$config.md" || failed+=("native goals $config")
+    done
+    unset SYNCBN_NATIVE_CUDA
+    if [[ " ${failed[*]:-} " == *" native"* ]]; then
+      echo "native: NOT passed: CUDA layers keep the Python path by default"
+    else
+      echo "native: PASSED: CUDA layers may take the C++ path by default"
+    fi
+    ;;
   *)
-    echo "unknown step $step (tests, layer, model, profile, sanitize)"
+    echo "unknown step $step (tests, layer, model, profile, sanitize, native)"
     failed+=("$step")
     ;;
   esac

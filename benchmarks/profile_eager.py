@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from _common import OpCounter, csv_list, env_var, one_rank_group
-from bench_model import IMPLS, _device_line, _model, _train_step, _with_impl
+from bench_model import CUDA_ONLY, IMPLS, _device_line, _model, _train_step, _with_impl, impl_env
 from torch import nn
 
 from syncbn_lightning.ops.impl_choice import IMPL_ENV
@@ -156,6 +156,11 @@ def host_us_by_category(prof: Any) -> tuple[dict[str, float], int]:
 
 def measure(args: argparse.Namespace, impl: str, out: Path) -> dict[str, Any]:
     """Everything of the module docstring for one implementation."""
+    with impl_env(impl):
+        return _measure(args, impl, out)
+
+
+def _measure(args: argparse.Namespace, impl: str, out: Path) -> dict[str, Any]:
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = _with_impl(_model(args.model), impl, args.model).to(device).train()
@@ -225,6 +230,11 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             extra = f" ({(value - plain['us'][cat]) / n:+.0f})" if plain and impl != "plain" else ""
             cells.append(f"{value:.0f}{extra}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    native = results.get("ours_native")
+    if plain and native:
+        over = (native["wall_ms"] - plain["wall_ms"]) * 1e3 / max(native["layers"], 1)
+        verdict = "PASS" if over <= 120 else "FAIL"
+        lines.append(f"\n{verdict} ours_native: host µs per layer over plain {over:.0f} (<= 120)")
     if plain:
         lines.append("\nDispatcher ops per step beyond plain's (name: count):\n")
         for impl, r in results.items():
@@ -250,10 +260,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for traces and tables")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    args.impls = args.impls or [i for i in IMPLS if cuda or i != "torch_sync"]
-    bad = [i for i in args.impls if i not in IMPLS or (i == "torch_sync" and not cuda)]
+    args.impls = args.impls or [i for i in IMPLS if cuda or i not in CUDA_ONLY]
+    bad = [i for i in args.impls if i not in IMPLS or (i in CUDA_ONLY and not cuda)]
     if bad:
-        parser.error(f"--impls: {bad} not in {list(IMPLS)} (torch_sync needs --device cuda)")
+        parser.error(f"--impls: {bad} not in {list(IMPLS)} ({CUDA_ONLY} need --device cuda)")
     return args
 
 

@@ -10,6 +10,7 @@
 #include "flight.h"
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <chrono>
 #include <cstring>
@@ -115,3 +116,26 @@ void record(
 
 }  // namespace syncbn::flight
 
+// The flight recorder's operators (flight.h): Python attaches its ring, and, once attached,
+// records through the same state (distributed/flight.py). One kernel for every key.
+TORCH_LIBRARY_FRAGMENT(syncbn, m) {
+  m.def(
+      "flight_attach(Tensor buffer, int capacity, int written, str[] groups, int[] seqs, "
+      "int[] tags, int[] calls) -> ()",
+      [](const at::Tensor& buffer, int64_t capacity, int64_t written,
+         const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,
+         const std::vector<int64_t>& tags, const std::vector<int64_t>& calls) {
+        syncbn::flight::attach(buffer, capacity, written, groups, seqs, tags, calls);
+      });
+  m.def("flight_detach() -> ()", &syncbn::flight::detach);
+  m.def(
+      "flight_record(str group, int op, int direction, int nbytes, int layer_tag, int call) -> ()",
+      [](const std::string& group, int64_t op, int64_t direction, int64_t nbytes,
+         int64_t layer_tag, int64_t call) {
+        syncbn::flight::record(
+            group, static_cast<syncbn::flight::Op>(op),
+            static_cast<syncbn::flight::Direction>(direction), nbytes, layer_tag, call);
+      });
+  m.def("flight_next_call(int layer_tag) -> int", &syncbn::flight::next_call);
+  m.def("flight_current_call(int layer_tag) -> int", &syncbn::flight::current_call);
+}

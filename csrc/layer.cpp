@@ -6,8 +6,11 @@
 //   backward  grad_sums[_residual] -> sum over the group -> grad_input
 //
 // The same steps, kernels and collectives as the Python Function (functional/function.py), called
-// from C++: no Python frame per layer call in either direction. CPU tensors only for now (CUDA
-// layers keep the Python path until the GPU tests and profile pass on this one).
+// from C++: no Python frame per layer call in either direction. One orchestration for every
+// device: only the step kernels (StepKernels, the _cpu or _cuda twins) differ, and where the
+// call-order flags are read: CPU kernels raise a mismatch at once, CUDA calls hand their flags
+// to the queue that reads them later (queue_order_flag). Which layers take this path on CUDA is
+// the Python plan's choice (nn/sync_plan.py: opt-in until benchmarks/gpu_check.sh native passes).
 #include "layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,6 +39,23 @@ int64_t forward_call(const Settings& s) {
   return flight::next_call(s.layer_tag);
 }
 
+constexpr StepKernels kCpuSteps{
+    &stats_row_cpu,      &merge_normalize_cpu,    &reduce_sums_cpu,
+    &reduce_merge_normalize_cpu, &grad_sums_cpu, &grad_sums_residual_cpu,
+    &grad_input_cpu};
+#ifdef WITH_CUDA
+constexpr StepKernels kCudaSteps{
+    &stats_row_cuda,      &merge_normalize_cuda,    &reduce_sums_cuda,
+    &reduce_merge_normalize_cuda, &grad_sums_cuda, &grad_sums_residual_cuda,
+    &grad_input_cuda};
+#endif
+
+// The input, when a call on it must check the group's count on the host (fewer than two values
+// per channel here: the group may hold only one), else undefined.
+at::Tensor tiny(const at::Tensor& input) {
+  return input.numel() < 2 * input.size(1) ? input : at::Tensor();
+}
+
 MergeArgs merge_args(
     const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const State& st,
     const OptTensor& residual, const Settings& s) {
@@ -45,38 +65,44 @@ MergeArgs merge_args(
 }
 
 Forward forward_steps(
-    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias, const State& st,
-    const OptTensor& residual, const Settings& s) {
+    const StepKernels& k, const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+    const State& st, const OptTensor& residual, const Settings& s) {
   Forward f;
   f.flight_call = forward_call(s);
   const Note note{flight::kForward, s.layer_tag, f.flight_call};
   MergedOutputs merged;
-  if (!s.reduce) {
-    const at::Tensor row = stats_row_cpu(input, s.layer_tag, st.calls);
-    const at::Tensor rows = all_gather(row, s, note);
-    try {
-      merged = merge_normalize_cpu(merge_args(input, weight, bias, st, residual, s), rows);
-    } catch (const c10::Error& error) {
-      if (is_call_order_error(error)) {
-        call_order_failed(Mismatch::kGatheredRows, rows, {}, row.numel(), s, error);
-      }
-      throw;
-    }
-  } else {
-    const at::Tensor sent = reduce_sums_cpu(
-        input, st.running_mean, s.layer_tag, st.calls, s.merge.equal_rank_weights);
-    const at::Tensor total = sum_over_group(sent, s, note, false);
-    try {
-      merged = reduce_merge_normalize_cpu(
+  // What a call-order mismatch is reported from: the gathered rows, or the vector sent and the
+  // summed one (the reduce exchange); `width`: one rank's share.
+  Mismatch kind = Mismatch::kGatheredRows;
+  at::Tensor data, aux;
+  int64_t width = 0;
+  try {
+    if (!s.reduce) {
+      const at::Tensor row = k.stats_row(input, s.layer_tag, st.calls);
+      const at::Tensor rows = all_gather(row, s, note);
+      std::tie(kind, data, width) = std::make_tuple(Mismatch::kGatheredRows, rows, row.numel());
+      merged = k.merge_normalize(merge_args(input, weight, bias, st, residual, s), rows);
+    } else {
+      const at::Tensor sent = k.reduce_sums(
+          input, st.running_mean, s.layer_tag, st.calls, s.merge.equal_rank_weights);
+      const at::Tensor total = sum_over_group(sent, s, note, Summed::kIntoCopy);
+      std::tie(kind, data, aux, width) =
+          std::make_tuple(Mismatch::kReduceSums, sent, total, sent.numel());
+      merged = k.reduce_merge_normalize(
           merge_args(input, weight, bias, st, residual, s), total, sent, s.world_size);
-    } catch (const c10::Error& error) {
-      if (is_call_order_error(error)) {
-        call_order_failed(Mismatch::kReduceSums, sent, {}, sent.numel(), s, error);
-      }
-      throw;
     }
+  } catch (const c10::Error& error) {
+    if (data.defined() && is_call_order_error(error)) {
+      // The immediate check (CPU): every rank of the group fails at this call; the reduce
+      // exchange's report gathers the ranks' own tags from `sent`.
+      call_order_failed(kind, data, at::Tensor(), width, s);
+    }
+    throw;
   }
   std::tie(f.output, f.mean, f.mean_lo, f.invstd, f.var, f.info, f.grad_info) = merged;
+  if (s.queue_order_flags) {
+    queue_order_flag(f.info, 2, kind, data, aux, width, s, tiny(input));
+  }
   return f;
 }
 
@@ -106,21 +132,26 @@ using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using ForwardOutputs = std::tuple<
     at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
 
-Settings settings_of(
+// The settings every call of a layer shares (the group, its size, the layer's tag), with the
+// activation of this call; the forward's own fields are set by forward_settings.
+Settings group_settings(
     const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
-    bool reduce, c10::optional<double> momentum, double eps, bool unbiased,
-    bool equal_rank_weights, int64_t act, double act_param) {
+    int64_t act, double act_param, bool queue_order_flags) {
   TORCH_CHECK(world_size >= 1, "syncbn: sync_batch_norm: `world_size` must be >= 1");
   Settings s;
   if (group.has_value()) s.group = std::string(*group);
   s.world_size = world_size;
   s.layer_tag = layer_tag;
-  s.reduce = reduce;
-  s.merge = {momentum, eps, unbiased, equal_rank_weights, act, act_param};
+  s.queue_order_flags = queue_order_flags;
+  s.merge.act = act;
+  s.merge.act_param = act_param;
   return s;
 }
 
 // The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below).
+// The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below): the
+// layer's tensors, then its settings, which Python passes by name (nn/sync_plan.py builds them
+// once per plan) and forward_settings gathers into one Settings.
 #define SYNCBN_LAYER_ARGS                                                                     \
   const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
       const OptTensor &running_mean, const OptTensor &running_var,                            \
@@ -128,57 +159,75 @@ Settings settings_of(
       const at::Tensor &calls, const OptTensor &residual,                                     \
       const c10::optional<c10::string_view>&group, int64_t world_size, int64_t layer_tag,     \
       bool reduce, c10::optional<double> momentum, double eps, bool unbiased,                 \
-      bool equal_rank_weights, int64_t act, double act_param, int64_t num_features
+      bool equal_rank_weights, bool queue_order_flags, int64_t act, double act_param,         \
+      int64_t num_features
 #define SYNCBN_LAYER_PASS                                                                   \
   input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite, calls,    \
       residual, group, world_size, layer_tag, reduce, momentum, eps, unbiased,              \
-      equal_rank_weights, act, act_param, num_features
+      equal_rank_weights, queue_order_flags, act, act_param, num_features
 
-// `syncbn::sync_batch_norm_forward` on CPU tensors: the forward's steps (no autograd).
-ForwardOutputs forward_cpu(SYNCBN_LAYER_ARGS) {
+Settings forward_settings(SYNCBN_LAYER_ARGS) {
+  Settings s = group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
+  s.reduce = reduce;
+  s.merge.momentum = momentum;
+  s.merge.eps = eps;
+  s.merge.unbiased = unbiased;
+  s.merge.equal_rank_weights = equal_rank_weights;
+  return s;
+}
+
+// `syncbn::sync_batch_norm_forward` on one device's tensors: the forward's steps (no autograd).
+template <const StepKernels& K>
+ForwardOutputs forward_kernel(SYNCBN_LAYER_ARGS) {
   check_layer_input(input, num_features, weight, running_mean);
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
-  const Settings s = settings_of(
-      group, world_size, layer_tag, reduce, momentum, eps, unbiased, equal_rank_weights, act,
-      act_param);
-  Forward f = forward_steps(input, weight, bias, state, residual, s);
+  const Settings s = forward_settings(SYNCBN_LAYER_PASS);
+  Forward f = forward_steps(K, input, weight, bias, state, residual, s);
   return {f.output, f.mean, f.var, f.info, f.mean_lo, f.invstd, f.grad_info, f.flight_call};
 }
 
-// `syncbn::sync_batch_norm_backward` on CPU tensors: the local sums, their collective (only when
-// the input needs a gradient) and the input gradient; (grad_input, grad_weight, grad_bias,
-// grad_residual), undefined where not computed (no weight, no residual, no input gradient).
-Outputs backward_cpu(
+// `syncbn::sync_batch_norm_backward` on one device's tensors: the local sums, their collective
+// (only when the input needs a gradient) and the input gradient; (grad_input, grad_weight,
+// grad_bias, grad_residual), undefined where not computed (no weight, no residual, no input
+// gradient).
+template <const StepKernels& K>
+Outputs backward_kernel(
     const at::Tensor& dy, const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
     const OptTensor& residual_, const at::Tensor& mean, const at::Tensor& mean_lo,
     const at::Tensor& invstd, const at::Tensor& grad_info,
     const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
-    int64_t act, double act_param, int64_t flight_call, bool input_grad) {
-  const Settings s = settings_of(
-      group, world_size, layer_tag, false, c10::nullopt, 1e-5, true, false, act, act_param);
+    bool queue_order_flags, int64_t act, double act_param, int64_t flight_call,
+    bool input_grad) {
+  const Settings s =
+      group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
   const at::Tensor residual = residual_.value_or(at::Tensor());
   at::Tensor sums, grad_weight, grad_bias, grad;  // grad: dy * act'(z + residual)
   GradArgs args{dy, input, mean, invstd, weight, bias, act, act_param, mean_lo, grad_info};
   if (residual.defined()) {
-    std::tie(sums, grad_weight, grad_bias, grad) = grad_sums_residual_cpu(args, residual);
+    std::tie(sums, grad_weight, grad_bias, grad) = K.grad_sums_residual(args, residual);
   } else {
-    std::tie(sums, grad_weight, grad_bias) = grad_sums_cpu(args);
+    std::tie(sums, grad_weight, grad_bias) = K.grad_sums(args);
   }
   at::Tensor grad_input;
   if (input_grad) {
     const Note note{flight::kBackward, layer_tag, flight_call};
-    const at::Tensor summed = sum_over_group(sums, s, note, true);
+    const at::Tensor summed = sum_over_group(sums, s, note, Summed::kInPlace);
+    at::Tensor order_ok;
     try {
       if (residual.defined()) {  // g for dy, its activation already applied
         args.grad_out = grad;
         args.act = 0;
       }
-      grad_input = std::get<0>(grad_input_cpu(args, summed, world_size));
+      std::tie(grad_input, order_ok) = K.grad_input(args, summed, world_size);
     } catch (const c10::Error& error) {
       if (is_call_order_error(error)) {
-        call_order_failed(Mismatch::kBackwardSums, summed, grad_info, sums.numel(), s, error);
+        call_order_failed(Mismatch::kBackwardSums, summed, grad_info, sums.numel(), s);
       }
       throw;
+    }
+    if (s.queue_order_flags) {
+      queue_order_flag(
+          order_ok, 0, Mismatch::kBackwardSums, summed, grad_info, sums.numel(), s, {});
     }
   }
   const bool affine = weight.has_value() && weight->defined();
@@ -202,7 +251,7 @@ const auto& backward_op() {
               const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
               const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const c10::optional<c10::string_view>&, int64_t, int64_t,
-              int64_t, double, int64_t, bool)>();
+              bool, int64_t, double, int64_t, bool)>();
   return op;
 }
 
@@ -247,8 +296,8 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
         s.group ? c10::optional<c10::string_view>(*s.group) : c10::nullopt;
     auto [grad_input, grad_weight, grad_bias, grad_residual] = backward_op().call(
         dy, saved[0], weight, bias, residual, saved[4], saved[5], saved[6], saved[7], group,
-        s.world_size, s.layer_tag, s.merge.act, s.merge.act_param, call->flight_call,
-        ctx->needs_input_grad(0));
+        s.world_size, s.layer_tag, s.queue_order_flags, s.merge.act, s.merge.act_param,
+        call->flight_call, ctx->needs_input_grad(0));
     // needs_input_grad counts the tensors given (undefined optionals have no edge).
     const size_t weight_edge = 1, bias_edge = weight_edge + (weight ? 1 : 0);
     grads[0] = grad_input;
@@ -268,9 +317,7 @@ Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   check_layer_input(input, num_features, weight, running_mean);
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   SavedCall call;
-  call.settings = settings_of(
-      group, world_size, layer_tag, reduce, momentum, eps, unbiased, equal_rank_weights, act,
-      act_param);
+  call.settings = forward_settings(SYNCBN_LAYER_PASS);
   const std::function<ForwardOutputs()> run = [&] {
     return forward_op().call(SYNCBN_LAYER_PASS);
   };
@@ -293,7 +340,7 @@ Outputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
   "Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, "         \
   "Tensor(e!) calls, Tensor? residual, str? group, int world_size, int layer_tag, "           \
   "bool reduce, float? momentum, float eps, bool unbiased, bool equal_rank_weights, "         \
-  "int act, float act_param, int num_features"
+  "bool queue_order_flags, int act, float act_param, int num_features"
 
 TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   // The layer call: (output, mean, var, info) as the Python Function returns them. `group` is
@@ -307,8 +354,8 @@ TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   m.def(
       "sync_batch_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor? bias, "
       "Tensor? residual, Tensor mean, Tensor mean_lo, Tensor invstd, Tensor grad_info, "
-      "str? group, int world_size, int layer_tag, int act, float act_param, int flight_call, "
-      "bool input_grad) -> (Tensor, Tensor, Tensor, Tensor)");
+      "str? group, int world_size, int layer_tag, bool queue_order_flags, int act, "
+      "float act_param, int flight_call, bool input_grad) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(syncbn, Autograd, m) {
@@ -323,37 +370,17 @@ TORCH_LIBRARY_IMPL(syncbn, ADInplaceOrView, m) {
 }
 
 TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
-  m.impl("sync_batch_norm", &syncbn::layer::sync_batch_norm_below_autograd);
-  m.impl("sync_batch_norm_forward", &syncbn::layer::forward_cpu);
-  m.impl("sync_batch_norm_backward", &syncbn::layer::backward_cpu);
+  using namespace syncbn::layer;
+  m.impl("sync_batch_norm", &sync_batch_norm_below_autograd);
+  m.impl("sync_batch_norm_forward", &forward_kernel<kCpuSteps>);
+  m.impl("sync_batch_norm_backward", &backward_kernel<kCpuSteps>);
 }
 
-// The flight recorder's operators (flight.h): Python attaches its ring, and, once attached,
-// records through the same state (distributed/flight.py). One kernel for every key.
-TORCH_LIBRARY_FRAGMENT(syncbn, m) {
-  m.def(
-      "flight_attach(Tensor buffer, int capacity, int written, str[] groups, int[] seqs, "
-      "int[] tags, int[] calls) -> ()",
-      [](const at::Tensor& buffer, int64_t capacity, int64_t written,
-         const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,
-         const std::vector<int64_t>& tags, const std::vector<int64_t>& calls) {
-        syncbn::flight::attach(buffer, capacity, written, groups, seqs, tags, calls);
-      });
-  m.def("flight_detach() -> ()", &syncbn::flight::detach);
-  m.def(
-      "flight_record(str group, int op, int direction, int nbytes, int layer_tag, int call) -> ()",
-      [](const std::string& group, int64_t op, int64_t direction, int64_t nbytes,
-         int64_t layer_tag, int64_t call) {
-        syncbn::flight::record(
-            group, static_cast<syncbn::flight::Op>(op),
-            static_cast<syncbn::flight::Direction>(direction), nbytes, layer_tag, call);
-      });
-  m.def("flight_next_call(int layer_tag) -> int", &syncbn::flight::next_call);
-  m.def("flight_current_call(int layer_tag) -> int", &syncbn::flight::current_call);
-  // The kernels of these three are Python's (functional/native.py): the C++ path's error paths.
-  m.def(
-      "call_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
-      "int world_size, int layer_tag) -> ()");
-  m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
-  m.def("flight_open(Tensor like) -> ()");
+#ifdef WITH_CUDA
+TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
+  using namespace syncbn::layer;
+  m.impl("sync_batch_norm", &sync_batch_norm_below_autograd);
+  m.impl("sync_batch_norm_forward", &forward_kernel<kCudaSteps>);
+  m.impl("sync_batch_norm_backward", &backward_kernel<kCudaSteps>);
 }
+#endif

@@ -24,7 +24,23 @@ struct Settings {
   int64_t world_size = 1;            // ranks in the group
   int64_t layer_tag = 0;             // the call-order tag
   bool reduce = false;               // the reduce exchange (else gather)
+  // Leave the call-order flags for later (queue_order_flag): on devices where reading them
+  // would cost a host sync per call (CUDA); on CPU only for tests of that path (the CPU kernels
+  // still raise a mismatch at once).
+  bool queue_order_flags = false;
   MergeSettings merge;               // momentum, eps, the variance's, the fused activation
+};
+
+// The fused steps of one device (syncbn.h's _cpu or _cuda twins): the orchestration in
+// layer.cpp is the same for every device, only these differ.
+struct StepKernels {
+  StatsRowFn* stats_row;
+  MergeNormalizeFn* merge_normalize;
+  ReduceSumsFn* reduce_sums;
+  ReduceMergeNormalizeFn* reduce_merge_normalize;
+  GradSumsFn* grad_sums;
+  GradSumsResidualFn* grad_sums_residual;
+  GradInputFn* grad_input;
 };
 
 // The layer's tensors a call updates in place (all on the input's device).
@@ -40,13 +56,17 @@ struct Note {
   int64_t call;
 };
 
+// Whether a collective's result is written into the tensor sent (the backward's sums, which
+// nothing reads after) or into a new one (the reduce exchange's vector, which the merge compares).
+enum class Summed : bool { kIntoCopy = false, kInPlace = true };
+
 // Every rank's 1-D `tensor` concatenated in rank order (`tensor` itself without a group).
 at::Tensor all_gather(const at::Tensor& tensor, const Settings& settings, const Note& note);
 // The backward's (and the reduce exchange's) sums of every rank: all-gathered in CPU groups of up
 // to kGatherSumMaxRanks ranks (rows summed in rank order by the caller), else all-reduced (into
 // `tensor` itself when `in_place`).
 at::Tensor sum_over_group(
-    const at::Tensor& tensor, const Settings& settings, const Note& note, bool in_place);
+    const at::Tensor& tensor, const Settings& settings, const Note& note, Summed where);
 constexpr int64_t kGatherSumMaxRanks = 8;  // GATHER_SUM_MAX_RANKS in Python
 
 // The layer's input checks (nn/checks.py's check_input, the same messages and exception types):
@@ -61,11 +81,22 @@ enum class Mismatch : int64_t { kGatheredRows = 0, kReduceSums = 1, kBackwardSum
 // running means, which names its own fix).
 bool is_call_order_error(const c10::Error& error);
 // Raises the CallOrderError naming every rank's layer, through Python (an error path every rank
-// of the group takes at the same call; it may gather the ranks' tags); rethrows `original` if
-// that does not raise.
+// of the group takes at the same call; it may gather the ranks' tags). Called in the handler of
+// the kernel's error, which it rethrows as it was (its own type kept) if Python does not raise.
 [[noreturn]] void call_order_failed(
     Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
-    const Settings& settings, const c10::Error& original);
+    const Settings& settings);
+// Hands a call's call-order flag `flags[index]` (nonzero: in order) to the queue that reads it
+// once the device has written it (Python's distributed/call_order.py, the one queue of both
+// paths: pinned copy behind an event, polled at later calls without a host sync, nothing queued
+// while a CUDA graph is captured, a mismatch published to the group), after polling the flags
+// queued before. `data`, `aux` and `width` are what the report of a mismatch reads (as for
+// call_order_failed, without a collective). `tiny_input`: the input, when it has fewer than two
+// values per channel (the group's count is then checked on the host, as the Python path does).
+void queue_order_flag(
+    const at::Tensor& flags, int64_t index, Mismatch kind, const at::Tensor& data,
+    const at::Tensor& aux, int64_t width, const Settings& settings,
+    const at::Tensor& tiny_input);
 // Makes sure the flight recorder's ring is attached (Python makes it on the first call of a job).
 void ensure_flight_ring();
 

@@ -6,9 +6,11 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/library.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <exception>
 #include <vector>
 
 namespace syncbn::layer {
@@ -70,13 +72,13 @@ at::Tensor all_gather(const at::Tensor& tensor, const Settings& s, const Note& n
 #pragma GCC diagnostic pop
 
 at::Tensor sum_over_group(
-    const at::Tensor& tensor, const Settings& s, const Note& note, bool in_place) {
+    const at::Tensor& tensor, const Settings& s, const Note& note, Summed where) {
   if (!s.group.has_value()) return tensor;
   if (tensor.is_cpu() && s.world_size <= kGatherSumMaxRanks) {
     return all_gather(tensor, s, note);
   }
   auto group = process_group(*s.group);
-  std::vector<at::Tensor> summed{in_place ? tensor : tensor.clone()};
+  std::vector<at::Tensor> summed{where == Summed::kInPlace ? tensor : tensor.clone()};
   record(tensor, s, note, false);
   try {
     group->allreduce(summed)->wait();
@@ -95,12 +97,24 @@ bool is_call_order_error(const c10::Error& error) {
 
 void call_order_failed(
     Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
-    const Settings& s, const c10::Error& original) {
+    const Settings& s) {
   call_python(
       "syncbn::call_order_failed",
       {static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
        s.group.has_value() ? c10::IValue(*s.group) : c10::IValue(), s.world_size, s.layer_tag});
-  throw original;  // the Python report always raises; if it did not, the kernel's error stands
+  // The Python report always raises; if it did not, the kernel's error stands, as thrown (a
+  // `throw original;` would slice a derived error to its c10::Error base).
+  std::rethrow_exception(std::current_exception());
+}
+
+void queue_order_flag(
+    const at::Tensor& flags, int64_t index, Mismatch kind, const at::Tensor& data,
+    const at::Tensor& aux, int64_t width, const Settings& s, const at::Tensor& tiny_input) {
+  call_python(
+      "syncbn::order_flag_queued",
+      {flags, index, static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
+       s.group.has_value() ? c10::IValue(*s.group) : c10::IValue(), s.world_size, s.layer_tag,
+       tiny_input.defined() ? c10::IValue(tiny_input) : c10::IValue()});
 }
 
 void ensure_flight_ring() {
@@ -110,3 +124,16 @@ void ensure_flight_ring() {
 }
 
 }  // namespace syncbn::layer
+
+// The hand-offs' operators: their kernels are Python's (functional/native.py).
+TORCH_LIBRARY_FRAGMENT(syncbn, m) {
+  m.def(
+      "call_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
+      "int world_size, int layer_tag) -> ()");
+  m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
+  m.def("flight_open(Tensor like) -> ()");
+  m.def(
+      "order_flag_queued(Tensor flags, int index, int kind, Tensor data, Tensor aux, int width, "
+      "str? group, int world_size, int layer_tag, Tensor? tiny_input) -> ()");
+}
+

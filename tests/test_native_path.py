@@ -239,19 +239,32 @@ def test_the_operators_pass_opcheck() -> None:
     weight, bias = torch.rand(4, dtype=torch.float64) + 0.5, torch.randn(4, dtype=torch.float64)
     state = [torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
     counters = [torch.zeros(1, dtype=torch.long) for _ in range(3)]
-    settings = (None, 1, 7, False, 0.1, 1e-5, True, False, 0, 0.0, 4)
-    args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None, *settings)
+    group = {"group": None, "world_size": 1, "layer_tag": 7, "queue_order_flags": False}
+    settings = {
+        **group,
+        "reduce": False,
+        "momentum": 0.1,
+        "eps": 1e-5,
+        "unbiased": True,
+        "equal_rank_weights": False,
+        "act": 0,
+        "act_param": 0.0,
+        "num_features": 4,
+    }
+    args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None)
     for name in ("sync_batch_norm", "sync_batch_norm_forward"):
         torch.library.opcheck(
             getattr(torch.ops.syncbn, name).default,
             args,
+            settings,
             test_utils=("test_schema", "test_faketensor"),
         )
-    out = torch.ops.syncbn.sync_batch_norm_forward.default(*args)
+    out = torch.ops.syncbn.sync_batch_norm_forward.default(*args, **settings)
     backward = (torch.randn_like(x), x, weight, bias, None, out[1], out[4], out[5], out[6])
     torch.library.opcheck(
         torch.ops.syncbn.sync_batch_norm_backward.default,
-        (*backward, None, 1, 7, 0, 0.0, -1, True),
+        backward,
+        {**group, "act": 0, "act_param": 0.0, "flight_call": -1, "input_grad": True},
         test_utils=("test_schema", "test_faketensor"),
     )
 

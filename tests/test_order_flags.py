@@ -196,10 +196,16 @@ def _eager_unused_head(rank: int, world: int) -> str:
 
 @pytest.mark.distributed
 def test_a_backward_mismatch_is_found_within_the_backward_on_every_rank() -> None:
+    """Each rank raises its own error, or, when the other rank found the mismatch first and
+    published it (a busy machine decides which), the published one, which carries the finder's
+    text."""
     results = run_distributed(_eager_unused_head, 2, timeout=90, pg_timeout_s=60, env=_REFERENCE)
+    published = "Another rank of this rank's SyncBatchNorm sync group found a call-order mismatch"
     for rank, text in enumerate(results):
-        assert text.startswith("The backward passes of SyncBatchNorm layers"), (rank, text)
-    assert "'aux.1'" in results[0] and "'body.1'" in results[1], results
+        own = text.startswith("The backward passes of SyncBatchNorm layers")
+        told = text.startswith(published) and "The backward passes of SyncBatchNorm" in text
+        assert own or told, (rank, text)
+        assert "'aux.1'" in text and "'body.1'" in text, (rank, text)
 
 
 def _compiled_unused_head(rank: int, world: int, errors: str) -> str:

@@ -7,8 +7,9 @@ forward is one call from Python, and its backward is an autograd node in C++, so
 runs no Python at all. Which layer calls take it is the layer's plan's choice
 (:mod:`syncbn_lightning.nn.sync_plan`): eager CPU tensors with the extension's kernels.
 
-Python runs during such a call only when it fails, through three operators whose schemas the
-extension declares and whose kernels are registered here (:func:`register_python_kernels`):
+Python runs during such a call only when it fails, when it leaves a call-order flag for later
+(CUDA), or at a job's first collective, through four operators whose schemas the extension
+declares and whose kernels are registered here (:func:`register_python_kernels`):
 
 * ``syncbn::call_order_failed``: the ranks' call-order tags disagree; raises
   :class:`~syncbn_lightning.CallOrderError` naming each rank's layer, as the Python path does
@@ -16,7 +17,12 @@ extension declares and whose kernels are registered here (:func:`register_python
   takes at the same call);
 * ``syncbn::collective_failed``: a collective raised; logs what the flight recorder knows, then
   the C++ code rethrows the collective's own error;
-* ``syncbn::flight_open``: the first collective of a job makes this process's flight recorder.
+* ``syncbn::flight_open``: the first collective of a job makes this process's flight recorder;
+* ``syncbn::order_flag_queued``: a call on a device whose flags would cost a host sync to read
+  (CUDA) hands its flag to the one queue of both paths
+  (:func:`~syncbn_lightning.distributed.call_order.queue_order_check`), after polling the flags
+  queued before: a pinned copy behind an event, read at later calls without a host sync, nothing
+  queued while a CUDA graph is captured, a mismatch published to the group's other ranks.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from typing import Any
 import torch
 
 from ..distributed import flight
-from ..distributed.call_order import raise_if_out_of_order
+from ..distributed.call_order import poll_order_checks, queue_order_check, raise_if_out_of_order
 from ..distributed.collectives import all_gather, report_collective_failure
+from ..ops.reference import check_group_count
 from ..ops.reference_steps import own_tags
 from .exchange import SyncCall, raise_backward_order
-from .gather import row_tags
+from .gather import _report_order, row_tags
 from .options import SyncOptions
+from .reduce import _report_mismatch
 from .registry import get_exchange
 
 __all__ = ["KINDS", "native_op", "register_python_kernels"]
@@ -67,6 +75,61 @@ def _call_order_failed(
         raise_backward_order(data, width, aux, call, gather=True)
 
 
+def _queued_order_failed(
+    kind: int,
+    data: torch.Tensor,
+    aux: torch.Tensor,
+    width: int,
+    group: str | None,
+    world_size: int,
+    layer_tag: int,
+) -> None:
+    """Raise the CallOrderError of a queued flag that read 0 (``KINDS[kind]``): from what this
+    rank holds, never through a collective (the other ranks are elsewhere by now)."""
+    if KINDS[kind] == "gathered_rows":
+        _report_order(data, (width - 4) // 3, group)
+    elif KINDS[kind] == "reduce_sums":
+        _report_mismatch(data, aux, world_size, group)
+    else:
+        call = SyncCall(group, world_size, layer_tag, get_exchange("gather"), SyncOptions(), True)
+        raise_backward_order(data, width, aux, call, gather=False)
+
+
+def _order_flag_queued(
+    flags: torch.Tensor,
+    index: int,
+    kind: int,
+    data: torch.Tensor,
+    aux: torch.Tensor,
+    width: int,
+    group: str | None,
+    world_size: int,
+    layer_tag: int,
+    tiny_input: torch.Tensor | None,
+) -> None:
+    """Poll the flags queued before (raising on a mismatch), then queue ``flags[index]`` with
+    what its report needs; with ``tiny_input``, check the group's count on the host (as the
+    Python path does: fewer than two values per channel on this rank), except while capturing."""
+    poll_order_checks()
+    queue_order_check(
+        flags,
+        index,
+        _queued_order_failed,
+        kind,
+        data,
+        aux,
+        width,
+        group,
+        world_size,
+        layer_tag,
+        group=group,
+    )
+    if tiny_input is not None and not (
+        tiny_input.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
+        check_group_count(int(flags[0].item()), tiny_input, world_size)
+
+
 def _collective_failed(sent: torch.Tensor, op: str, reason: str) -> None:
     report_collective_failure(op, reason)
 
@@ -76,7 +139,7 @@ def _flight_open(like: torch.Tensor) -> None:
 
 
 def register_python_kernels() -> None:
-    """Register the kernels of the three error-path operators (idempotent; the extension must be
+    """Register the kernels of the four hand-off operators (idempotent; the extension must be
     loaded)."""
     global _registered
     if _registered:
@@ -89,6 +152,7 @@ def register_python_kernels() -> None:
             ("call_order_failed", _call_order_failed),
             ("collective_failed", _collective_failed),
             ("flight_open", _flight_open),
+            ("order_flag_queued", _order_flag_queued),
         ):
             library.impl(name, kernel, "CompositeExplicitAutograd")
         _library.append(library)

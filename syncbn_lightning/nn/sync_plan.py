@@ -11,12 +11,17 @@ the next call.
 
 The two paths (``docs/architecture.md``, "Which path a call takes"):
 
-* :func:`forward_native`, the C++ path: the built-in exchanges (gather, reduce) on CPU tensors
-  with the extension's kernels, eager. One operator call, ``syncbn::sync_batch_norm``
-  (:mod:`syncbn_lightning.functional.native`), whose backward is a C++ autograd node.
-* :func:`forward_function`, the Python path: everything else (CUDA tensors, for now; code being
-  compiled; a custom exchange; the pure-PyTorch reference; DataParallel replicas), through the
-  Python :class:`~syncbn_lightning.functional.SyncBatchNormFunction`.
+* :func:`forward_native`, the C++ path: the built-in exchanges (gather, reduce) on CPU tensors,
+  and on CUDA tensors where ``SYNCBN_NATIVE_CUDA=1``, with the extension's kernels, eager. One
+  operator call, ``syncbn::sync_batch_norm`` (:mod:`syncbn_lightning.functional.native`), whose
+  backward is a C++ autograd node.
+* :func:`forward_function`, the Python path: everything else (CUDA tensors by default until
+  ``benchmarks/gpu_check.sh native`` has passed on a GPU; code being compiled; a custom
+  exchange; the pure-PyTorch reference; DataParallel replicas), through the Python
+  :class:`~syncbn_lightning.functional.SyncBatchNormFunction`.
+
+A plan is made for the device type of the input (CPU or not); a layer called on the other makes
+a new one.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from ..functional.function import SyncBatchNormFunction
 from ..functional.native import native_op, register_python_kernels
 from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
 from ..ops.dispatch import IMPL_ENV, uses_extension
-from ..ops.reference import queues_order_flag
+from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
+from ..ops.reference import queues_order_flag, queues_order_flags_on
 from .layer_state import BatchRecord
 
 __all__ = ["SyncPlan", "affine_of", "forward_function", "forward_native", "plan_of"]
@@ -74,63 +80,90 @@ def _world() -> Any:
     return _GROUPS.WORLD if _GROUPS is not None else None
 
 
+def native_cuda() -> bool:
+    """Whether CUDA layers take the C++ path (``SYNCBN_NATIVE_CUDA``, read when a plan is made).
+
+    Raises:
+        ValueError: on a value other than 0 and 1.
+    """
+    return native_cuda_requested(os.environ.get(NATIVE_CUDA_ENV))
+
+
 class SyncPlan:
-    """A layer's decisions for its training calls (see the module docstring).
+    """A layer's decisions for its training calls on one kind of device (see the module
+    docstring).
 
     Attributes:
-        native: whether calls take the C++ path (CPU tensors; the layer checks the device).
+        native: whether calls take the C++ path.
+        cpu: whether the plan is for CPU tensors (else for the layer's device).
         op: the C++ path's operator (``None`` on the Python path).
         world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
             layer forces synchronization).
-        args: the C++ operator's settings, in its order: the group's name, the world size, the
-            call-order tag, the reduce exchange, momentum, eps, unbiased, equal rank weights.
+        settings: the C++ operator's settings by name (its schema's: ``csrc/layer.cpp``), made
+            once: the group's name, its size, the call-order tag, the exchange, momentum, eps,
+            the running variance's, the ranks' weights, whether call-order flags are queued, the
+            channels. A call adds its fused activation (``act``, ``act_param``).
     """
 
     __slots__ = (
-        "args",
+        "cpu",
         "impl",
         "name",
         "native",
         "op",
         "options",
         "process_group",
+        "settings",
         "world",
         "world_size",
     )
 
-    def __init__(self, layer: Any, world: Any, impl: Any) -> None:
+    def __init__(self, layer: Any, world: Any, impl: Any, cpu: bool) -> None:
         options = layer.sync_options
         self.options, self.process_group, self.world = options, layer.process_group, world
-        self.name, self.impl = layer.sync_name, impl
+        self.name, self.impl, self.cpu = layer.sync_name, impl, cpu
         self.world_size = sync_group_size(layer.process_group)
         self.native = False
         self.op: Any = None
-        self.args: tuple[Any, ...] = ()
+        self.settings: dict[str, Any] = {}
         if self.world_size == 1 and not options.force_sync:
             return
+        device = "cpu" if cpu else _device_type(layer)
+        if device != "cpu" and not (device == "cuda" and native_cuda()):
+            return
         group = group_name_of(layer.process_group)
-        exchange = resolve_exchange(options.exchange, self.world_size, group, "cpu")
+        exchange = resolve_exchange(options.exchange, self.world_size, group, device)
         builtin = exchange.name in BUILTIN and exchange is get_exchange(exchange.name)
-        if not (builtin and exchange.uses_kernels and uses_extension("cpu", options.impl)):
+        if not (builtin and exchange.uses_kernels and uses_extension(device, options.impl)):
             return
         register_python_kernels()
         flight.flight_recorder()  # a new job's recorder (the C++ writer follows it)
         self.native, self.op = True, native_op()
-        self.args = (
-            group,
-            self.world_size,
-            layer.layer_tag,
-            exchange.name == "reduce",
-            options.momentum,
-            options.eps,
-            options.unbiased_running_var,
-            options.stats_mode == "default",
-        )
+        self.settings = {
+            "group": group,
+            "world_size": self.world_size,
+            "layer_tag": layer.layer_tag,
+            "reduce": exchange.name == "reduce",
+            "momentum": options.momentum,
+            "eps": options.eps,
+            "unbiased": options.unbiased_running_var,
+            "equal_rank_weights": options.stats_mode == "default",
+            "queue_order_flags": queues_order_flags_on(torch.device(device)),
+            "num_features": layer.num_features,
+        }
 
 
-def plan_of(layer: Any) -> SyncPlan:
-    """``layer``'s plan: the one it keeps while it still holds (see the module docstring), else
-    a new one."""
+def _device_type(layer: Any) -> str:
+    """The device type of ``layer``'s first tensor (``"cpu"`` without tensors)."""
+    first = next(iter(layer.__dict__["_parameters"].values()), None)
+    if first is None:
+        first = next((b for b in layer.__dict__["_buffers"].values() if b is not None), None)
+    return "cpu" if first is None else first.device.type
+
+
+def plan_of(layer: Any, cpu: bool = True) -> SyncPlan:
+    """``layer``'s plan for calls on CPU tensors (``cpu``) or on its device: the one it keeps
+    while it still holds (see the module docstring), else a new one."""
     plan: SyncPlan | None = layer._sync_plan
     world = _world()
     impl = _impl_env() if layer.sync_options.impl is None else None
@@ -141,8 +174,9 @@ def plan_of(layer: Any) -> SyncPlan:
         or plan.world is not world
         or plan.name is not layer.sync_name
         or plan.impl != impl
+        or plan.cpu is not cpu
     ):
-        plan = layer._sync_plan = SyncPlan(layer, world, impl)
+        plan = layer._sync_plan = SyncPlan(layer, world, impl, cpu)
     return plan
 
 
@@ -164,7 +198,9 @@ def forward_native(
         weight, bias = layer.weight, layer.bias
     running_mean = buffers["running_mean"]
     calls, nonfinite = layer._calls, layer._nonfinite
-    if calls is None or nonfinite is None or not (calls.is_cpu and nonfinite.is_cpu):
+    if not plan.cpu:
+        calls, nonfinite = layer._counters(input.device)
+    elif calls is None or nonfinite is None or not (calls.is_cpu and nonfinite.is_cpu):
         calls, nonfinite = layer._counters(_CPU)
     if running_mean is None or not state["track_running_stats"]:
         running = (None, None, None, None)
@@ -172,16 +208,8 @@ def forward_native(
         running = (running_mean, buffers["running_var"], buffers["num_batches_tracked"], nonfinite)
     act, act_param = activation or _NO_ACT
     output, mean, var, info = plan.op(
-        input,
-        weight,
-        bias,
-        *running,
-        calls,
-        residual,
-        *plan.args,
-        act,
-        act_param,
-        state["num_features"],
+        input, weight, bias, *running, calls, residual, act=act, act_param=act_param,
+        **plan.settings
     )
     # Module.__setattr__ costs ~2 us of host time per call; last_batch is a plain attribute.
     state["last_batch"] = BatchRecord(input.shape[0], mean, var, info)

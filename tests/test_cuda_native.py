@@ -1,0 +1,232 @@
+"""CUDA layers on the C++ path (``SYNCBN_NATIVE_CUDA=1``): ``syncbn::sync_batch_norm`` with the
+CUDA step kernels, one orchestration with the CPU's (``csrc/layer.cpp``), on a GPU.
+
+Run by ``benchmarks/gpu_check.sh native`` (with the other GPU test files under
+``SYNCBN_NATIVE_CUDA=1``); skipped without a CUDA device. Each test asserts the path it names
+(the plan's ``native``, the output's C++ autograd node):
+
+* the C++ path equals the Python Function on the same GPU, bitwise, for both exchanges, fp32,
+  fp16, bf16, NCHW and channels_last, a fused residual tail, an empty batch;
+* eager train steps issue no host sync (``set_sync_debug_mode("error")``);
+* a CUDA graph of a whole train step replays bitwise what eager computes;
+* a rank that skips a layer is found before the step's last call, without a sync (2 gloo ranks
+  sharing the GPU);
+* ``torch.compile(fullgraph=True)`` traces a converted model in one graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from _numerics import assert_one_graph_and_compiled_matches_eager
+from torch import nn
+
+from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
+from syncbn_lightning.ops import build as ops_build
+
+pytestmark = pytest.mark.gpu
+_NATIVE = "torch::autograd::CppNode<syncbn::"
+
+
+@pytest.fixture
+def one_rank_nccl(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    assert ops_build.load_extension().with_cuda
+    monkeypatch.setenv("SYNCBN_IMPL", "ext")
+    store = os.path.join(tempfile.mkdtemp(prefix="syncbn_store_"), "store")
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _call(layer: SyncBatchNorm, x: torch.Tensor, r: torch.Tensor | None, dy: torch.Tensor):
+    x = x.clone().requires_grad_()
+    if r is None:
+        y = layer(x)
+        leaves = [x, layer.weight, layer.bias]
+    else:
+        r = r.clone().requires_grad_()
+        y = layer.add_act(x, r, nn.ReLU())
+        leaves = [x, r, layer.weight, layer.bias]
+    node = y.grad_fn.name()
+    grads = torch.autograd.grad(y, leaves, dy)
+    return node, [y.detach(), *grads, layer.running_mean.clone(), layer.running_var.clone()]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("batch", [5, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_the_cpp_path_equals_the_python_path_on_cuda(
+    one_rank_nccl, monkeypatch, exchange, channels_last, dtype, batch, residual
+) -> None:
+    memory = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator(device="cuda").manual_seed(3)
+    shape = (batch, 8, 6, 5)
+    x = (torch.randn(shape, device="cuda", generator=g) * 2 + 1).to(dtype)
+    r = torch.randn(shape, device="cuda", generator=g).to(dtype) if residual else None
+    dy = torch.randn(shape, device="cuda", generator=g).to(dtype)
+    x, dy = x.contiguous(memory_format=memory), dy.contiguous(memory_format=memory)
+    r = None if r is None else r.contiguous(memory_format=memory)
+    results = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("SYNCBN_NATIVE_CUDA", native)
+        torch.manual_seed(0)
+        layer = SyncBatchNorm(8, force_sync=True, exchange=exchange).cuda()
+        node, values = _call(layer, x, r, dy)
+        assert layer._sync_plan.native is (native == "1")
+        assert node.startswith(_NATIVE) is (native == "1"), node
+        results[native] = values
+    for cpp, python in zip(results["1"], results["0"], strict=True):
+        assert torch.equal(cpp, python)
+
+
+def _net() -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x)) + x)
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        Block(), Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+def _converted(fuse: bool, exchange: str = "auto") -> nn.Module:
+    net = _net()
+    named = [type(net[3])] if fuse else False
+    model = convert_sync_batchnorm(net, exchange=exchange, fuse_residual=named).cuda().train()
+    for layer in model.modules():
+        if isinstance(layer, SyncBatchNorm):
+            layer.force_sync = True
+    return model
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_eager_steps_on_the_cpp_path_never_sync_the_host(
+    one_rank_nccl, monkeypatch, exchange, fuse
+) -> None:
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
+    model = _converted(fuse, exchange).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(4, 3, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (4,), device="cuda")
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+        optimizer.step()
+        return out
+
+    out = step()
+    assert out.grad_fn is not None
+    assert all(m._sync_plan.native for m in model.modules() if isinstance(m, SyncBatchNorm))
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_a_graph_of_a_train_step_replays_what_eager_computes(one_rank_nccl, monkeypatch, fuse):
+    """Two copies of one model: one stepped eagerly, one by replaying a captured step (after
+    the same warm-up steps): losses, parameters and running stats bitwise equal."""
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
+    eager = _converted(fuse)
+    graphed = copy.deepcopy(eager)
+    x = torch.randn(4, 3, 16, 16, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+
+    def make_step(model: nn.Module):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=False)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return step
+
+    eager_step, graph_step = make_step(eager), make_step(graphed)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager_step()
+            graph_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = graph_step()
+    # The capture ran no step: replay the step the eager model runs next, twice.
+    for _ in range(2):
+        loss = eager_step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_loss, loss)
+    assert all(m._sync_plan.native for m in graphed.modules() if isinstance(m, SyncBatchNorm))
+    for a, b in zip(eager.state_dict().values(), graphed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compiled_converted_model_is_one_graph(one_rank_nccl, monkeypatch) -> None:
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
+    assert_one_graph_and_compiled_matches_eager(_converted(False), torch.randn(4, 3, 8, 8).cuda())
+
+
+def _skipped_layer_worker(rank: int, world: int) -> tuple[str, int, int, bool]:
+    """Two forward steps where rank 1 skips `mid`, the flags read only at later calls (no
+    check_call_order here): returns the error, the (step, call) it was raised at, and whether
+    the C++ path ran. Not found before the steps end: ("", -1, -1, ...)."""
+    from syncbn_lightning import CallOrderError
+
+    torch.manual_seed(0)
+    names = ["stem", "mid", "tail"] if rank == 0 else ["stem", "tail"]
+    net = convert_sync_batchnorm(
+        nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
+    ).cuda()
+    try:
+        for step in range(2):
+            for number, name in enumerate(names):
+                net[name](torch.randn(3, 4, device="cuda"))
+                torch.cuda.current_stream().synchronize()  # the device has written the flag
+    except CallOrderError as exc:
+        return str(exc), step, number, net["stem"]._sync_plan.native
+    return "", -1, -1, net["stem"]._sync_plan.native
+
+
+@pytest.mark.distributed
+def test_a_skipped_layer_is_found_before_the_step_s_last_call() -> None:
+    """The flags queued by the C++ path are read at the later calls' hand-offs: each rank raises
+    naming the two layers at a call of the steps, never only at their end."""
+    env = {"SYNCBN_NATIVE_CUDA": "1", "SYNCBN_IMPL": "ext"}
+    results = run_distributed(_skipped_layer_worker, 2, timeout=120, pg_timeout_s=60, env=env)
+    for rank, (text, step, number, native) in enumerate(results):
+        assert native, rank
+        assert "'mid'" in text and "'tail'" in text, (rank, text)
+        last = (1, 2 if rank == 0 else 1)
+        assert step >= 0 and (step, number) < last, (rank, step, number)

@@ -1,0 +1,196 @@
+"""The C++ path's queued call-order flags and its device plan, driven on CPU.
+
+On CUDA tensors ``syncbn::sync_batch_norm`` cannot read a call's order flag without a host
+sync, so each direction hands it to the queue both paths share (``syncbn::order_flag_queued``,
+``functional/native.py`` -> ``distributed/call_order.py``). Here CPU calls on the C++ path queue
+their flags the same way (``set_queue_order_flags_on_cpu``; the CPU kernels still raise a
+mismatch at once), which runs every host step of that path but the pinned copy and the event.
+The reports of a queued flag that reads 0 are checked by handing the operator such a flag. The
+device plan (``SYNCBN_NATIVE_CUDA``) is checked where no GPU is needed. What only a GPU shows is
+``benchmarks/gpu_check.sh native``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
+from syncbn_lightning.distributed import call_order
+from syncbn_lightning.functional import native
+from syncbn_lightning.nn import sync_plan
+from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+from syncbn_lightning.ops.reference_steps import ROW_HEADER
+
+
+@pytest.fixture
+def one_rank(tmp_path) -> Iterator[str]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def queued_flags() -> Iterator[None]:
+    set_queue_order_flags_on_cpu(True)
+    try:
+        yield
+    finally:
+        set_queue_order_flags_on_cpu(False)
+        call_order._pending.clear()
+
+
+def _kinds() -> list[str]:
+    """The kinds of the queued entries' reports (``KINDS`` of their first argument)."""
+    return [
+        native.KINDS[entry[3][0]]
+        for entry in call_order._pending
+        if entry[2] is native._queued_order_failed
+    ]
+
+
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_each_direction_hands_its_flag_to_the_queue(one_rank, queued_flags, exchange) -> None:
+    layer = SyncBatchNorm(4, force_sync=True, exchange=exchange)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    y = layer(x)
+    assert layer._sync_plan.native and layer._sync_plan.settings["queue_order_flags"]
+    kind = "gathered_rows" if exchange == "gather" else "reduce_sums"
+    assert _kinds() == [kind]
+    y.sum().backward()
+    # The backward's hand-off polled the forward's flag (ready: a CPU copy) before queueing its own.
+    assert _kinds() == ["backward_sums"]
+    check_call_order()  # reads what is left: in order
+    assert call_order._pending == []
+
+
+def test_without_queueing_nothing_is_handed_over(one_rank) -> None:
+    layer = SyncBatchNorm(4, force_sync=True)
+    layer(torch.randn(3, 4, 5, requires_grad=True)).sum().backward()
+    assert not layer._sync_plan.settings["queue_order_flags"]
+    assert call_order._pending == []
+
+
+def _handoff(flags: torch.Tensor, kind: str, data, aux, width, group, layer_tag=3, tiny=None):
+    native.register_python_kernels()
+    torch.ops.syncbn.order_flag_queued(
+        flags, 2 if kind != "backward_sums" else 0, native.KINDS.index(kind), data, aux, width,
+        group, 1, layer_tag, tiny,
+    )
+
+
+def test_a_queued_gather_flag_that_reads_zero_names_each_rank_s_layer(queued_flags) -> None:
+    from syncbn_lightning.distributed.flight import register_layer_name
+
+    register_layer_name(11, "backbone.bn1")
+    register_layer_name(12, "backbone.bn2")
+    channels = 2
+    width = ROW_HEADER + 3 * channels
+    rows = torch.zeros(2, width)
+    rows[0, 2:4] = torch.tensor([11.0, 0.0])
+    rows[1, 2:4] = torch.tensor([12.0, 0.0])
+    info = torch.tensor([8.0, 4.0, 0.0, 1.0, 11.0, 0.0])  # order_ok (info[2]) = 0
+    _handoff(info, "gathered_rows", rows.view(-1), rows.view(-1), width, None)
+    with pytest.raises(CallOrderError, match=r"rank 0 ran 'backbone.bn1'.*rank 1 ran 'backbone.bn2'"):
+        check_call_order()
+    assert call_order._pending == []
+
+
+def test_a_queued_backward_flag_that_reads_zero_names_this_rank_s_layer(queued_flags) -> None:
+    from syncbn_lightning.distributed.flight import register_layer_name
+
+    register_layer_name(21, "head.bn")
+    summed = torch.zeros(16 + 2 * 3)
+    grad_info = torch.tensor([6.0, 3.0, 1.0, 1.0, 21.0, 4.0])
+    _handoff(torch.zeros(1), "backward_sums", summed, grad_info, summed.numel(), None)
+    with pytest.raises(CallOrderError, match=r"backward of 'head.bn' \(call #5\)"):
+        check_call_order()
+
+
+def test_a_queued_flag_is_read_at_the_next_handoff(queued_flags) -> None:
+    """Polling before queueing: the next call (here its hand-off) raises, not only the step's
+    ``check_call_order``."""
+    summed, grad_info = torch.zeros(22), torch.tensor([6.0, 3.0, 1.0, 1.0, 21.0, 0.0])
+    _handoff(torch.zeros(1), "backward_sums", summed, grad_info, 22, None)
+    with pytest.raises(CallOrderError):
+        _handoff(torch.ones(1), "backward_sums", summed, grad_info, 22, None)
+
+
+def test_a_tiny_input_checks_the_group_count_on_the_host(queued_flags) -> None:
+    info = torch.tensor([1.0, 1.0, 1.0, 1.0, 3.0, 0.0])  # one value per channel in the group
+    rows = torch.zeros(ROW_HEADER + 3)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        _handoff(info, "gathered_rows", rows, rows, rows.numel(), None, tiny=torch.ones(1, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# The device plan
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, False), ("0", False), ("", False), ("1", True)]
+)
+def test_native_cuda_reads_its_variable(monkeypatch, value, expected) -> None:
+    if value is None:
+        monkeypatch.delenv("SYNCBN_NATIVE_CUDA", raising=False)
+    else:
+        monkeypatch.setenv("SYNCBN_NATIVE_CUDA", value)
+    assert sync_plan.native_cuda() is expected
+
+
+def test_a_bad_native_cuda_value_names_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "yes")
+    with pytest.raises(ValueError, match=r"SYNCBN_NATIVE_CUDA='yes' is not valid: use 1 .* or 0"):
+        sync_plan.native_cuda()
+
+
+def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
+    """A layer whose tensors are not on the CPU (``meta`` here: no GPU needed) makes a plan for
+    them: the Python path unless SYNCBN_NATIVE_CUDA=1 and the device is CUDA; called on CPU
+    tensors again, a CPU plan."""
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
+    layer = SyncBatchNorm(4, force_sync=True)
+    cpu_plan = sync_plan.plan_of(layer, True)
+    assert cpu_plan.native and cpu_plan.cpu
+    assert sync_plan.plan_of(layer, True) is cpu_plan
+    layer.to("meta")
+    other = sync_plan.plan_of(layer, False)
+    assert other is not cpu_plan and not other.cpu and not other.native  # meta: not CUDA
+    layer.to_empty(device="cpu")
+    assert sync_plan.plan_of(layer, True).native
+
+
+def test_the_settings_cross_by_name_as_the_schema_names_them(one_rank) -> None:
+    """The plan's settings are the operator's keyword arguments: every name is in the schema,
+    and with the tensors and the call's activation they are all of its arguments."""
+    layer = SyncBatchNorm(4, force_sync=True)
+    layer(torch.randn(2, 4, 3))
+    schema = torch.ops.syncbn.sync_batch_norm.default._schema
+    names = [argument.name for argument in schema.arguments]
+    tensors = names[: names.index("residual") + 1]
+    assert set(layer._sync_plan.settings) | set(tensors) | {"act", "act_param"} == set(names)
+
+
+def test_nothing_is_queued_for_a_layer_in_eval(one_rank, queued_flags) -> None:
+    layer = SyncBatchNorm(4, force_sync=True).eval()
+    layer(torch.randn(2, 4, 3))
+    assert call_order._pending == []
+
+
+def test_module_protocol_keeps_the_queue(one_rank, queued_flags) -> None:
+    """A pruned layer (its weight a plain attribute) takes the same path and hands its flags
+    over as well."""
+    from torch.nn.utils import prune
+
+    layer = SyncBatchNorm(4, force_sync=True)
+    prune.l1_unstructured(layer, "weight", 0.5)
+    layer(torch.randn(2, 4, 3, requires_grad=True)).sum().backward()
+    assert _kinds() == ["backward_sums"]
+    assert isinstance(layer, nn.Module)
