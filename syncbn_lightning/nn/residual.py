@@ -15,9 +15,21 @@ holds) with the fused forward:
   classes, rewritten through ``torch.fx`` (:mod:`.residual_fx`, which says what a trace can and
   cannot guarantee: the reason a class must be named).
 
+A fused call is taken only where it is the same call as the block's own forward. Every call of a
+fused block first checks (a few dict and type checks, no loop over the block's modules) that its
+tail BatchNorm is still a plain :class:`~syncbn_lightning.SyncBatchNorm` (not replaced later by
+``nn.Identity``, a wrapper or a subclass with a forward of its own), its activation one the
+kernels fuse, neither has hooks (forward, forward-pre or backward hooks: pruning masks, feature
+extraction, Lightning's ModelSummary), and no global module hooks are set
+(:func:`~torch.nn.modules.module.register_module_forward_hook` and the like). Otherwise the
+call runs the class's own forward, which calls each module through ``__call__``, so every hook
+runs where it would. Parametrizations keep the fused path: the layer reads its weight and bias
+through them.
+
 A block that cannot be fused is left exactly as it was, with a log line of the
 ``syncbn_lightning`` logger naming it and the reason (DEBUG for the known classes, WARNING for a
-named class). The fused forward computes what the unfused one computes, with the synchronized
+named class; one WARNING per class for a named class whose forward has a ``with`` block, which
+fx would drop). The fused forward computes what the unfused one computes, with the synchronized
 calls in the same order on every rank (the shortcut's own BatchNorm, in a ``downsample``, runs
 before the block's last one, as it must feed it). Pickles, ``torch.save``/``torch.load`` and
 ``copy.deepcopy`` of a fused block record its own class and fuse it again when loaded.
@@ -38,7 +50,15 @@ from torch import nn
 from ..ops.activations import fused_activation
 from .batchnorm import SyncBatchNorm
 from .convert import register_residual_hooks
-from .residual_fx import TracedForward, fused_tail, trace_block
+from .residual_fx import (
+    TracedForward,
+    forward_refusal,
+    fused_tail,
+    global_hooks_set,
+    plain_batchnorm,
+    tail_intact,
+    trace_block,
+)
 
 __all__ = ["FUSED_FROM", "fuse_residual_blocks", "unfuse_residual_blocks"]
 
@@ -107,23 +127,30 @@ def _rule_of(cls: type) -> _Block | None:
 
 def _rule_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """A known block's forward with its tail as one :func:`fused_tail` call (``out +=
-    shortcut`` in the original, hence ``inplace``)."""
+    shortcut`` in the original, hence ``inplace``), when that is the same call
+    (:func:`tail_intact`, no global module hooks, nothing the rule refuses); else the class's
+    own forward."""
     cls = type(self)
     rule: _Block = getattr(cls, _RULE)
-    if rule.refuse(self) is not None:  # e.g. drop_path set after the conversion
-        return getattr(cls, FUSED_FROM).forward(self, x)
+    children = self._modules  # Module.__getattr__ costs ~0.7 us per name: the dict directly
+    bn, act = children.get(rule.bn), children.get(rule.act)
+    if global_hooks_set() or not tail_intact(bn, act) or rule.refuse(self) is not None:
+        return getattr(cls, FUSED_FROM).forward(self, x)  # e.g. hooks, drop_path set later
     out = rule.head(self, x)
     shortcut = x if self.downsample is None else self.downsample(x)
-    return fused_tail(getattr(self, rule.bn), out, shortcut, getattr(self, rule.act), True)
+    return fused_tail(bn, out, shortcut, act, True)
 
 
 def _traced_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """A named block's forward: the traced, rewritten one for calls with the one input it was
-    traced for (in the block's current mode), the class's own for any other call."""
+    traced for (in the block's current mode) while its fused tails are intact
+    (:meth:`TracedForward.intact`, no global module hooks), the class's own for any other
+    call."""
     cls = type(self)
-    if len(args) == 1 and not kwargs:
+    if len(args) == 1 and not kwargs and not global_hooks_set():
         traced: TracedForward = getattr(cls, _TRACED)
-        return traced.modes[self.training](self, args[0])
+        if traced.intact(self):
+            return traced.modes[self.training](self, args[0])
     return getattr(cls, FUSED_FROM).forward(self, *args, **kwargs)
 
 
@@ -180,9 +207,7 @@ def _refusal(block: nn.Module, rule: _Block) -> str | None:
     bn = getattr(block, rule.bn, None)
     if not isinstance(bn, SyncBatchNorm):
         return f"its {rule.bn} is a {type(bn).__name__}, not a SyncBatchNorm (not converted)"
-    if type(bn).add_act is not SyncBatchNorm.add_act or type(bn).forward is not (
-        SyncBatchNorm.forward
-    ):
+    if not plain_batchnorm(bn):
         return f"its {rule.bn} ({type(bn).__name__}) has a forward of its own"
     act = getattr(block, rule.act, None)
     if not isinstance(act, nn.Module) or fused_activation(act) is None:
@@ -221,6 +246,9 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
     named = set(classes)
     fused: list[str] = []
     seen: set[type] = set()
+    # Named classes refused whatever the block (forward_refusal): one line each, after the loop.
+    verdicts: dict[type, str | None] = {}
+    refused: dict[type, tuple[str, list[str]]] = {}
     for name, block in list(model.named_modules()):
         cls = type(block)
         if hasattr(cls, FUSED_FROM):
@@ -229,6 +257,13 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
         if not known and cls not in named:
             continue
         seen.add(cls)
+        if not known:
+            if cls not in verdicts:
+                verdicts[cls] = forward_refusal(cls)
+            class_reason = verdicts[cls]
+            if class_reason is not None:
+                refused.setdefault(cls, (class_reason, []))[1].append(name or "<model>")
+                continue
         reason = _fuse_one(block, traced=not known)
         if reason is None:
             fused.append(name)
@@ -236,6 +271,11 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
         level = logging.DEBUG if known else logging.WARNING
         where = name or "<model>"
         log.log(level, "fuse_residual: left %s (%s) as it was: %s", where, cls.__name__, reason)
+    for cls, (reason, names) in refused.items():
+        where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        log.warning(
+            "fuse_residual: left every %s block as it was (%s): %s", cls.__name__, where, reason
+        )
     present = seen | {getattr(type(m), FUSED_FROM, None) for m in model.modules()}
     for cls in sorted(named - present, key=lambda c: c.__qualname__):
         log.warning(

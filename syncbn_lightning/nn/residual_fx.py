@@ -16,6 +16,14 @@ What a trace can and cannot guarantee, and so when the rewritten forward runs:
 * a broadcast or type-promoting add (``bn(x) + self.bias`` of shape ``[1, C, 1, 1]``):
   :func:`fused_tail` checks the operands at every call and adds as the original code did
   when the shapes, dtypes or devices differ.
+* the tail's modules: each call first checks, for every fused tail, that the BatchNorm is still
+  a plain :class:`SyncBatchNorm` and the activation one the kernels fuse, with no hooks on
+  either and no global module hooks (:func:`tail_intact`); otherwise the block's own forward
+  runs, which calls them through ``__call__``.
+* ``with`` blocks: fx records no context manager, so a ``no_grad``, ``enable_grad`` or
+  ``autocast`` region of the forward would vanish from the trace. A forward whose code has one
+  (its bytecode, decorators and nested functions included: :func:`forward_refusal`) is not
+  traced.
 * any other Python state the forward reads (an attribute changed after the conversion, a global
   flag, the input's Python type) is fixed by the trace. That cannot be checked, which is why
   only classes a user names are traced (``docs/library.md``, "Fused residual tails").
@@ -23,16 +31,19 @@ What a trace can and cannot guarantee, and so when the rewritten forward runs:
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import inspect
 import linecache
 import operator
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.module as torch_module  # where torch keeps its global module hooks
 from torch import fx, nn
 from torch.fx._symbolic_trace import _assert_is_none
 
@@ -40,12 +51,110 @@ from ..ops.activations import fused_activation
 from .batchnorm import SyncBatchNorm
 from .checks import same_operands
 
-__all__ = ["TracedForward", "fused_tail", "optional_arguments", "trace_block"]
+__all__ = [
+    "TracedForward",
+    "forward_refusal",
+    "fused_tail",
+    "global_hooks_set",
+    "optional_arguments",
+    "plain_batchnorm",
+    "tail_intact",
+    "trace_block",
+]
 
 _ADDS = (operator.add, operator.iadd, torch.add)
 _RELUS = (F.relu, torch.relu, torch.relu_)
 _RELU = nn.ReLU()
 _SPECIALIZED = "has been specialized"  # the text of fx's checks of a concrete argument
+# The opcodes of a `with` (or `async with`) statement, in every CPython since 3.8.
+_WITH_OPCODES = frozenset(
+    dis.opmap[name]
+    for name in (
+        "SETUP_WITH",
+        "BEFORE_WITH",
+        "SETUP_ASYNC_WITH",
+        "BEFORE_ASYNC_WITH",
+        "WITH_EXCEPT_START",
+    )
+    if name in dis.opmap
+)
+_NO_WITH = (
+    "its forward has a `with` block, which torch.fx does not record (a no_grad, enable_grad or "
+    "autocast region would be lost)"
+)
+
+
+def plain_batchnorm(module: Any) -> bool:
+    """Whether ``module`` is a :class:`SyncBatchNorm` whose call, ``forward`` and ``add_act`` are
+    the library's own: ``add_act`` then computes what ``act(module(x) + r)`` computes (a subclass
+    with a forward of its own, a wrapper or ``nn.Identity`` put there later is not)."""
+    cls = type(module)
+    if cls is SyncBatchNorm:
+        return True
+    return (
+        isinstance(module, SyncBatchNorm)
+        and cls.forward is SyncBatchNorm.forward
+        and cls.add_act is SyncBatchNorm.add_act
+        and cls._forward is SyncBatchNorm._forward
+        and cls.__call__ is nn.Module.__call__
+        and cls._call_impl is nn.Module._call_impl
+    )
+
+
+def global_hooks_set() -> bool:
+    """Whether any of torch's global module hooks is registered (``register_module_forward_hook``
+    and the like): then every module's ``__call__`` runs them, and no fused call may skip one."""
+    m = torch_module
+    return bool(
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether ``module.__call__`` would run hooks of the module's own (the dicts torch's
+    ``_call_impl`` reads to choose its fast path)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
+
+
+def tail_intact(bn: Any, act: Any) -> bool:
+    """Whether :func:`fused_tail` ``(bn, x, r, act, ...)`` is the same call as ``act(bn(x) + r)``
+    through the modules' ``__call__``: ``bn`` a :func:`plain_batchnorm`, ``act`` ``"relu"`` or an
+    activation module the kernels fuse, neither with hooks. Global module hooks are the caller's
+    check (:func:`global_hooks_set`, once per block call). A few dict and type checks."""
+    if not plain_batchnorm(bn) or _hooked(bn):
+        return False
+    if isinstance(act, str):
+        return True
+    return isinstance(act, nn.Module) and not _hooked(act) and fused_activation(act) is not None
+
+
+def _code_has_with(code: types.CodeType) -> bool:
+    if any(ins.opcode in _WITH_OPCODES for ins in dis.get_instructions(code)):
+        return True
+    return any(_code_has_with(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def forward_refusal(cls: type) -> str | None:
+    """Why ``cls.forward`` cannot be traced faithfully whatever its block, or ``None``: a
+    ``with`` statement in its code (functions defined inside it and decorators that wrap it, such
+    as ``@torch.no_grad()``, included), which fx runs at trace time and does not record."""
+    function: Any = getattr(cls, "forward", None)
+    seen = 0
+    while function is not None and seen < 16:
+        function = getattr(function, "__func__", function)
+        code = getattr(function, "__code__", None)
+        if isinstance(code, types.CodeType) and _code_has_with(code):
+            return _NO_WITH
+        function, seen = getattr(function, "__wrapped__", None), seen + 1
+    return None
 
 
 def fused_tail(
@@ -65,11 +174,33 @@ def fused_tail(
 
 @dataclass(frozen=True)
 class TracedForward:
-    """A block's rewritten forward: ``modes[block.training](block, x)``, and the generated source
-    of each (eval first), which names the subclass that holds them."""
+    """A block's rewritten forward: ``modes[block.training](block, x)``, the generated source
+    of each (eval first), which names the subclass that holds them, and the fused tails of
+    both: ``(BatchNorm, activation)`` module paths, ``None`` for ``F.relu``/``torch.relu``."""
 
     modes: tuple[Callable[..., Any], Callable[..., Any]]
     sources: tuple[str, str]
+    tails: tuple[tuple[str, str | None], ...]
+
+    def intact(self, block: nn.Module) -> bool:
+        """Whether every fused tail of ``block`` is still :func:`tail_intact` (the global module
+        hooks are the caller's check)."""
+        for bn_path, act_path in self.tails:
+            bn = _child(block, bn_path)
+            act = "relu" if act_path is None else _child(block, act_path)
+            if not tail_intact(bn, act):
+                return False
+        return True
+
+
+def _child(block: nn.Module, path: str) -> Any:
+    """The submodule at ``path`` (a direct child's name, or dotted), ``None`` if there is none."""
+    if "." not in path:
+        return block._modules.get(path)  # not Module.__getattr__: ~0.7 us per name
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 class _InPlaceProxy(fx.Proxy):
@@ -114,10 +245,10 @@ def _activation_of(node: fx.Node, block: nn.Module) -> Any:
     return None
 
 
-def _rewrite(graph: fx.Graph, block: nn.Module) -> int:
+def _rewrite(graph: fx.Graph, block: nn.Module) -> list[tuple[str, str | None]]:
     """Replace every BatchNorm → add → activation of ``graph`` by one :func:`fused_tail` call;
-    returns how many."""
-    done = 0
+    returns the module paths of each (BatchNorm, activation), ``None`` for a functional ReLU."""
+    done: list[tuple[str, str | None]] = []
     for node in list(graph.nodes):
         if node.op != "call_module" or len(node.users) != 1 or len(node.args) != 1 or node.kwargs:
             continue
@@ -143,7 +274,7 @@ def _rewrite(graph: fx.Graph, block: nn.Module) -> int:
         act_node.replace_all_uses_with(fused)
         for dead in (act_node, add, node):
             graph.erase_node(dead)
-        done += 1
+        done.append((str(node.target), None if act == "relu" else str(act_node.target)))
     return done
 
 
@@ -199,7 +330,11 @@ def _compile(graph: fx.Graph, name: str) -> tuple[str, Callable[..., Any]]:
 def trace_block(block: nn.Module) -> TracedForward | str:
     """``block``'s forward rewritten (see the module docstring), or why it cannot be: fx cannot
     trace it, its signature has more than one required input, or its training-mode trace has no
-    BatchNorm → add → activation tail."""
+    BatchNorm → add → activation tail, or its forward has a ``with`` block
+    (:func:`forward_refusal`)."""
+    refusal = forward_refusal(type(block))
+    if refusal is not None:
+        return refusal
     defaults = optional_arguments(type(block))
     if isinstance(defaults, str):
         return defaults
@@ -207,6 +342,7 @@ def trace_block(block: nn.Module) -> TracedForward | str:
     flags = [m.training for m in block.modules()]
     modes: list[Callable[..., Any]] = []
     sources: list[str] = []
+    tails: dict[tuple[str, str | None], None] = {}
     try:
         for training in (False, True):
             block.train(training)
@@ -215,8 +351,10 @@ def trace_block(block: nn.Module) -> TracedForward | str:
             except Exception as exc:  # fx raises many types for code it cannot follow
                 first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 return f"torch.fx cannot trace it ({first})"
-            if _rewrite(graph, block) == 0 and training:
+            rewritten = _rewrite(graph, block)
+            if not rewritten and training:
                 return "no BatchNorm -> add -> activation tail in its traced forward"
+            tails.update(dict.fromkeys(rewritten))
             _drop_specialization_checks(graph)
             graph.lint()
             source, function = _compile(graph, name)
@@ -225,4 +363,4 @@ def trace_block(block: nn.Module) -> TracedForward | str:
     finally:
         for module, flag in zip(block.modules(), flags, strict=True):
             module.training = flag
-    return TracedForward((modes[0], modes[1]), (sources[0], sources[1]))
+    return TracedForward((modes[0], modes[1]), (sources[0], sources[1]), tuple(tails))

@@ -1,0 +1,575 @@
+"""A fused block keeps its modules' promises (issue 54): hooks, grad mode, pruning, later edits.
+
+A fused call is taken only where it is the same call as the block's own forward. Each case here
+is checked against the unfused conversion of the same model with the same hooks or edits, on a
+one-rank gloo group with ``force_sync`` (every kernel and collective of the synchronized path
+runs), in float64: outputs, input and parameter gradients, buffers, and what every hook saw.
+Each test also asserts which path ran (the fused layer call, or the block's own forward), so it
+proves the path it names. Two ranks: the ``distributed`` tests at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _dist import run_distributed
+from _timm import import_timm
+from test_residual import _torchvision
+from torch import nn
+from torch.nn.utils import parametrize, prune
+
+from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
+from syncbn_lightning.nn.residual import FUSED_FROM
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _UserBlock(nn.Module):
+    """A user's block, named in ``fuse_residual``: conv → BN → + x → activation module."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.conv(x)) + x)
+
+
+class _NoGradShortcut(nn.Module):
+    """A projection shortcut computed under ``no_grad``: its weight must get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.proj = nn.Conv2d(4, 4, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shortcut = self.proj(x)
+        return F.relu(self.bn(self.conv(x)) + shortcut)
+
+
+class _AutocastHead(nn.Module):
+    """Its head under ``torch.autocast`` (bfloat16 on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.conv(x)
+        return F.relu(self.bn(y.to(x.dtype)) + x)
+
+
+class _EnableGradInside(nn.Module):
+    """An ``enable_grad`` region in a function defined inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def head(t: torch.Tensor) -> torch.Tensor:
+            with torch.enable_grad():
+                return self.conv(t)
+
+        return F.relu(self.bn(head(x)) + x)
+
+
+class _NoGradDecorated(nn.Module):
+    """A whole forward under ``@torch.no_grad()`` (the decorator's wrapper has the ``with``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)) + x)
+
+
+# Each block: (build, fuse_residual, tail BatchNorm's name, its activation's name, input shape).
+BLOCKS: dict[str, tuple[Callable[[], nn.Module], Any, str, str, tuple[int, ...]]] = {
+    "user": (_UserBlock, [_UserBlock], "bn", "act", (3, 4, 5, 5)),
+    "torchvision BasicBlock": (
+        lambda: _torchvision().models.resnet.BasicBlock(4, 4),
+        True,
+        "bn2",
+        "relu",
+        (3, 4, 5, 5),
+    ),
+    "torchvision Bottleneck": (
+        lambda: _torchvision().models.resnet.Bottleneck(8, 2),
+        True,
+        "bn3",
+        "relu",
+        (3, 8, 5, 5),
+    ),
+    "timm BasicBlock": (
+        lambda: import_timm().models.resnet.BasicBlock(4, 4),
+        True,
+        "bn2",
+        "act2",
+        (3, 4, 5, 5),
+    ),
+    "timm Bottleneck": (
+        lambda: import_timm().models.resnet.Bottleneck(8, 2),
+        True,
+        "bn3",
+        "act3",
+        (3, 8, 5, 5),
+    ),
+}
+
+
+def _fused_ran(output: torch.Tensor) -> bool:
+    """Whether ``output`` came out of the fused layer call (its autograd node is the layer's),
+    not out of the block's own forward (an activation's)."""
+    return "SyncBatchNorm" in output.grad_fn.name()
+
+
+def _pair(model: nn.Module, fuse: Any) -> tuple[nn.Module, nn.Module]:
+    """The unfused and the fused conversion of ``model`` (float64, force_sync); the fused one
+    has every block of the model fused."""
+    model = model.double()
+    unfused = convert_sync_batchnorm(copy.deepcopy(model), force_sync=True)
+    fused = convert_sync_batchnorm(copy.deepcopy(model), force_sync=True, fuse_residual=fuse)
+    assert any(hasattr(type(m), FUSED_FROM) for m in fused.modules())
+    return unfused, fused
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Output, input and parameter gradients and buffers of one call of ``model`` on ``x``."""
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    result = {"output": out, "fused": torch.tensor(_fused_ran(out))}
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.square().sum(), [x, *(p for _, p in params)], allow_unused=True)
+    result["grad:x"] = grads[0]
+    result.update({f"grad:{n}": g for (n, _), g in zip(params, grads[1:], strict=True)})
+    result.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
+    return {k: v.detach() for k, v in result.items() if v is not None}
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if key in skip:
+            continue
+        torch.testing.assert_close(got[key], value, rtol=RTOL, atol=ATOL, msg=key)
+
+
+def _input(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hooks: on the tail BatchNorm, on the activation, and torch's global module hooks
+# ------------------------------------------------------------------------------------------------
+
+
+def _hook(kind: str, bn: nn.Module, act: nn.Module, seen: list[str]) -> list[Any]:
+    """Register the hook ``kind`` on ``bn``/``act`` (or globally); its handles. Every hook notes
+    its calls in ``seen``; the forward hooks change what they see, so a skipped one shows in the
+    results too."""
+    if kind == "bn forward pre-hook":
+        return [bn.register_forward_pre_hook(lambda m, i: seen.append("pre"))]
+    if kind == "bn forward hook":
+        return [bn.register_forward_hook(lambda m, i, o: (seen.append("post"), o * 0.5)[1])]
+    if kind == "bn backward hook":
+        return [bn.register_full_backward_hook(lambda m, gi, go: seen.append("backward"))]
+    if kind == "activation forward hook":
+        return [act.register_forward_hook(lambda m, i, o: (seen.append("act"), o + 0.25)[1])]
+    assert kind == "global forward hook", kind
+
+    def note(module: nn.Module, inputs: Any, output: Any) -> None:
+        seen.append(type(module).__name__)
+
+    return [nn.modules.module.register_module_forward_hook(note)]
+
+
+HOOKS = (
+    "bn forward pre-hook",
+    "bn forward hook",
+    "bn backward hook",
+    "activation forward hook",
+    "global forward hook",
+)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_hooks_on_the_tail_run_as_in_the_unfused_block(one_rank, block: str, hook: str) -> None:
+    """With the hook set, the fused block runs its own forward: every hook call the unfused block
+    makes, and its results (or its error: torch refuses a full backward hook on a module whose
+    output the block then adds to in place, ``out += identity``). Removed, the fused call is
+    taken again."""
+    build, fuse, bn_name, act_name, shape = BLOCKS[block]
+    torch.manual_seed(0)
+    unfused, fused = _pair(build(), fuse)
+    x = _input(shape)
+    calls: dict[str, list[str]] = {}
+    results: dict[str, Any] = {}
+    for name, net in (("unfused", unfused), ("fused", fused)):
+        seen: list[str] = []
+        handles = _hook(kind=hook, bn=getattr(net, bn_name), act=getattr(net, act_name), seen=seen)
+        try:
+            results[name] = _step(net, x)
+        except RuntimeError as exc:
+            results[name] = str(exc)
+        finally:
+            for handle in handles:
+                handle.remove()
+        calls[name] = seen
+    assert calls["fused"] == calls["unfused"], calls
+    if isinstance(results["unfused"], str):
+        assert results["fused"] == results["unfused"]
+        assert "BackwardHookFunction" in results["unfused"] and hook == "bn backward hook"
+    else:
+        assert calls["unfused"]
+        assert not results["fused"]["fused"]
+        _assert_same(results["fused"], results["unfused"])
+    again = _step(fused, x)  # no hooks: the fused call again, the same results
+    assert again["fused"]
+    _assert_same(again, _step(unfused, x), skip=("fused",))
+
+
+# ------------------------------------------------------------------------------------------------
+# Pruning and parametrizations of the tail BatchNorm
+# ------------------------------------------------------------------------------------------------
+
+
+def _train(model: nn.Module, x: torch.Tensor, steps: int = 2) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps of ``model`` on ``x``; the last step's results and the parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        x_grad = x.detach().clone().requires_grad_()
+        out = model(x_grad)
+        out.square().sum().backward()
+        optimizer.step()
+    result = {"output": out.detach(), "grad:x": x_grad.grad}
+    result.update({f"param:{n}": p.detach().clone() for n, p in model.named_parameters()})
+    result.update({f"grad:{n}": p.grad for n, p in model.named_parameters()})
+    result.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
+    return result
+
+
+def _resnet18() -> nn.Module:
+    """torchvision's ResNet-18 (seeded), its BatchNorm weights and biases drawn (not all 1 and 0:
+    pruning by magnitude then has no ties to break)."""
+    torch.manual_seed(0)
+    model = _torchvision().models.resnet18(weights=None, num_classes=5)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            nn.init.uniform_(module.weight, 0.5, 1.5)
+            nn.init.uniform_(module.bias, -0.5, 0.5)
+    return model
+
+
+def test_a_pruned_tail_batchnorm_of_a_fused_resnet_trains_as_the_unfused_one(one_rank) -> None:
+    """Network slimming: ``l1_unstructured`` on tail BatchNorms of a fused ResNet-18 (a block
+    with and one without a downsample). The pruning's forward pre-hook sends those blocks to
+    their own forward; two SGD steps equal the unfused pruned model's."""
+    unfused, fused = _pair(_resnet18(), True)
+    for net in (unfused, fused):
+        for bn in (net.layer1[0].bn2, net.layer2[0].bn2):
+            prune.l1_unstructured(bn, "weight", 0.5)
+    paths: list[bool] = []
+    for block in (fused.layer1[0], fused.layer1[1], fused.layer2[0], fused.layer2[1]):
+        block.register_forward_hook(lambda m, i, o: paths.append(_fused_ran(o)))
+    x = _input((2, 3, 32, 32))
+    got, want = _train(fused, x), _train(unfused, x)
+    assert paths == [False, True, False, True] * 2  # the pruned blocks run their own forward
+    _assert_same(got, want)
+    assert int((fused.layer1[0].bn2.weight == 0).sum()) == 32  # half of 64 channels masked
+    assert fused.layer1[0].bn2.weight_orig.grad is not None
+
+
+class _Positive(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return F.softplus(weight)
+
+
+def test_a_parametrized_tail_batchnorm_keeps_the_fused_path_and_its_results(one_rank) -> None:
+    """``register_parametrization`` on the tail BatchNorm's weight: the layer reads the weight
+    through it, on the fused path too."""
+    torch.manual_seed(0)
+    unfused, fused = _pair(_torchvision().models.resnet.BasicBlock(4, 4), True)
+    for net in (unfused, fused):
+        parametrize.register_parametrization(net.bn2, "weight", _Positive())
+    x = _input((3, 4, 5, 5))
+    got, want = _step(fused, x), _step(unfused, x)
+    assert got["fused"] and not want["fused"]
+    _assert_same(got, want, skip=("fused",))
+
+
+# ------------------------------------------------------------------------------------------------
+# `with` blocks in a named class's forward
+# ------------------------------------------------------------------------------------------------
+
+WITH_CLASSES = (_NoGradDecorated, _NoGradShortcut, _AutocastHead, _EnableGradInside)
+
+
+def test_a_named_class_whose_forward_has_a_with_block_is_not_fused(one_rank, caplog) -> None:
+    """fx records no context manager: such a class is left as it was, with one WARNING per
+    class naming it and the reason, and computes what the unfused model computes (the
+    ``no_grad`` shortcut's projection gets no gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(cls() for cls in WITH_CLASSES for _ in range(2)), _UserBlock())
+    # 0-1 _NoGradDecorated (no gradient reaches x), 2-3 _NoGradShortcut, 4-5 _AutocastHead,
+    # 6-7 _EnableGradInside, 8 _UserBlock (fused)
+    unfused = convert_sync_batchnorm(copy.deepcopy(model).double(), force_sync=True)
+    with caplog.at_level(logging.DEBUG, logger="syncbn_lightning"):
+        fused = convert_sync_batchnorm(
+            copy.deepcopy(model).double(),
+            force_sync=True,
+            fuse_residual=[*WITH_CLASSES, _UserBlock],
+        )
+    assert [hasattr(type(m), FUSED_FROM) for m in fused] == [False] * 8 + [True]
+    lines = [r for r in caplog.records if "fuse_residual" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.WARNING] * len(WITH_CLASSES)
+    for record, cls in zip(lines, WITH_CLASSES, strict=True):
+        text = record.getMessage()
+        assert f"left every {cls.__name__} block as it was" in text, text
+        assert "its forward has a `with` block" in text, text
+    x = _input((3, 4, 5, 5))
+    got, want = _step(fused, x), _step(unfused, x)
+    _assert_same(got, want, skip=("fused",))
+    assert "grad:2.proj.weight" not in got and "grad:3.proj.weight" not in got
+    assert "grad:0.conv.weight" not in got and "grad:x" not in got
+    assert "grad:2.conv.weight" in got and "grad:6.conv.weight" in got
+    assert got["fused"] and not want["fused"]  # the last block, _UserBlock, is fused
+
+
+# ------------------------------------------------------------------------------------------------
+# The tail edited after the conversion
+# ------------------------------------------------------------------------------------------------
+
+
+class _Wrapped(nn.Module):
+    """A wrapper put around the tail BatchNorm later."""
+
+    def __init__(self, bn: nn.Module) -> None:
+        super().__init__()
+        self.inner = bn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 0.5
+
+
+class _HalfSyncBatchNorm(SyncBatchNorm):
+    """A SyncBatchNorm subclass with a forward of its own."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * 0.5
+
+
+def _replacement(kind: str, bn: SyncBatchNorm, force_sync: bool = True) -> nn.Module:
+    if kind == "nn.Identity (conv-BN folding)":
+        return nn.Identity()
+    if kind == "a wrapper":
+        return _Wrapped(bn)
+    if kind == "a SyncBatchNorm subclass with its own forward":
+        half = _HalfSyncBatchNorm(bn.num_features, force_sync=force_sync).double()
+        half.load_state_dict(bn.state_dict())
+        return half
+    assert kind == "a fresh SyncBatchNorm", kind
+    fresh = SyncBatchNorm(bn.num_features, force_sync=force_sync).double()
+    fresh.load_state_dict(bn.state_dict())
+    return fresh
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "nn.Identity (conv-BN folding)",
+        "a wrapper",
+        "a SyncBatchNorm subclass with its own forward",
+        "a fresh SyncBatchNorm",
+    ],
+)
+@pytest.mark.parametrize("block", ["user", "torchvision BasicBlock"])
+def test_a_tail_batchnorm_replaced_after_fusion_runs_the_blocks_own_forward(
+    one_rank, block: str, kind: str
+) -> None:
+    """Anything but a plain SyncBatchNorm put in the tail's place later sends the block to its
+    own forward; a plain one keeps the fused call."""
+    build, fuse, bn_name, _, shape = BLOCKS[block]
+    torch.manual_seed(0)
+    unfused, fused = _pair(build(), fuse)
+    for net in (unfused, fused):
+        setattr(net, bn_name, _replacement(kind, getattr(net, bn_name)))
+    x = _input(shape)
+    got, want = _step(fused, x), _step(unfused, x)
+    assert got["fused"] is not None and bool(got["fused"]) == (kind == "a fresh SyncBatchNorm")
+    _assert_same(got, want, skip=("fused",))
+
+
+@pytest.mark.parametrize("act", ["tanh", "silu"])
+@pytest.mark.parametrize("block", ["user", "torchvision BasicBlock"])
+def test_an_activation_replaced_later_is_fused_only_if_the_kernels_fuse_it(
+    one_rank, block: str, act: str
+) -> None:
+    """A guard of the check, not of a bug: an activation the kernels cannot fuse (tanh) runs in
+    the block's own forward, one they fuse (SiLU) keeps the fused call; both exact."""
+    build, fuse, _, act_name, shape = BLOCKS[block]
+    torch.manual_seed(0)
+    unfused, fused = _pair(build(), fuse)
+    for net in (unfused, fused):
+        setattr(net, act_name, nn.Tanh() if act == "tanh" else nn.SiLU())
+    x = _input(shape)
+    got, want = _step(fused, x), _step(unfused, x)
+    assert bool(got["fused"]) == (act == "silu") and not want["fused"]
+    _assert_same(got, want, skip=("fused",))
+
+
+# ------------------------------------------------------------------------------------------------
+# Two gloo ranks, float64: fused against unfused, for every case above
+# ------------------------------------------------------------------------------------------------
+
+SIZES = [3, 1]
+RANK_CASES = (
+    "user: bn forward hook",
+    "user: activation forward hook",
+    "torchvision BasicBlock: bn forward hook",
+    "torchvision BasicBlock: activation forward hook",
+    "torchvision Bottleneck: bn forward hook",
+    "torchvision Bottleneck: activation forward hook",
+    "timm BasicBlock: bn forward hook",
+    "timm BasicBlock: activation forward hook",
+    "no_grad shortcut",
+    "user: nn.Identity (conv-BN folding)",
+    "torchvision BasicBlock: a SyncBatchNorm subclass with its own forward",
+)
+
+
+def _rank_case(case: str) -> tuple[nn.Module, Any, Callable[[nn.Module], None], tuple[int, ...]]:
+    """The model of ``case`` (seeded), its ``fuse_residual``, the edit made to both conversions
+    and the whole batch's shape."""
+    torch.manual_seed(0)
+    if case == "no_grad shortcut":
+        return _NoGradShortcut(), [_NoGradShortcut], lambda net: None, (4, 4, 5, 5)
+    block, edit = case.split(": ")
+    build, fuse, bn_name, act_name, shape = BLOCKS[block]
+    shape = (sum(SIZES), *shape[1:])
+    if edit in HOOKS:
+
+        def change(net: nn.Module) -> None:
+            _hook(edit, getattr(net, bn_name), getattr(net, act_name), [])
+
+    else:
+
+        def change(net: nn.Module) -> None:
+            setattr(net, bn_name, _replacement(edit, getattr(net, bn_name), force_sync=False))
+
+    return build(), fuse, change, shape
+
+
+def _case_on_rank(case: str, rank: int, fuse_it: bool) -> dict[str, torch.Tensor]:
+    model, fuse, change, shape = _rank_case(case)
+    net = convert_sync_batchnorm(model.double().train(), fuse_residual=fuse if fuse_it else False)
+    change(net)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    part = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
+    result = _step(net, x[part])
+    for key, value in result.items():
+        if key.startswith("grad:") and key != "grad:x":
+            dist.all_reduce(value)
+    return result
+
+
+def _cases_rank(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        case: {fuse: _case_on_rank(case, rank, fuse) for fuse in (False, True)} for case in cases
+    }
+
+
+def _compare_ranks(ranks: list[dict[str, Any]], cases: tuple[str, ...]) -> None:
+    for case in cases:
+        for fused_key in (True, False):
+            per_rank = [r[case][fused_key] for r in ranks]
+            assert not any(bool(r["fused"]) for r in per_rank), case  # own forward on every rank
+        unfused = {k: v for k, v in ranks[0][case][False].items() if k != "fused"}
+        fused = {k: v for k, v in ranks[0][case][True].items() if k != "fused"}
+        for key in ("output", "grad:x"):
+            unfused[key] = torch.cat([r[case][False][key] for r in ranks])
+            fused[key] = torch.cat([r[case][True][key] for r in ranks])
+        assert sorted(fused) == sorted(unfused), case
+        for key, value in unfused.items():
+            torch.testing.assert_close(fused[key], value, rtol=RTOL, atol=ATOL, msg=f"{case} {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_every_case_on_two_ranks_matches_the_unfused_model_in_float64() -> None:
+    """Hooks on the tail BatchNorm and the activation (a user block, torchvision's and timm's),
+    the ``no_grad`` shortcut and replaced tail BatchNorms, on 2 gloo ranks with batches of 3 and
+    1: outputs, input gradients, summed parameter gradients and running statistics of the fused
+    conversion equal the unfused one's."""
+    import_timm()  # the timm cases need it: skip here, not in the workers
+    ranks = run_distributed(_cases_rank, len(SIZES), RANK_CASES, timeout=300.0)
+    _compare_ranks(ranks, RANK_CASES)
+
+
+def _pruned_rank(rank: int, world: int) -> dict[str, Any]:
+    """Two SGD steps of the pruned ResNet-18, unfused and fused, on this rank's part of the
+    batch (gradients averaged over the ranks before each step, as DDP does)."""
+    model = _resnet18().double().train()
+    x = torch.randn(sum(SIZES), 3, 32, 32, generator=torch.Generator().manual_seed(2)).double()
+    part = slice(sum(SIZES[:rank]), sum(SIZES[: rank + 1]))
+    results = {}
+    for fuse in (False, True):
+        net = convert_sync_batchnorm(copy.deepcopy(model), fuse_residual=fuse)
+        for bn in (net.layer1[0].bn2, net.layer2[0].bn2):
+            prune.l1_unstructured(bn, "weight", 0.5)
+        paths: list[bool] = []
+        for block in (net.layer1[0], net.layer1[1]):
+            block.register_forward_hook(lambda m, i, o, seen=paths: seen.append(_fused_ran(o)))
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            x_part = x[part].clone().requires_grad_()
+            out = net(x_part)
+            out.square().sum().backward()
+            for p in net.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            optimizer.step()
+        result = {"output": out.detach(), "grad:x": x_part.grad}
+        result.update({f"param:{n}": p.detach().clone() for n, p in net.named_parameters()})
+        result.update({f"grad:{n}": p.grad for n, p in net.named_parameters()})
+        result.update({f"buffer:{n}": b.clone() for n, b in net.named_buffers()})
+        result["fused"] = torch.tensor(False)  # the head's output: the blocks' paths below
+        results[fuse] = result
+        assert paths == ([False, True] if fuse else [False, False]) * 2, paths
+    return {"pruned resnet18": results}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_pruned_fused_resnet_on_two_ranks_matches_the_unfused_model_in_float64() -> None:
+    """Network slimming on 2 gloo ranks: two steps of the fused and the unfused pruned ResNet-18
+    give the same outputs, gradients, parameters and running statistics."""
+    _torchvision()
+    ranks = run_distributed(_pruned_rank, len(SIZES), timeout=300.0)
+    _compare_ranks(ranks, ("pruned resnet18",))
