@@ -1,9 +1,36 @@
-"""Shared test configuration: GPU auto-skip and common helpers."""
+"""Shared test configuration: GPU auto-skip, and the session's flight folder.
+
+Every SyncBN flight record the suite writes (``distributed/flight.py``), in this process and in
+every process it starts, goes to one temporary folder made for the session
+(``SYNCBN_FLIGHT_DIR``) and removed at its end: never into the checkout (a callback's default
+folder is ``.syncbn`` under the working directory). A test of where records go by default removes
+the variable itself (``monkeypatch.delenv``).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+FLIGHT_DIR_ENV = "SYNCBN_FLIGHT_DIR"
+_session_flight_dir: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    folder = tempfile.mkdtemp(prefix="syncbn-flight-")
+    _session_flight_dir.append(folder)
+    os.environ[FLIGHT_DIR_ENV] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _session_flight_dir:
+        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get(FLIGHT_DIR_ENV) == folder:
+            del os.environ[FLIGHT_DIR_ENV]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

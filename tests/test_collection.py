@@ -82,3 +82,9 @@ def test_tests_that_need_timm_skip_inside_the_test_saying_why(tmp_path: Path) ->
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "1 skipped" in run.stdout and "timm is not importable" in run.stdout, run.stdout
+
+
+def test_the_sessions_flight_records_go_to_a_temporary_folder_outside_the_checkout() -> None:
+    folder = Path(os.environ["SYNCBN_FLIGHT_DIR"])
+    assert folder.is_dir() and folder.name.startswith("syncbn-flight-"), folder
+    assert ROOT not in folder.resolve().parents, folder

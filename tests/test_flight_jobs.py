@@ -14,6 +14,7 @@ touches another job's file and never raises (issue 49, items 1 and 2).
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -31,7 +32,10 @@ from syncbn_lightning.distributed.flight_file import jobs_in, read_flight_dir
 
 
 @pytest.fixture(autouse=True)
-def _fresh_recorder():
+def _fresh_recorder(monkeypatch):
+    # Not the session's folder (conftest.py): these tests name theirs, or check the default.
+    monkeypatch.delenv(flight.FLIGHT_DIR_ENV, raising=False)
+    monkeypatch.delenv(flight.KEEP_JOBS_ENV, raising=False)
     flight.set_flight_dir(None)
     yield
     flight.set_flight_dir(None)
@@ -199,3 +203,89 @@ def test_the_callback_puts_the_process_folder_back_after_the_fit(tmp_path: Path)
         assert flight.flight_dir() == str(tmp_path / "mine")
     finally:
         flight.set_flight_dir(before)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bounded: a folder keeps the last N jobs; running out of names warns; readers read one job
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_folder_keeps_the_last_jobs_and_removes_older_ones_when_a_job_opens(
+    tmp_path: Path, monkeypatch
+) -> None:
+    folder = tmp_path / "records"
+    flight.set_flight_dir(folder, keep_jobs=3)
+    try:
+        jobs = []
+        for n in range(5):
+            _job(tmp_path, f"job{n}")
+            jobs.append(flight.current_recorder().job)
+            assert jobs_in(folder) == jobs[-3:], n
+        assert len(_ring_files(folder)) == 3
+        assert len(list(folder.rglob("*.names"))) == 3  # the names go with their ring
+        # The default, and the variable that changes it.
+        flight.set_flight_dir(folder, keep_jobs=0)
+        assert flight.flight_keep_jobs() == 0
+        _job(tmp_path, "kept")
+        assert len(jobs_in(folder)) == 4  # 0: nothing removed
+    finally:
+        flight.set_flight_dir(None, keep_jobs=flight.DEFAULT_KEEP_JOBS)
+    assert flight.flight_keep_jobs() == flight.DEFAULT_KEEP_JOBS == 10
+    monkeypatch.setattr(flight, "_keep_jobs", None)
+    monkeypatch.setenv(flight.KEEP_JOBS_ENV, "1")
+    assert flight.flight_keep_jobs() == 1
+    flight.set_flight_dir(folder)
+    _job(tmp_path, "alone")
+    assert jobs_in(folder) == [flight.current_recorder().job]
+    with pytest.raises(ValueError, match="keep_jobs must be an int >= 0"):
+        flight.set_flight_dir(folder, keep_jobs=-1)
+
+
+def test_running_out_of_file_names_warns_once_and_records_in_memory(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Every name (``flight_<job>_rank0.bin``, ``-1`` ... ``-99``) taken: the fallback to memory
+    says so, as every other fallback does."""
+
+    real_open = os.open
+
+    def taken(path, flags, *args, **kwargs):
+        if "flight_" in str(path) and flags & os.O_EXCL:
+            raise FileExistsError(17, "File exists", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", taken)
+    monkeypatch.setattr(flight, "_warned", set())
+    flight.set_flight_dir(tmp_path / "records")
+    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+        for name in ("a", "b"):
+            _job(tmp_path, name)
+    assert flight.current_recorder().path is None
+    warnings = [r.getMessage() for r in caplog.records if "cannot keep a file" in r.getMessage()]
+    assert len(warnings) == 1 and "all exist" in warnings[0], caplog.text
+
+
+def test_syncbn_flight_and_the_failure_report_read_only_the_job_they_report(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from syncbn_lightning.distributed import flight_file, flight_report
+
+    folder = tmp_path / "records"
+    flight.set_flight_dir(folder)
+    for name in ("old", "older", "latest"):
+        _job(tmp_path, name)
+    latest = flight.current_recorder()
+    flight.set_flight_dir(None)  # closes the recorders: what syncbn-flight sees after a job
+    read: list[Path] = []
+    real = flight_file.read_flight_file
+
+    def counting(path):
+        read.append(Path(path))
+        return real(path)
+
+    monkeypatch.setattr(flight_file, "read_flight_file", counting)
+    assert flight_report.main([str(folder)]) == 0
+    assert read == [latest.path], read
+    read.clear()
+    assert sorted(flight.read_flight_dir(folder, latest.job)) == [0]
+    assert read == [latest.path], read

@@ -19,9 +19,10 @@ trainer's log folder, the training service its run folder), a memory-mapped file
 kernel keeps its pages when the process is killed, and any process can read every rank's file
 while the job hangs), laid out as :mod:`.flight_file` says: ``node<N>/flight_<job>_rank<R>.bin``,
 created for this recorder only (never another job's file, never truncated) with its blocks
-allocated up front (a disk that fills up cannot fault a write into the map). When the file
-cannot be made, or the names file cannot be written, one warning says so and the ring stays in
-memory: recording never raises. :func:`report_failure` logs where the ranks' records parted.
+allocated up front (a disk that fills up cannot fault a write into the map); then the files of
+all but the last :func:`flight_keep_jobs` jobs (default 10) in the folder are removed. When the
+file cannot be made, or the names file cannot be written, one warning says so and the ring stays
+in memory: recording never raises. :func:`report_failure` logs where the ranks' records parted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import socket
 import struct
 import time
 import uuid
@@ -52,7 +52,10 @@ from .flight_file import (
     RECORD,
     FlightRecord,
     decode,
+    map_new_file,
     names_path,
+    node_folder,
+    prune_jobs,
     read_flight_dir,
     read_flight_file,
     read_layer_names,
@@ -62,7 +65,9 @@ __all__ = [
     "BACKWARD",
     "CHECK",
     "DEFAULT_CAPACITY",
+    "DEFAULT_KEEP_JOBS",
     "FLIGHT_DIR_ENV",
+    "KEEP_JOBS_ENV",
     "FORWARD",
     "OP_CODES",
     "FlightRecord",
@@ -70,7 +75,9 @@ __all__ = [
     "check_note",
     "current_recorder",
     "flight_dir",
+    "flight_keep_jobs",
     "flight_recorder",
+    "job_id",
     "layer_text",
     "next_call",
     "read_flight_dir",
@@ -89,6 +96,9 @@ log = logging.getLogger(__name__)
 FLIGHT_DIR_ENV = "SYNCBN_FLIGHT_DIR"
 #: Records each rank keeps (the oldest are overwritten).
 DEFAULT_CAPACITY = 256
+#: Jobs whose files a flight folder keeps (:func:`flight_keep_jobs`; the variable changes it).
+DEFAULT_KEEP_JOBS = 10
+KEEP_JOBS_ENV = "SYNCBN_FLIGHT_KEEP_JOBS"
 # The default store's key under which the ranks of a job agree on its id.
 _JOB_KEY = "syncbn_lightning/flight_job"
 
@@ -150,7 +160,7 @@ class FlightRecorder:
         self.job = job
         size = HEADER_SIZE + capacity * RECORD.size
         self._buffer: bytearray | mmap.mmap = (
-            bytearray(size) if self.path is None else _map_new_file(self.path, size)
+            bytearray(size) if self.path is None else map_new_file(self.path, size)
         )
         self._written = 0
         self._group_seq: dict[str, int] = {}
@@ -239,25 +249,6 @@ class FlightRecorder:
             self._buffer.close()
 
 
-def _map_new_file(path: Path, size: int) -> mmap.mmap:
-    """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
-    allocated blocks, mapped; on any failure the file is removed and the error raised (the file
-    descriptor is closed either way: the map holds its own)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
-        else:
-            os.ftruncate(fd, size)
-        mapped = mmap.mmap(fd, size)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    return mapped
-
-
 # ------------------------------------------------------------------------------------------------
 # The process's recorder, and where it writes
 # ------------------------------------------------------------------------------------------------
@@ -265,16 +256,33 @@ def _map_new_file(path: Path, size: int) -> mmap.mmap:
 _recorder: FlightRecorder | None = None
 _recorder_world: Any = None  # the default group the recorder was made in
 _flight_dir: str | None = None
+_keep_jobs: int | None = None
 
 
-def set_flight_dir(path: str | os.PathLike[str] | None) -> str | None:
+def set_flight_dir(
+    path: str | os.PathLike[str] | None, *, keep_jobs: int | None = None
+) -> str | None:
     """Keep this process's flight records in files under ``path`` (``None``: the
     ``SYNCBN_FLIGHT_DIR`` environment variable, else memory); returns the folder set before. Takes
-    effect with the next job's recorder (the current one is closed, a new one made when used)."""
-    global _flight_dir
+    effect with the next job's recorder (the current one is closed, a new one made when used).
+    ``keep_jobs``: see :func:`flight_keep_jobs` (``None`` leaves it as it is)."""
+    global _flight_dir, _keep_jobs
+    if keep_jobs is not None and (type(keep_jobs) is not int or keep_jobs < 0):
+        raise ValueError(f"keep_jobs must be an int >= 0 (0: keep all), got {keep_jobs!r}")
+    _keep_jobs = _keep_jobs if keep_jobs is None else keep_jobs
     previous, _flight_dir = _flight_dir, None if path is None else str(path)
     reset_flight_recorder()
     return previous
+
+
+def flight_keep_jobs() -> int:
+    """How many jobs' files (the newest, the opening job's included) a job keeps in its node's
+    folder when it opens its recorder: :func:`set_flight_dir`'s ``keep_jobs``, else
+    ``SYNCBN_FLIGHT_KEEP_JOBS``, else :data:`DEFAULT_KEEP_JOBS` (10); 0 keeps every job's."""
+    if _keep_jobs is not None:
+        return _keep_jobs
+    value = os.environ.get(KEEP_JOBS_ENV, "")
+    return int(value) if value.isdigit() else DEFAULT_KEEP_JOBS
 
 
 def flight_dir() -> str | None:
@@ -283,15 +291,11 @@ def flight_dir() -> str | None:
     return _flight_dir or os.environ.get(FLIGHT_DIR_ENV) or None
 
 
-def _default_group() -> Any:
-    return dist.distributed_c10d.GroupMember.WORLD if dist.is_available() else None
-
-
 def flight_recorder() -> FlightRecorder:
     """This process's recorder for the current job (see the module docstring), made on first use
     and anew when torch's default group changed."""
     global _recorder, _recorder_world
-    world = _default_group()
+    world = dist.distributed_c10d.GroupMember.WORLD if dist.is_available() else None
     if _recorder is not None and _recorder_world is not world:
         reset_flight_recorder()
     if _recorder is None:
@@ -299,7 +303,7 @@ def flight_recorder() -> FlightRecorder:
     return _recorder
 
 
-def _job_id() -> str:
+def job_id() -> str:
     """The id every rank of this job shares: made by the first rank to ask, kept in the default
     process group's store (``MASTER_ADDR:MASTER_PORT`` where there is none)."""
     fallback = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
@@ -311,35 +315,28 @@ def _job_id() -> str:
         return fallback
 
 
-def _node_folder() -> str:
-    """This process's node's folder in a flight directory: ``node<N>`` from the launcher's node
-    rank (torchrun's GROUP_RANK, SLURM_NODEID, Lightning's NODE_RANK), else the host's name."""
-    for variable in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
-        value = os.environ.get(variable, "")
-        if value.isdigit():
-            return f"node{value}"
-    return f"host-{socket.gethostname()}"
-
-
 def _open_recorder() -> FlightRecorder:
     if not (dist.is_available() and dist.is_initialized()):
         return FlightRecorder()
-    rank, world, job = dist.get_rank(), dist.get_world_size(), _job_id()
+    rank, world, job = dist.get_rank(), dist.get_world_size(), job_id()
     directory = flight_dir()
     if directory:
-        folder = Path(directory) / _node_folder()
+        folder = Path(directory) / node_folder()
         safe = "".join(c if c.isalnum() or c in "-." else "-" for c in job)
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for suffix in ("", *(f"-{n}" for n in range(1, 100))):
                 path = folder / f"flight_{safe}_rank{rank}{suffix}.bin"
                 try:
-                    return FlightRecorder(path=path, rank=rank, world=world, job=job)
+                    recorder = FlightRecorder(path=path, rank=rank, world=world, job=job)
                 except FileExistsError:
                     continue  # another recorder's file (an earlier recorder of this process)
+                prune_jobs(folder, flight_keep_jobs(), job)
+                return recorder
+            raise FileExistsError(f"flight_{safe}_rank{rank}-1..99.bin all exist")
         except OSError as exc:
             _warn_once(
-                "file",
+                f"file:{folder}",
                 "SyncBN flight recorder: cannot keep a file in %s (%s); recording in memory",
                 folder,
                 exc,

@@ -10,7 +10,9 @@ through the default process group's store); a reader groups the files by the id 
 
 from __future__ import annotations
 
+import mmap
 import os
+import socket
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +30,10 @@ __all__ = [
     "FlightRecord",
     "decode",
     "jobs_in",
+    "map_new_file",
     "names_path",
+    "node_folder",
+    "prune_jobs",
     "read_flight_dir",
     "read_flight_file",
     "read_layer_names",
@@ -96,6 +101,35 @@ def names_path(path: Path) -> Path:
     return path.with_suffix(".names")
 
 
+def map_new_file(path: Path, size: int) -> mmap.mmap:
+    """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
+    allocated blocks, mapped; on any failure the file is removed and the error raised (the file
+    descriptor is closed either way: the map holds its own)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
+        else:
+            os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return mapped
+
+
+def node_folder() -> str:
+    """This process's node's folder in a flight directory: ``node<N>`` from the launcher's node
+    rank (torchrun's GROUP_RANK, SLURM_NODEID, Lightning's NODE_RANK), else the host's name."""
+    for variable in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
+        value = os.environ.get(variable, "")
+        if value.isdigit():
+            return f"node{value}"
+    return f"host-{socket.gethostname()}"
+
+
 def read_flight_file(path: str | os.PathLike[str]) -> tuple[int, str, list[FlightRecord]]:
     """``(rank, job, records)`` of one rank's file."""
     (rank, _world, job), records = decode(Path(path).read_bytes())
@@ -104,25 +138,45 @@ def read_flight_file(path: str | os.PathLike[str]) -> tuple[int, str, list[Fligh
 
 def _ring_files(directory: str | os.PathLike[str]) -> list[Path]:
     """Every ring file under ``directory`` (its node folders, or itself), newest last."""
-    found = [p for p in Path(directory).rglob("flight_*rank*.bin") if p.is_file()]
-    return sorted(found, key=lambda p: (p.stat().st_mtime, str(p)))
+    found = []
+    for path in Path(directory).rglob("flight_*rank*.bin"):
+        try:
+            found.append((path.stat().st_mtime, str(path), path))
+        except OSError:
+            continue  # removed meanwhile (another job's pruning)
+    return [path for _mtime, _name, path in sorted(found)]
 
 
-def _readable(directory: str | os.PathLike[str]) -> list[tuple[Path, int, str, list[FlightRecord]]]:
+def _read_header(path: Path) -> tuple[int, str] | None:
+    """``(rank, job)`` from the header of the ring file ``path`` (its first bytes only), or
+    ``None`` for another program's file, one cut short or gone."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(HEADER_SIZE)
+        magic, rank, _world, _pid, _capacity, _written, job = HEADER.unpack_from(data, 0)
+    except (OSError, struct.error):
+        return None
+    if magic != MAGIC:
+        return None
+    return rank, job.rstrip(b"\0").decode(errors="replace")
+
+
+def _job_files(directory: str | os.PathLike[str]) -> list[tuple[Path, int, str]]:
+    """``(path, rank, job)`` of every readable ring file under ``directory``, newest last; only
+    the headers are read."""
     out = []
     for path in _ring_files(directory):
-        try:
-            rank, job, records = read_flight_file(path)
-        except (OSError, ValueError, struct.error):
-            continue  # another program's file, or one cut short
-        out.append((path, rank, job, records))
+        header = _read_header(path)
+        if header is not None:
+            out.append((path, *header))
     return out
 
 
 def jobs_in(directory: str | os.PathLike[str]) -> list[str]:
-    """The jobs whose records ``directory`` holds, the most recently written last."""
+    """The jobs whose records ``directory`` holds, the most recently written last (from the
+    files' headers: no records are read)."""
     jobs: list[str] = []
-    for _path, _rank, job, _records in _readable(directory):
+    for _path, _rank, job in _job_files(directory):
         if job in jobs:
             jobs.remove(job)
         jobs.append(job)
@@ -133,20 +187,30 @@ def read_flight_dir(
     directory: str | os.PathLike[str], job: str | None = None
 ) -> dict[int, list[FlightRecord]]:
     """Every rank's records of ``job`` under ``directory`` (its node folders included), by global
-    rank; ``job=None``: the most recently written job's. Unreadable files are skipped."""
-    readable = _readable(directory)
+    rank; ``job=None``: the most recently written job's. Only that job's files are read (the
+    others' headers only); unreadable files are skipped."""
+    files = _job_files(directory)
     if job is None:
-        if not readable:
+        if not files:
             return {}
-        job = readable[-1][2]
-    return {rank: records for _path, rank, file_job, records in readable if file_job == job}
+        job = files[-1][2]
+    out = {}
+    for path, _rank, file_job in files:
+        if file_job != job:
+            continue
+        try:
+            rank, _job, records = read_flight_file(path)
+        except (OSError, ValueError, struct.error):
+            continue  # cut short, or removed meanwhile
+        out[rank] = records
+    return out
 
 
 def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) -> dict[int, str]:
     """Tag -> layer name from the names files under ``directory`` (of ``job``'s files only, when
     given)."""
     names: dict[int, str] = {}
-    for path, _rank, file_job, _records in _readable(directory):
+    for path, _rank, file_job in _job_files(directory):
         if job is not None and file_job != job:
             continue
         try:
@@ -158,3 +222,27 @@ def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) 
             if tag.isdigit() and name:
                 names[int(tag)] = name
     return names
+
+
+def prune_jobs(folder: str | os.PathLike[str], keep: int, current: str) -> list[Path]:
+    """Remove the ring and names files of all but the ``keep`` most recently written jobs in
+    ``folder`` (``current``, the job opening its recorder, always among them; ``keep`` 0: remove
+    nothing). A job still running keeps writing its files, so it stays among the newest. Returns
+    the files removed; files another process removed first are skipped."""
+    if keep < 1:
+        return []
+    jobs = [job for job in jobs_in(folder) if job != current]
+    old = set(jobs[: max(len(jobs) - (keep - 1), 0)])
+    removed = []
+    for path, _rank, job in _job_files(folder):
+        if job not in old:
+            continue
+        for part in (path, names_path(path)):
+            try:
+                part.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError:
+                break  # not ours to remove (permissions): leave the job as it is
+            removed.append(part)
+    return removed
