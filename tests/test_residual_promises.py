@@ -497,24 +497,42 @@ def _case_on_rank(case: str, rank: int, fuse_it: bool) -> dict[str, torch.Tensor
 
 
 def _cases_rank(rank: int, world: int, cases: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        case: {fuse: _case_on_rank(case, rank, fuse) for fuse in (False, True)} for case in cases
-    }
+    """Every case's results on this rank, or the error it raised (the same on every rank: the
+    ranks run the same code), so that one failing case does not hide the others."""
+    results: dict[str, Any] = {}
+    for case in cases:
+        try:
+            results[case] = {fuse: _case_on_rank(case, rank, fuse) for fuse in (False, True)}
+        except Exception as exc:  # reported by the parent, with every other case's verdict
+            results[case] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
+def _case_failure(ranks: list[dict[str, Any]], case: str) -> str | None:
+    """Why the fused conversion of ``case`` differs from the unfused one on the ranks, or
+    ``None``."""
+    if isinstance(ranks[0][case], str):
+        return ranks[0][case]
+    if any(bool(r[case][fuse]["fused"]) for r in ranks for fuse in (False, True)):
+        return "the fused call ran: the block's own forward should have"
+    unfused = {k: v for k, v in ranks[0][case][False].items() if k != "fused"}
+    fused = {k: v for k, v in ranks[0][case][True].items() if k != "fused"}
+    for key in ("output", "grad:x"):
+        unfused[key] = torch.cat([r[case][False][key] for r in ranks])
+        fused[key] = torch.cat([r[case][True][key] for r in ranks])
+    if sorted(fused) != sorted(unfused):
+        return f"results differ in keys: {sorted(set(fused) ^ set(unfused))}"
+    for key, value in unfused.items():
+        try:
+            torch.testing.assert_close(fused[key], value, rtol=RTOL, atol=ATOL)
+        except AssertionError as exc:
+            return f"{key}: {str(exc).splitlines()[0]}"
+    return None
 
 
 def _compare_ranks(ranks: list[dict[str, Any]], cases: tuple[str, ...]) -> None:
-    for case in cases:
-        for fused_key in (True, False):
-            per_rank = [r[case][fused_key] for r in ranks]
-            assert not any(bool(r["fused"]) for r in per_rank), case  # own forward on every rank
-        unfused = {k: v for k, v in ranks[0][case][False].items() if k != "fused"}
-        fused = {k: v for k, v in ranks[0][case][True].items() if k != "fused"}
-        for key in ("output", "grad:x"):
-            unfused[key] = torch.cat([r[case][False][key] for r in ranks])
-            fused[key] = torch.cat([r[case][True][key] for r in ranks])
-        assert sorted(fused) == sorted(unfused), case
-        for key, value in unfused.items():
-            torch.testing.assert_close(fused[key], value, rtol=RTOL, atol=ATOL, msg=f"{case} {key}")
+    failures = {case: _case_failure(ranks, case) for case in cases}
+    assert {k: v for k, v in failures.items() if v is not None} == {}
 
 
 @pytest.mark.slow
