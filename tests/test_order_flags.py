@@ -247,3 +247,95 @@ def test_a_compiled_backward_keeps_its_order_flag(tmp_path: Path) -> None:
     # Rank 1's backward of body.1 met rank 0's of aux.1, its stem.1's rank 0's body.1.
     assert "compiled code found a mismatch at the backward of 'stem.1' (call #1)" in text, text
     assert "the backward of 'body.1' (call #1)" in text, text
+
+
+# ------------------------------------------------------------------------------------------------
+# A watcher's life is its job's (issue 55, item 1), and the queue's lock
+# ------------------------------------------------------------------------------------------------
+
+
+def _watchers_gone(within_s: float = 2.0) -> list[Any]:
+    """The SyncBN watcher threads still alive after waiting up to ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while group_abort.watcher_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return group_abort.watcher_threads()
+
+
+def test_three_jobs_in_one_process_leave_no_syncbn_thread(tmp_path: Path, queued_flags) -> None:
+    """Three one-rank jobs one after another (init, convert with the reference kernels, 3 steps
+    with queued flags, check_call_order, destroy_process_group): each job's watcher runs while
+    it runs, keyed by the job's id, and is gone after its destroy_process_group."""
+    import torch.distributed as dist
+
+    from syncbn_lightning.distributed import flight
+
+    assert not _watchers_gone(), "a watcher of an earlier test is still running"
+    jobs = []
+    for n in range(3):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s{n}", rank=0, world_size=1)
+        try:
+            net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), force_sync=True)
+            net[0].impl = "reference"
+            for _ in range(3):
+                net(torch.randn(3, 4)).sum().backward()
+            check_call_order()
+            job = flight.job_id()
+            running = group_abort.watcher_threads()
+            assert len(running) == 1 and [key[0] for key in group_abort._watchers] == [job]
+            jobs.append(job)
+        finally:
+            dist.destroy_process_group()
+        assert not _watchers_gone(), f"job {n}: a watcher outlived destroy_process_group"
+    assert len(set(jobs)) == 3
+
+
+def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path) -> None:
+    """A layer whose calls are all compiled queues nothing in Python: its group's watcher
+    starts when the model is converted onto the group, and revert_sync_batchnorm ends it."""
+    import torch.distributed as dist
+
+    from syncbn_lightning import revert_sync_batchnorm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
+        (thread,) = group_abort.watcher_threads()
+        assert thread.name == f"syncbn-abort-watch-{group.group_name}"
+        revert_sync_batchnorm(net)
+        assert not group_abort.watcher_threads()  # joined before revert returns
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_queue_changes_only_under_its_lock(queued_flags: None) -> None:
+    """A poller takes the queue's head while another thread (a DataParallel replica, the
+    callback) empties the queue: the poller's take is whole, the other waits for it."""
+    import threading
+
+    cleared: list[threading.Thread] = []
+
+    class Racing:
+        """A copy whose readiness check lets another thread run check_call_order."""
+
+        def ready(self) -> bool:
+            other = threading.Thread(target=check_call_order)
+            other.start()
+            other.join(0.5)  # with the lock held, it waits for this take
+            cleared.append(other)
+            return True
+
+        def ok(self) -> bool:
+            return True
+
+    def report() -> None:
+        raise CallOrderError("never")
+
+    ones = torch.ones(1)
+    call_order._pending.append((ones, 0, report, (), None, Racing()))
+    call_order._pending.append((ones, 0, report, (), None, call_order._FlagCopy.of(ones, 0)))
+    call_order.poll_order_checks()
+    (other,) = cleared
+    other.join(5)
+    assert not other.is_alive() and call_order._pending == []

@@ -82,7 +82,8 @@ class CallOrderError(RuntimeError):
 # error if the flag is 0, its arguments, the group, the flag's host copy or None).
 _Entry = tuple[torch.Tensor, int, Callable[..., None], tuple[Any, ...], Group, "_FlagCopy | None"]
 _pending: list[_Entry] = []
-_poll_lock = threading.Lock()
+_poll_lock = threading.Lock()  # one poller at a time (DataParallel's replica threads)
+_queue_lock = threading.Lock()  # every change of _pending from eager code (compiled code appends)
 
 
 class _FlagCopy:
@@ -226,10 +227,11 @@ def check_call_order() -> None:
     if _status_used:
         _status_used = False
         _check_statuses()
-    if not _pending:
+    with _queue_lock:
+        queued = list(_pending)
+        _pending.clear()
+    if not queued:
         return
-    queued = list(_pending)
-    _pending.clear()
     flags = torch.stack([entry[0][entry[1]] for entry in queued]).cpu()
     for ok, entry in zip(flags.tolist(), queued, strict=True):
         if not ok:
@@ -297,17 +299,20 @@ def poll_order_checks() -> None:
 
 def _poll_queue() -> None:
     """:func:`poll_order_checks`' loop over the queue, oldest first."""
-    while _pending:
-        entry = _pending[0]
-        copy = entry[5]
-        if copy is None:  # queued by compiled code: copy it now (not while capturing)
-            copy = _FlagCopy.of(entry[0], entry[1])
-            if copy is None:
+    while True:
+        with _queue_lock:  # the head is taken whole: another thread may clear the queue
+            if not _pending:
                 return
-            entry = _pending[0] = (*entry[:5], copy)
-        if not copy.ready():
-            return
-        del _pending[0]
+            entry = _pending[0]
+            copy = entry[5]
+            if copy is None:  # queued by compiled code: copy it now (not while capturing)
+                copy = _FlagCopy.of(entry[0], entry[1])
+                if copy is None:
+                    return
+                entry = _pending[0] = (*entry[:5], copy)
+            if not copy.ready():
+                return
+            del _pending[0]
         if not copy.ok():
             _fail(entry)
 
@@ -332,15 +337,19 @@ def queue_order_check(
         return  # a captured graph's flags hold nothing yet, and each replay rewrites them
     if isinstance(group, str):
         group_abort.watch_group(group)
-    _pending.append((flags, index, report, args, group, _FlagCopy.of(flags, index)))
-    if len(_pending) >= _MAX_PENDING:
+    entry = (flags, index, report, args, group, _FlagCopy.of(flags, index))
+    with _queue_lock:
+        _pending.append(entry)
+        full = len(_pending) >= _MAX_PENDING
+    if full:
         check_call_order()
 
 
 def _fail(entry: _Entry) -> None:
     """A queued flag is 0: drop the queue, raise the entry's error, and first tell the other
     ranks of its group (they may be waiting in a collective this rank will never join)."""
-    _pending.clear()
+    with _queue_lock:
+        _pending.clear()
     _flags, _index, report, args, group, _copy = entry
     try:
         report(*args)
@@ -353,7 +362,8 @@ def _fail(entry: _Entry) -> None:
 def _raise_if_published() -> None:
     message = group_abort.published_message()
     if message is not None:
-        _pending.clear()
+        with _queue_lock:
+            _pending.clear()
         raise CallOrderError(
             f"Another rank of this rank's SyncBatchNorm sync group found a call-order mismatch "
             f"and ended the group: {message}"

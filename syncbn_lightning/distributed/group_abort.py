@@ -8,11 +8,20 @@ timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
 
 * it writes the error message under a key of the job's store (``syncbn/abort/<group name>``) and
   aborts its own member of SyncBN's group;
-* every rank that queues flags on a group runs one watcher thread for it, blocked in a wait for
-  that key on its own connection to the store (:meth:`torch.distributed.Store.clone`). When the
-  key appears, the watcher logs the message, aborts this rank's member of the group (on NCCL its
-  pending collectives fail at once) and remembers the message: the rank's next synchronized call
-  or :func:`~syncbn_lightning.check_call_order` raises :class:`~.call_order.CallOrderError` with it.
+* every rank runs one watcher thread per SyncBN group of its job, started when SyncBN makes the
+  group (:mod:`.groups`), converts a model onto it, or first queues a flag on it (eager or
+  compiled code alike: groups are made and converted onto eagerly). On its own connection to the
+  store (:meth:`torch.distributed.Store.clone`) it checks for that key every
+  :data:`POLL_S` seconds. When the key appears, the watcher logs the message, aborts this rank's
+  member of the group (on NCCL its pending collectives fail at once) and remembers the message:
+  the rank's next synchronized call or :func:`~syncbn_lightning.check_call_order` raises
+  :class:`~.call_order.CallOrderError` with it.
+
+**A watcher lives as long as its job.** It is keyed by the job's id (the one the default store
+holds, :func:`.flight.job_id`) and the group's name, and ends, closing its connection, when its
+job's default group is destroyed (``destroy_process_group``: seen within :data:`POLL_S`), when
+:func:`stop_watchers` is called (``SyncBNCallback``'s teardown, ``revert_sync_batchnorm``), when
+the store goes away, and at interpreter exit (joined before the interpreter finalizes).
 
 On gloo an abort does not end a collective already waiting on the host; those end when the
 publishing rank's process exits and its connections close (it raised). Only SyncBN's own groups
@@ -22,38 +31,62 @@ own).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-from datetime import timedelta
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
+from . import flight
 from .collectives import process_group
 
 __all__ = [
+    "POLL_S",
     "abort_group",
     "publish_mismatch",
     "published_message",
     "signalled",
+    "stop_watchers",
     "watch_group",
+    "watcher_threads",
 ]
 
 _log = logging.getLogger(__name__)
 
 _KEY = "syncbn/abort/"
-# The watcher's wait: long enough never to time out in a job (a timeout logs two lines in c10d);
-# it ends when the key appears or the store goes away with the job.
-_WAIT = timedelta(days=7)
+#: How often a watcher checks its group's key and whether its job still runs (seconds).
+POLL_S = 0.2
+# How long stop_watchers waits for each watcher to end (it ends within POLL_S).
+_JOIN_S = 2.0
 
-# Keys are (id of the job's store, group name): a new job's default group brings a new store,
-# and group names repeat from job to job.
+# Keys are (the job's id, group name): group names repeat from job to job.
 # Mismatches published by another rank of a group this process watches: key -> message.
-_signalled: dict[tuple[int, str], str] = {}
-# Groups watched, and groups whose mismatch this rank published (its watcher stays quiet).
-_watched: set[tuple[int, str]] = set()
-_published: set[tuple[int, str]] = set()
+_signalled: dict[tuple[str, str], str] = {}
+# Groups whose mismatch this rank published (its watcher stays quiet).
+_published: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+
+
+class _Watcher:
+    """One group's watcher: its thread, its stop event and the default group of its job."""
+
+    __slots__ = ("key", "stop", "thread", "world")
+
+    def __init__(self, key: tuple[str, str], world: Any) -> None:
+        self.key, self.stop, self.world = key, threading.Event(), weakref.ref(world)
+        self.thread: threading.Thread | None = None
+
+    def job_running(self) -> bool:
+        """Whether the default group this watcher started in is still the process's."""
+        world = self.world()
+        return world is not None and dist.is_initialized() and dist.GroupMember.WORLD is world
+
+
+_watchers: dict[tuple[str, str], _Watcher] = {}
+# (the default group, as a weak reference, and its job's id): the id asked of the store once.
+_job: tuple[Any, str] | None = None
 
 
 def _store() -> Any:
@@ -66,6 +99,17 @@ def _store() -> Any:
         return None
 
 
+def _job_id() -> str | None:
+    """The running job's id (``None`` outside a job), asked of the store once per job."""
+    global _job
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.GroupMember.WORLD
+    if _job is None or _job[0]() is not world:
+        _job = (weakref.ref(world), flight.job_id())
+    return _job[1]
+
+
 def signalled() -> bool:
     """Whether another rank published a mismatch of a group this process watches (any job):
     read at each synchronized call, so a dict's truth value and nothing more."""
@@ -75,9 +119,9 @@ def signalled() -> bool:
 def published_message() -> str | None:
     """The message another rank of this job published for a group this process watches, or
     ``None``; drops messages of earlier jobs of this process."""
-    store = _store()
+    job = _job_id() if _signalled else None
     for key in list(_signalled):
-        if store is not None and key[0] == id(store):
+        if key[0] == job:
             return _signalled[key]
         del _signalled[key]
     return None
@@ -96,9 +140,9 @@ def publish_mismatch(group: str, message: str) -> None:
     """Tell every rank watching ``group`` that this rank found a call-order mismatch
     (``message``, the error it raises), then abort this rank's member of the group. Never
     raises: the caller raises the error itself."""
-    store = _store()
-    if store is not None:
-        _published.add((id(store), group))
+    store, job = _store(), _job_id()
+    if store is not None and job is not None:
+        _published.add((job, group))
         try:
             rank = dist.get_rank()
             store.set(_KEY + group, f"global rank {rank} found: {message}")
@@ -109,38 +153,72 @@ def publish_mismatch(group: str, message: str) -> None:
 
 def watch_group(group: str) -> None:
     """Start this process's watcher of ``group`` (once per group and job; see the module
-    docstring). Cheap when already started: a set lookup."""
-    store = _store()
-    if store is None or (id(store), group) in _watched:
+    docstring). Cheap when already started: a dict lookup."""
+    job = _job_id()
+    if job is None or (job, group) in _watchers:
         return
     with _lock:
-        if (id(store), group) in _watched:
+        if (job, group) in _watchers:
             return
-        _watched.add((id(store), group))
-    try:
-        connection = store.clone()
-    except Exception as exc:  # a store that cannot be cloned: the error still ends this rank
-        _log.debug("syncbn_lightning: no watcher for group %s: %s", group, exc)
-        return
-    name = f"syncbn-abort-watch-{group}"
-    key = (id(store), group)
-    threading.Thread(target=_watch, args=(connection, key), name=name, daemon=True).start()
+        watcher = _Watcher((job, group), dist.GroupMember.WORLD)
+        _watchers[watcher.key] = watcher  # also when no watcher runs: asked once per job
+        try:
+            connection = _store().clone()
+        except Exception as exc:  # a store that cannot be cloned: the error still ends this rank
+            _log.debug("syncbn_lightning: no watcher for group %s: %s", group, exc)
+            return
+        name = f"syncbn-abort-watch-{group}"
+        watcher.thread = threading.Thread(
+            target=_watch, args=(connection, watcher), name=name, daemon=True
+        )
+        watcher.thread.start()
 
 
-def _watch(connection: Any, key: tuple[int, str]) -> None:
-    """The watcher thread: wait for the group's key; on it, log, remember and abort."""
-    group = key[1]
+def stop_watchers() -> None:
+    """End every watcher of this process and close its connection (they end by themselves when
+    their job's default group is destroyed): the callback's teardown, ``revert_sync_batchnorm``
+    and interpreter exit call it. A later SyncBN group or queued flag starts them again."""
+    with _lock:
+        watchers = list(_watchers.values())
+        _watchers.clear()
+    for watcher in watchers:
+        watcher.stop.set()
+    for watcher in watchers:
+        if watcher.thread is not None and watcher.thread is not threading.current_thread():
+            watcher.thread.join(_JOIN_S)
+
+
+def watcher_threads() -> list[threading.Thread]:
+    """The watcher threads of this process still running."""
+    return [t for t in threading.enumerate() if t.name.startswith("syncbn-abort-watch-")]
+
+
+def _watch(connection: Any, watcher: _Watcher) -> None:
+    """The watcher thread: check the group's key until it appears, the job ends or it is
+    stopped; on the key, log, remember and abort. Its connection is closed as it ends."""
+    job, group = watcher.key
+    message = None
     try:
-        connection.wait([_KEY + group], _WAIT)
-        message = bytes(connection.get(_KEY + group)).decode()
-    except Exception:  # the store went away (the job ended) or the wait timed out
-        return
-    if key in _published:
-        return  # this rank found it, raised, and aborted the group already
-    _signalled[key] = message
+        while not watcher.stop.wait(POLL_S) and watcher.job_running():
+            if connection.check([_KEY + group]):
+                message = bytes(connection.get(_KEY + group)).decode()
+                break
+    except Exception:  # the store went away with the job
+        pass
+    finally:
+        del connection  # the clone's socket (or file handle) closes here
+        with _lock:
+            if _watchers.get(watcher.key) is watcher and message is None:
+                del _watchers[watcher.key]  # ended with its job: a new job starts anew
+    if message is None or watcher.key in _published:
+        return  # nothing published, or this rank found it, raised, and aborted the group
+    _signalled[watcher.key] = message
     _log.error(
         "syncbn_lightning: a SyncBatchNorm call-order mismatch in sync group %s ended it: %s",
         group,
         message,
     )
     abort_group(group)
+
+
+atexit.register(stop_watchers)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import group_abort
 from .group_sizes import (
     DEFAULT_TARGET_NORM_BATCH,
     GroupSize,
@@ -47,6 +48,7 @@ __all__ = [
     "sync_timeout",
     "sync_world_group",
     "validate_group_size",
+    "watch_sync_group",
 ]
 
 
@@ -103,6 +105,7 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         group = dist.new_group(ranks, timeout=timeout, group_desc=f"syncbn_{start}")
         if rank in ranks:
             mine = group
+    group_abort.watch_group(mine.group_name)
     return mine
 
 
@@ -162,7 +165,21 @@ def sync_world_group() -> dist.ProcessGroup:
     if _world_twin is None or _world_twin[0] is not world:
         twin = dist.new_group(timeout=sync_timeout(), group_desc="syncbn_world")
         _world_twin = (world, twin)
+        group_abort.watch_group(twin.group_name)
     return _world_twin[1]
+
+
+def watch_sync_group(process_group: Any) -> None:
+    """Start the call-order watcher (:mod:`.group_abort`) of the group a layer with
+    ``process_group`` synchronizes through, in a running job: a group of the caller's, or the
+    world's twin once made (this never makes a group). The converter calls it, so that a job
+    whose layers run only compiled code has its watchers too."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if isinstance(process_group, dist.ProcessGroup) and process_group is not dist.group.WORLD:
+        group_abort.watch_group(process_group.group_name)
+    elif _world_twin is not None and _world_twin[0] is dist.group.WORLD:
+        group_abort.watch_group(_world_twin[1].group_name)
 
 
 def _world_group_name() -> str:

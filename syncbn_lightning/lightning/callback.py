@@ -24,6 +24,7 @@ from ..distributed.group_sizes import (
     auto_group_summary,
     resolve_group_size,
 )
+from ..distributed.group_abort import stop_watchers
 from ..distributed.groups import new_sync_group
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.checks import FuseResidual, check_fuse_residual
@@ -86,7 +87,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             results, classes and state_dict keys. Default: False.
         flight_dir: the folder of the ranks' SyncBN flight records (``syncbn-flight`` reads
             them); ``None``: one set already (``SYNCBN_FLIGHT_DIR``), else the log folder's
-            ``.syncbn``. Default: None.
+            ``.syncbn``. A folder keeps the files of the last 10 jobs
+            (``SYNCBN_FLIGHT_KEEP_JOBS``). Default: None.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -321,6 +323,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         if stage == "fit":
             restore_flight_records(self._kept_flight_dir)
             self._kept_flight_dir = None
+            stop_watchers()  # the fit's call-order watchers end with it
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-from ..distributed.groups import check_process_group
+from ..distributed.group_abort import stop_watchers
+from ..distributed.groups import check_process_group, watch_sync_group
 from ..functional.options import KEEP, SyncOptions
 from .checks import FuseResidual, check_fuse_residual
 from .layer_state import name_sync_layers
@@ -231,6 +232,7 @@ def convert_with(
         )
     converted = _convert_tree(module, (process_group, options), custom_forward, "")
     name_sync_layers(converted)
+    watch_sync_group(process_group)
     return converted
 
 
@@ -244,6 +246,7 @@ def configure_sync_layers(
     for layer in layers:
         layer.sync_options = options.apply_to(layer.sync_options)
         layer.process_group = process_group
+    watch_sync_group(process_group)
     return layers
 
 
@@ -299,7 +302,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     ``BatchNorm2d``, with its input-dim check; a subclass with its extra attributes), sharing the
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
     are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a
-    :class:`SyncBatchNormAct`: :class:`BatchNormActXd`, with its ``act`` and ``drop``).
+    :class:`SyncBatchNormAct`: :class:`BatchNormActXd`, with its ``act`` and ``drop``). The
+    process's call-order watcher threads end (a later conversion starts them again).
 
     Args:
         module: the model, or a single layer.
@@ -315,6 +319,7 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         'BatchNorm2d'
     """
     _require_module(module)
+    stop_watchers()  # the job's SyncBN is done with; a later conversion starts them again
     return _revert_tree(_RESIDUAL_HOOKS["unfuse"](module))
 
 
