@@ -300,6 +300,37 @@ def test_opcheck_schemas_fakes_and_registrations(ops) -> None:
         torch.library.opcheck(ops.grad_sums_residual.default, (dy, x, mean, invstd, None, None, r))
 
 
+def test_the_layer_backwards_fake_gives_no_input_gradient_where_the_kernel_gives_none(ops) -> None:
+    """``sync_batch_norm_backward`` with ``input_grad=False`` (a layer whose input needs no
+    gradient) returns no input gradient: the fake kernel says so too, for compiled code."""
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    w, b = torch.rand(4, dtype=torch.float64) + 0.5, torch.randn(4, dtype=torch.float64)
+    state = [torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
+    counters = [torch.zeros(1, dtype=torch.long) for _ in range(3)]
+    group = {"group": None, "world_size": 1, "layer_tag": 7, "queue_order_flags": False}
+    settings = {
+        **group,
+        **{"reduce": False, "momentum": 0.1, "eps": 1e-5, "unbiased": True},
+        **{"equal_rank_weights": False, "act": 0, "act_param": 0.0, "num_features": 4},
+    }
+    out = ops.sync_batch_norm_forward.default(x, w, b, *state, *counters, None, **settings)
+    for residual in (None, torch.randn_like(x)):
+        args = (torch.randn_like(x), x, w, b, residual, out[1], out[4], out[5], out[6])
+        kwargs = {**group, "act": 0, "act_param": 0.0, "flight_call": -1, "input_grad": False}
+        real = ops.sync_batch_norm_backward.default(*args, **kwargs)
+        assert real[0] is None and real[1] is not None
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake = ops.sync_batch_norm_backward.default(
+                *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args),
+                **kwargs,
+            )
+        assert [g is None for g in fake] == [g is None for g in real], residual is None
+        torch.library.opcheck(
+            ops.sync_batch_norm_backward.default, args, kwargs, test_utils=("test_faketensor",)
+        )
+
+
+
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("offset", [1e4, 1e6])

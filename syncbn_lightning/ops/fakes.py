@@ -148,12 +148,14 @@ def _layer_backward_fake(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    *_rest: Any,
+    *rest: Any,
 ) -> tuple[torch.Tensor | None, ...]:
     """``syncbn::sync_batch_norm_backward``: the input's and the residual's gradients like the
-    input, the parameters' like the weight (``None`` where the real kernel returns none)."""
+    input, the parameters' like the weight (``None`` where the real kernel returns none: no
+    input gradient with ``input_grad`` false, the schema's last argument)."""
     grads = [None, None] if weight is None else [weight.new_empty(weight.shape) for _ in "wb"]
-    return _dense_like(input), *grads, None if residual is None else _dense_like(input)
+    grad_input = _dense_like(input) if rest[-1] else None
+    return grad_input, *grads, None if residual is None else _dense_like(input)
 
 
 _FAKES = {
