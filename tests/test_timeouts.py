@@ -33,6 +33,31 @@ def test_set_sync_timeout_takes_seconds_or_a_timedelta_and_refuses_nonpositive()
         set_sync_timeout(None)
 
 
+def test_set_sync_timeout_after_the_jobs_groups_exist_raises_naming_the_fix(tmp_path) -> None:
+    """Once SyncBN made this job's groups, another timeout would change nothing: it raises.
+    The same timeout again is fine, and the next job's groups take a new one."""
+    import torch.distributed as dist
+
+    from syncbn_lightning.distributed.groups import sync_world_group
+
+    try:
+        for job, first in enumerate((5, 7)):
+            store = f"file://{tmp_path}/store{job}"
+            dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+            try:
+                set_sync_timeout(first)
+                twin = sync_world_group()
+                set_sync_timeout(first)  # what the groups have: nothing to refuse
+                with pytest.raises(RuntimeError, match="before new_sync_group"):
+                    set_sync_timeout(30)
+                assert sync_timeout() == timedelta(seconds=first)
+                assert twin is sync_world_group()
+            finally:
+                dist.destroy_process_group()
+    finally:
+        set_sync_timeout(None)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(420)

@@ -15,12 +15,14 @@ of its own, at most one SyncBN collective is in flight at a time (each is waited
 layer goes on), and the group's order is the layers' call order, which the call-order tags check;
 nothing else (DDP's hooks, Lightning's SIGTERM handler, a user's metric) can slip a collective into
 it. So the world synchronizes through :func:`sync_world_group`, the world's ranks in a group of
-their own, and :func:`new_sync_group` makes fresh groups; both take the default group's timeout
-(``dist.new_group`` would default to 30 minutes).
+their own, and :func:`new_sync_group` makes fresh groups; both take SyncBN's timeout
+(:func:`set_sync_timeout`, else the default group's; ``dist.new_group`` would default to 30
+minutes).
 """
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -65,7 +67,7 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
             BatchNorm.
 
     Returns:
-        The process group containing this rank (a new one, with the default group's timeout), or
+        The process group containing this rank (a new one, with :func:`sync_timeout`), or
         ``None`` for the whole world.
 
     Raises:
@@ -105,6 +107,7 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         group = dist.new_group(ranks, timeout=timeout, group_desc=f"syncbn_{start}")
         if rank in ranks:
             mine = group
+    _note_groups_made(timeout)
     group_abort.watch_group(mine.group_name)
     return mine
 
@@ -163,8 +166,10 @@ def sync_world_group() -> dist.ProcessGroup:
         )
     world = dist.group.WORLD
     if _world_twin is None or _world_twin[0] is not world:
-        twin = dist.new_group(timeout=sync_timeout(), group_desc="syncbn_world")
+        timeout = sync_timeout()
+        twin = dist.new_group(timeout=timeout, group_desc="syncbn_world")
         _world_twin = (world, twin)
+        _note_groups_made(timeout)
         group_abort.watch_group(twin.group_name)
     return _world_twin[1]
 
@@ -195,25 +200,43 @@ _world_group_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _sync_timeout: timedelta | None = None
+# (the default group SyncBN last made groups in, as a weak reference, and their timeout).
+_groups_made: tuple[Any, timedelta | None] | None = None
+
+
+def _note_groups_made(timeout: timedelta | None) -> None:
+    global _groups_made
+    _groups_made = (weakref.ref(dist.group.WORLD), timeout)
 
 
 def set_sync_timeout(timeout: timedelta | float | None) -> None:
-    """The collective timeout of the process groups SyncBN makes from now on
-    (:func:`sync_world_group`, :func:`new_sync_group`; seconds or a timedelta); call it on every
-    rank before the layers' first synchronized call. ``None`` (the default): the default
-    group's. Set it shorter than the default group's: a rank that stops
-    inside a SyncBN collective then ends the job after this long, while DDP's and Lightning's
-    collectives on the default group (barriers while rank 0 evaluates or saves alone) keep the
-    longer one.
+    """The collective timeout of the process groups SyncBN makes (:func:`sync_world_group`,
+    :func:`new_sync_group`; seconds or a timedelta); call it on every rank before SyncBN makes
+    the job's groups: before ``new_sync_group``, ``SyncBNCallback``'s setup and the layers'
+    first synchronized call. ``None`` (the default): the default group's. Set it shorter than the
+    default group's: a rank that stops inside a SyncBN collective then ends the job after this
+    long, while DDP's and Lightning's collectives on the default group (barriers while rank 0
+    evaluates or saves alone) keep the longer one.
 
     Raises:
         ValueError: for a timeout that is not positive.
+        RuntimeError: when SyncBN already made this job's groups with another timeout (a group
+            keeps the timeout it was made with; a later job's groups take the new one).
     """
     global _sync_timeout
     if timeout is not None and not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
     if timeout is not None and timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
+    made = _groups_made
+    if made is not None and dist.is_available() and dist.is_initialized():
+        if made[0]() is dist.group.WORLD and made[1] != (timeout or _default_timeout()):
+            raise RuntimeError(
+                f"set_sync_timeout({timeout}) came after SyncBN made this job's process groups "
+                f"(with timeout {made[1]}), which keep the timeout they were made with: call it "
+                f"on every rank before new_sync_group(), SyncBNCallback's setup and the layers' "
+                f"first synchronized call (right after init_process_group)"
+            )
     _sync_timeout = timeout
 
 
