@@ -8,7 +8,8 @@ Run by ``benchmarks/gpu_check.sh native`` (with the other GPU test files under
 * the C++ path equals the Python Function on the same GPU, bitwise, for both exchanges, fp32,
   fp16, bf16, NCHW and channels_last, a fused residual tail, an empty batch;
 * eager train steps issue no host sync (``set_sync_debug_mode("error")``);
-* a CUDA graph of a whole train step replays bitwise what eager computes;
+* a CUDA graph of a whole train step (captured through the Python path, whose functional
+  collectives capture on NCCL needs) replays bitwise what the C++ path computes eagerly;
 * a rank that skips a layer is found before the step's last call, without a sync (2 gloo ranks
   sharing the GPU);
 * ``torch.compile(fullgraph=True)`` traces a converted model in one graph.
@@ -151,8 +152,8 @@ def test_eager_steps_on_the_cpp_path_never_sync_the_host(
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 def test_a_graph_of_a_train_step_replays_what_eager_computes(one_rank_nccl, monkeypatch, fuse):
-    """Two copies of one model: one stepped eagerly, one by replaying a captured step (after
-    the same warm-up steps): losses, parameters and running stats bitwise equal."""
+    """Two copies of one model: one stepped eagerly on the C++ path, one by replaying a captured
+    step (after the same warm-up steps): losses, parameters and running stats bitwise equal."""
     monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
     eager = _converted(fuse)
     graphed = copy.deepcopy(eager)

@@ -51,6 +51,13 @@ def test_impl_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
         SyncBatchNorm(4, force_sync=True)(torch.randn(2, 4))
 
 
+def test_native_cuda_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "yes")
+    layer = SyncBatchNorm(4, force_sync=True, device="meta")
+    with expect_row():
+        layer(torch.randn(2, 4, device="meta"))
+
+
 def test_impl_argument_unknown() -> None:
     with expect_row():
         SyncBatchNorm(4, impl="cuda")

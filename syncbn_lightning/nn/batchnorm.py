@@ -269,7 +269,9 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         if training and replicas is None and not torch.compiler.is_compiling():
             if type(input) is torch.Tensor:
                 plan = plan_of(self, input.is_cpu)  # the C++ path checks the input itself
-                if plan.native:
+                # A CUDA graph's capture takes the Python path (its functional collectives, as
+                # capture on NCCL needs; a replay runs no host code, so its host cost is moot).
+                if plan.native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
                     return forward_native(
                         self, plan, input, activation, residual
                     ), activation is not None

@@ -129,7 +129,7 @@ class SyncPlan:
         if self.world_size == 1 and not options.force_sync:
             return
         device = "cpu" if cpu else _device_type(layer)
-        if device != "cpu" and not (device == "cuda" and native_cuda()):
+        if device != "cpu" and not (native_cuda() and device == "cuda"):
             return
         group = group_name_of(layer.process_group)
         exchange = resolve_exchange(options.exchange, self.world_size, group, device)
