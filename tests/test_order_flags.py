@@ -12,6 +12,8 @@ in ``tests/test_cuda.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -339,3 +341,67 @@ def test_the_queue_changes_only_under_its_lock(queued_flags: None) -> None:
     (other,) = cleared
     other.join(5)
     assert not other.is_alive() and call_order._pending == []
+
+
+# A 2-rank job with queued flags (a watcher per rank) on a TCP store hosted by rank 0, which
+# lingers after destroy_process_group while rank 1 exits at once (or the other way round).
+_EXIT_JOB = """
+import datetime, os, socket, sys, time
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+
+def worker(rank, port, delay):
+    os.environ["SYNCBN_IMPL"] = "reference"
+    torch.set_num_threads(1)
+    from syncbn_lightning import check_call_order, convert_sync_batchnorm
+    from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+    set_queue_order_flags_on_cpu(True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)))
+        net(torch.randn(3, 4)).sum().backward()
+        check_call_order()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == (0 if delay > 0 else 1):
+        time.sleep(abs(delay))
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, port, float(sys.argv[1]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    print(" ".join(str(p.exitcode) for p in procs))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_rank_exits_0_when_the_store_goes_first(tmp_path: Path) -> None:
+    """The store (rank 0's) closes while a rank's interpreter finalizes. A watcher then
+    blocked in the store's wait got the store's error, went for the GIL during finalization,
+    and Python 3.11 ended the thread with pthread_exit, whose forced unwind through C++ ended
+    the process: SIGABRT, 'terminate called without an active exception' (before the fix: 4
+    and 5 of the 6 ranks of these 3 jobs, in two runs). Watchers now poll, end with their job,
+    and are joined at exit."""
+    script = tmp_path / "job.py"
+    script.write_text(_EXIT_JOB)
+    codes = {}
+    for delay in (0.3, 0.6, -0.3):
+        done = subprocess.run(
+            [sys.executable, str(script), str(delay)],
+            capture_output=True,
+            text=True,
+            timeout=200,
+            cwd=tmp_path,
+        )
+        codes[delay] = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
+    assert all(c == "0 0" for c in codes.values()), (codes, done.stderr[-3000:])
