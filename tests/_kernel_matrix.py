@@ -1,7 +1,7 @@
 """The CUDA kernels' test matrix, shared by the GPU tests and their CPU emulation.
 
 ``tests/test_cuda.py`` runs it on a GPU with the compiled extension; ``tests/test_cuda_emu.py``
-runs the same ``csrc/*_cuda.cu`` kernels on CPU tensors under the SIMT emulation. Each case
+runs the same ``csrc/cuda/*_cuda.cu`` kernels on CPU tensors under the SIMT emulation. Each case
 checks all five primitives against the pure-PyTorch reference on the same device and against
 float64 truth computed on the CPU, for every layout of the input.
 """

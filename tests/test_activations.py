@@ -22,19 +22,19 @@ from syncbn_lightning.ops.activations import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADER = ROOT / "csrc" / "activation.h"
+HEADER = ROOT / "csrc" / "include" / "activation.h"
 
 
 def _cpp_kinds() -> dict[str, int]:
     """``ActKind``'s enumerators as ``{snake_name: value}``, and ``kActKinds``, from the header."""
     text = HEADER.read_text()
     body = re.search(r"enum class ActKind\s*:\s*int64_t\s*\{(.*?)\};", text, re.S)
-    assert body, "csrc/activation.h has no `enum class ActKind : int64_t { ... };`"
+    assert body, "csrc/include/activation.h has no `enum class ActKind : int64_t { ... };`"
     kinds = {}
     for name, value in re.findall(r"\bk(\w+)\s*=\s*(\d+)", body.group(1)):
         kinds[re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()] = int(value)
     count = re.search(r"constexpr int64_t kActKinds\s*=\s*(\d+);", text)
-    assert count, "csrc/activation.h has no kActKinds"
+    assert count, "csrc/include/activation.h has no kActKinds"
     kinds["<count>"] = int(count.group(1))
     return kinds
 

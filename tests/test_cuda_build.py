@@ -1,14 +1,16 @@
 """Layer 0 build check: the CUDA sources compile with torch's headers, on a machine without a GPU.
 
-``nvcc`` compiles every ``csrc/*.cu`` to an object for sm_90 and the host compiler checks the
-``.cpp`` files with ``-DWITH_CUDA`` (the dispatch's CUDA branch), so a syntax or template error in
-the GPU code fails CI even though CI has no GPU. Skipped where ``nvcc`` is absent, unless
+``nvcc`` compiles every ``.cu`` of ``csrc/cuda`` to an object for sm_90 and the host compiler
+checks every ``.cpp`` under ``csrc/`` with ``-DWITH_CUDA`` (the dispatch's CUDA branch), so a
+syntax or template error in the GPU code fails CI even though CI has no GPU. Skipped where
+``nvcc`` is absent, unless
 ``SYNCBN_REQUIRE_NVCC=1`` (set by ``.ci/run``) makes a missing ``nvcc`` a failure.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -46,8 +48,8 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
         for o in objects
     )
     # Every primitive's and fused step's CUDA twin is defined with the signature its caller uses
-    # (primitives.cpp for the primitives, ops.cpp for the fused steps: their many arguments in
-    # one struct).
+    # (ops/primitives.cpp for the primitives, ops/ops.cpp for the fused steps: their many
+    # arguments in one struct).
     first = {
         "merge_normalize": "syncbn::MergeArgs const&",
         "reduce_merge_normalize": "syncbn::MergeArgs const&",
@@ -68,10 +70,9 @@ def test_compile_check_reports_a_broken_source(
     nvcc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     csrc = tmp_path / "csrc"
-    csrc.mkdir()
-    for header in ops_build.csrc_dir().glob("*.h"):
-        (csrc / header.name).write_text(header.read_text())
-    (csrc / "broken.cu").write_text(
+    shutil.copytree(ops_build.include_dir(ops_build.csrc_dir()), ops_build.include_dir(csrc))
+    (csrc / "cuda").mkdir()
+    (csrc / "cuda" / "broken.cu").write_text(
         '#include "syncbn.h"\n__global__ void k(float* x) { x[threadIdx.x] = undefined_name; }\n'
     )
     monkeypatch.setattr(ops_build, "csrc_dir", lambda: csrc)

@@ -1,4 +1,4 @@
-"""Layer 0 without a GPU: the kernels of ``csrc/*.cu`` run on CPU tensors under SIMT emulation.
+"""Layer 0 without a GPU: the kernels of ``csrc/cuda/*.cu`` run on CPU tensors under SIMT emulation.
 
 ``pytest -m cuda_emu``. The CUDA source is rewritten at build time (``tests/cuda_emu/build.py``)
 and every kernel runs with one fiber per CUDA thread, one block at a time, under three thread

@@ -1,9 +1,9 @@
-"""The fused steps' CUDA kernels (``csrc/entry_cuda.cu``, ``csrc/entry_reduce_cuda.cu``) under
-SIMT emulation, against the CPU operators, for both exchanges: header and merge-update kernels,
-the reductions writing into the gathered rows or the shifted float64 sums, the split (hi + lo)
-group mean, equal rank weights, running-statistic updates (momentum, cumulative, half-precision
-buffers, non-finite skips) and the device-side call-order flag. Every output is poisoned first,
-so an element no thread writes fails.
+"""The fused steps' CUDA kernels (``csrc/cuda/entry_cuda.cu``, ``csrc/cuda/entry_reduce_cuda.cu``)
+under SIMT emulation, against the CPU operators, for both exchanges: header and merge-update
+kernels, the reductions writing into the gathered rows or the shifted float64 sums, the split
+(hi + lo) group mean, equal rank weights, running-statistic updates (momentum, cumulative,
+half-precision buffers, non-finite skips) and the device-side call-order flag. Every output is
+poisoned first, so an element no thread writes fails.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The emulation tests can fail: seeded bugs in the CUDA kernels of ``csrc/`` make them fail.
 
-Each mutant is a copy of ``csrc/`` with one bug (in the file that holds the code), built by the
-emulation in a fresh interpreter (``SYNCBN_EMU_CSRC``) and run against a few cases of
-``tests/test_cuda_emu.py``, which must fail.
+Each mutant is a copy of ``csrc/`` with one bug (in the file of ``csrc/cuda/`` that holds the
+code), built by the emulation in a fresh interpreter (``SYNCBN_EMU_CSRC``) and run against a few
+cases of ``tests/test_cuda_emu.py``, which must fail.
 A build costs about a minute, so these run with ``SYNCBN_EMU_FULL=1`` only.
 """
 
@@ -84,14 +84,19 @@ def _vector_residual_grad_without_residual(text: str) -> str:
     ("source", "mutate", "cases", "failure"),
     [
         # The barriers of the reductions' block and partial folds.
-        ("cuda_reduce.cuh", _no_barriers, MATRIX, WRONG_RESULT),
+        ("cuda/cuda_reduce.cuh", _no_barriers, MATRIX, WRONG_RESULT),
         # Chan's merge of two Welford states (WelfordOp).
-        ("stats_cuda.cu", _broken_chan_merge, MATRIX, WRONG_RESULT),
+        ("cuda/stats_cuda.cu", _broken_chan_merge, MATRIX, WRONG_RESULT),
         # The elementwise launcher's choice of 32-bit indices.
-        ("cuda_elemt.cuh", _index_bound_of_numel_alone, BAND, "was killed by SIGSEGV"),
+        ("cuda/cuda_elemt.cuh", _index_bound_of_numel_alone, BAND, "was killed by SIGSEGV"),
         # The fused residual tail: forward (normalize) and backward (the reduction's loads).
-        ("normalize_cuda.cu", _residual_not_added, RESIDUAL, WRONG_RESIDUAL),
-        ("backward_cuda.cu", _vector_residual_grad_without_residual, RESIDUAL, WRONG_RESIDUAL),
+        ("cuda/normalize_cuda.cu", _residual_not_added, RESIDUAL, WRONG_RESIDUAL),
+        (
+            "cuda/backward_cuda.cu",
+            _vector_residual_grad_without_residual,
+            RESIDUAL,
+            WRONG_RESIDUAL,
+        ),
     ],
     ids=[
         "no_barriers",

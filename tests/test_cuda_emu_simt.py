@@ -2,7 +2,7 @@
 class of kernel bug it promises to report is reported, naming the thread, op and line.
 
 The kernels are in ``tests/cuda_emu/selftest.cu``, compiled through the same build-time rewrite
-as ``csrc/*.cu``.
+as ``csrc/cuda/*.cu``.
 """
 
 from __future__ import annotations

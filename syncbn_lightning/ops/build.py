@@ -46,7 +46,9 @@ __all__ = [
     "build_locked",
     "cache_root",
     "csrc_dir",
+    "csrc_files",
     "describe_build_dir",
+    "include_dir",
     "load_extension",
     "source_key",
 ]
@@ -62,22 +64,29 @@ class ExtensionBuildError(RuntimeError):
 
 
 def csrc_dir() -> Path:
-    """Where the C++/CUDA sources are: a source checkout's ``csrc/`` or the installed copy."""
-    return shipped_dir(
-        "csrc", "_csrc", "syncbn.h", ExtensionBuildError, "reinstall syncbn_lightning (C++ sources)"
-    )
+    """Where the C++/CUDA sources are: a source checkout's ``csrc/`` or the installed copy. Its
+    folders: ``include/`` (shared headers: the one include path), ``ops/`` (the step operators,
+    host helpers), ``cpu/`` and ``cuda/`` (kernels), ``layer/`` (the layer operator)."""
+    hint = "reinstall syncbn_lightning (C++ sources)"
+    return shipped_dir("csrc", "_csrc", "include/syncbn.h", ExtensionBuildError, hint)
+
+
+def include_dir(csrc: Path) -> Path:
+    """The include path of ``csrc``'s sources (the kernels' own headers sit beside them)."""
+    return csrc / "include"
+
+
+def csrc_files(csrc: Path, *suffixes: str) -> list[Path]:
+    """The files under ``csrc`` (every folder) ending in ``suffixes``, sorted per suffix."""
+    return [path for suffix in suffixes for path in sorted(csrc.rglob(f"*{suffix}"))]
 
 
 def _cuda_build_enabled(csrc: Path) -> bool:
     """Whether to compile the CUDA twins: only with a CUDA torch, a toolkit and ``.cu`` sources."""
     from torch.utils import cpp_extension
 
-    return bool(
-        torch.version.cuda
-        and torch.cuda.is_available()
-        and cpp_extension.CUDA_HOME
-        and any(csrc.glob("*.cu"))
-    )
+    toolkit = torch.version.cuda and torch.cuda.is_available() and cpp_extension.CUDA_HOME
+    return bool(toolkit and csrc_files(csrc, ".cu"))
 
 
 # nvcc flags of the extension's .cu sources (cpp_extension adds its own: c++20, the no-half-
@@ -96,7 +105,8 @@ def _cpu_arch_flags() -> list[str]:
 
 
 def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
-    """A 16-hex-digit cache key of ``files`` (names and bytes), ``extra`` and the toolchain.
+    """A 16-hex-digit cache key of ``files`` (folder, name and bytes: a move between the folders of
+    ``csrc/`` changes what its quoted includes find), ``extra`` and the toolchain.
 
     The torch, CUDA and Python versions, the interpreter (its environment's prefix and resolved
     path) and the machine architecture are always part of the key, so a build made by another of
@@ -104,7 +114,7 @@ def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
     """
     digest = hashlib.sha256()
     for path in files:
-        digest.update(path.name.encode())
+        digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(path.read_bytes())
     for item in (
         *extra,
@@ -140,19 +150,19 @@ def _build_spec(cuda: bool | None = None) -> dict[str, Any]:
     (``None``: on when torch, a GPU, the toolkit and ``.cu`` sources are all there)."""
     csrc = csrc_dir()
     with_cuda = _cuda_build_enabled(csrc) if cuda is None else cuda
-    sources = sorted(csrc.glob("*.cpp")) + (sorted(csrc.glob("*.cu")) if with_cuda else [])
-    headers = sorted(csrc.glob("*.h")) + sorted(csrc.glob("*.cuh"))
+    sources = csrc_files(csrc, ".cpp", *([".cu"] if with_cuda else []))
     cflags = ["-O3", "-DNDEBUG", "-fopenmp", *_cpu_arch_flags()] + (
         ["-DWITH_CUDA"] if with_cuda else []
     )
     cuda_cflags = list(CUDA_CFLAGS) if with_cuda else []
     targets = _cuda_targets() if with_cuda else ()
+    headers = csrc_files(csrc, ".h", ".cuh")
     key = source_key(sources + headers, (cflags, cuda_cflags, targets))
     return {
         "name": f"syncbn_lightning_ext_{key}",
         "key": key,
         "sources": [str(p) for p in sources],
-        "include": str(csrc),
+        "include": str(include_dir(csrc)),
         "cflags": cflags,
         "cuda_cflags": cuda_cflags,
         "with_cuda": with_cuda,
@@ -278,7 +288,7 @@ def _build_from(spec: dict[str, Any]) -> ModuleType:
     return _primitives(spec["name"], spec["with_cuda"])
 
 
-#: The primitives ``csrc/primitives.cpp`` registers as ``syncbn::`` operators.
+#: The primitives ``csrc/ops/primitives.cpp`` registers as ``syncbn::`` operators.
 PRIMITIVES = ("local_stats", "merge_stats", "normalize", "backward_reduce", "backward_elemt")
 
 

@@ -1,5 +1,6 @@
-"""Compile the CUDA sources without a GPU: ``nvcc -c`` of every ``csrc/*.cu`` and a host syntax
-check of every ``csrc/*.cpp`` with the extension's flags (what CI's compile check runs)."""
+"""Compile the CUDA sources without a GPU: ``nvcc -c`` of every ``.cu`` under ``csrc/`` and a host
+syntax check of every ``.cpp`` under it, with the extension's flags (what CI's compile check
+runs)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,14 @@ def cuda_compile_check(
 ) -> list[Path]:
     """Compile the CUDA sources to objects with torch's headers, without a GPU (nothing is linked).
 
-    Each ``csrc/*.cu`` goes through ``nvcc -c`` with the extension's flags and cpp_extension's
-    common nvcc flags for ``arch``, and each ``csrc/*.cpp`` through the host compiler with
-    ``-fsyntax-only -DWITH_CUDA`` (the CUDA branch of the dispatch). This catches syntax and
-    template errors on machines that only have ``nvcc``. With a CPU-only torch wheel the generated
-    ``c10/cuda/impl/cuda_cmake_macros.h`` is missing; it only defines an export macro for Windows
-    shared builds, so the check defines ``C10_CUDA_NO_CMAKE_CONFIGURE_FILE`` instead (the real
-    build, with a CUDA torch, has the header).
+    Each ``.cu`` under ``csrc/`` (``cuda/``) goes through ``nvcc -c`` with the extension's flags
+    and cpp_extension's common nvcc flags for ``arch``, and each ``.cpp`` under it (every folder)
+    through the host compiler with ``-fsyntax-only -DWITH_CUDA`` (the CUDA branch of the
+    dispatch); the include path is ``csrc/include``, as in the extension's build. This catches
+    syntax and template errors on machines that only have ``nvcc``. With a CPU-only torch wheel
+    the generated ``c10/cuda/impl/cuda_cmake_macros.h`` is missing; it only defines an export
+    macro for Windows shared builds, so the check defines ``C10_CUDA_NO_CMAKE_CONFIGURE_FILE``
+    instead (the real build, with a CUDA torch, has the header).
 
     Returns:
         The object files written to ``out_dir``.
@@ -55,7 +57,7 @@ def cuda_compile_check(
         raise ExtensionBuildError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
     csrc = build.csrc_dir()  # looked up per call: tests point it at a mutated copy
     out_dir.mkdir(parents=True, exist_ok=True)
-    includes = [f"-I{p}" for p in [str(csrc), *cpp_extension.include_paths()]]
+    includes = [f"-I{p}" for p in [str(build.include_dir(csrc)), *cpp_extension.include_paths()]]
     defines: list[str] = []
     torch_include = Path(cpp_extension.include_paths()[0])
     if not (torch_include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
@@ -63,7 +65,7 @@ def cuda_compile_check(
     python_include = sysconfig.get_paths()["include"]
     objects: list[Path] = []
     commands: list[list[str]] = []
-    for source in sorted(csrc.glob("*.cu")):
+    for source in build.csrc_files(csrc, ".cu"):
         obj = out_dir / f"{source.stem}.o"
         commands.append(
             [
@@ -84,7 +86,7 @@ def cuda_compile_check(
         )
         objects.append(obj)
     cxx = os.environ.get("CXX", "c++")
-    for source in sorted(csrc.glob("*.cpp")):
+    for source in build.csrc_files(csrc, ".cpp"):
         commands.append(
             [
                 cxx,

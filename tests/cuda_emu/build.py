@@ -1,12 +1,15 @@
 """Build the project's CUDA kernels as a CPU-tensor extension that runs them under SIMT emulation.
 
-Nothing here copies a kernel: at build time every ``csrc/*.cu`` is rewritten line for line into a
-C++ file in the build directory (``#line`` keeps compiler errors and emulator diagnostics on the
-original file and line) and compiled with the stand-in headers of ``tests/cuda_emu/include``
-(``cuda_runtime.h``, ``c10/cuda/*``, ``simt.h``), which ``-I`` puts before torch's own. The CUDA
-headers ``csrc/*.cuh`` (kernel templates the ``.cu`` files instantiate) are rewritten the same way
-beside them, under their own names, so the ``.cu`` files include the rewritten copies. The rewrite
-changes three things and fails loudly on anything it does not understand:
+Nothing here copies a kernel: at build time every ``csrc/cuda/*.cu`` is rewritten line for line
+into a C++ file in the build directory (``#line`` keeps compiler errors and emulator diagnostics on
+the original file and line) and compiled with the stand-in headers of ``tests/cuda_emu/include``
+(``cuda_runtime.h``, ``c10/cuda/*``, ``simt.h``), which ``-I`` puts before torch's own, and the
+shared headers of ``csrc/include``. The CUDA headers ``csrc/cuda/*.cuh`` (kernel templates the
+``.cu`` files instantiate) are rewritten the same way beside them, under their own names: a quoted
+include searches the including file's own folder first, and ``-I`` puts that folder first, so the
+rewritten ``.cu`` and ``.cuh`` files include the rewritten copies (the originals' folder,
+``csrc/cuda``, is never on the include path). The rewrite changes three things and fails loudly
+on anything it does not understand:
 
 * launch sites ``k<<<grid, block, smem, stream>>>(args)`` become
   ``k | ::simt::kernel_name("k") | ::simt::launch_config(grid, block, smem, stream)(args)``;
@@ -178,11 +181,11 @@ def _csrc() -> Path:
 
 
 def _cu_sources() -> list[Path]:
-    return [*sorted(_csrc().glob("*.cu")), EMU_DIR / "selftest.cu"]
+    return [*ops_build.csrc_files(_csrc(), ".cu"), EMU_DIR / "selftest.cu"]
 
 
 def _cu_headers() -> list[Path]:
-    return sorted(_csrc().glob("*.cuh"))
+    return ops_build.csrc_files(_csrc(), ".cuh")
 
 
 def _asan() -> bool:
@@ -196,7 +199,7 @@ _module: ModuleType | None = None
 def load_emulator() -> ModuleType:
     """Build (first time) and import the emulation extension; cached per process and on disk.
 
-    The module exposes the CUDA entry points of ``csrc/entry_cuda.cu`` on CPU tensors (the five
+    The module exposes the CUDA entry points of ``csrc/cuda/entry_cuda.cu`` on CPU tensors (the five
     primitives ``local_stats``, ``merge_stats``, ``normalize``, ``backward_reduce``,
     ``backward_elemt`` and the four fused steps), ``set_schedule``, ``take_diagnostics``,
     ``take_launches``, ``take_stats`` and the emulator's self-test kernels (``selftest``).
@@ -214,13 +217,12 @@ def _build() -> ModuleType:
     fixed_sources = [
         *sorted(EMU_DIR.glob("simt_*.cpp")),
         EMU_DIR / "bindings.cpp",
-        csrc / "common.cpp",
+        csrc / "ops" / "common.cpp",
     ]
     headers = (
         sorted(INCLUDE_DIR.rglob("*.h"))
         + sorted(EMU_DIR.glob("*.h"))
-        + sorted(csrc.glob("*.h"))
-        + sorted(csrc.glob("*.cuh"))
+        + ops_build.csrc_files(csrc, ".h", ".cuh")
     )
     cflags = _CFLAGS + (_ASAN_FLAGS if _asan() else [])
     ldflags = _ASAN_FLAGS if _asan() else []
@@ -243,8 +245,9 @@ def _build() -> ModuleType:
         f"syncbn_emu_{key}",
         directory,
         sources=sources + [str(p) for p in fixed_sources],
-        # The rewritten .cuh files before csrc/, which holds the originals.
-        include_paths=[str(INCLUDE_DIR), str(generated), str(csrc)],
+        # The rewritten .cuh files first, then the stand-ins and the shared headers; the
+        # originals' folder (csrc/cuda) is never on the path.
+        include_paths=[str(generated), str(INCLUDE_DIR), str(ops_build.include_dir(csrc))],
         cflags=cflags,
         ldflags=ldflags,
     )
