@@ -109,9 +109,9 @@ void check_call_order(const acc_t* rows, int64_t W, int64_t width) {
          << static_cast<int64_t>(rows[w * width + 3]) + 1;
   }
   TORCH_CHECK(
-      false, "syncbn call order: SyncBatchNorm layers were called in a different order on the ",
-      "ranks of one sync group (", text.str(), "). Every rank must run every SyncBatchNorm layer ",
-      "of the group in the same order and the same number of times per training forward.");
+      false, SYNCBN_CALL_ORDER_MARK " SyncBatchNorm layers were called in a different order on ",
+      "the ranks of one sync group (", text.str(), "). Every rank must run every SyncBatchNorm ",
+      "layer of the group in the same order and the same number of times per training forward.");
 }
 
 // The local parameter gradients from the packed sums [header, sum_dy, sum_dy_xmu] (acc dtype):
@@ -342,8 +342,8 @@ std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
     const double layer = static_cast<double>(f[4]), call = static_cast<double>(f[5]);
     TORCH_CHECK(
         grad_header_matches(total.const_data_ptr<scalar_t>(), layer, call, ranks),
-        "syncbn call order: backward: the ranks' layer or call tags differ (this rank: layer tag ",
-        static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
+        SYNCBN_CALL_ORDER_MARK " backward: the ranks' layer or call tags differ (this rank: ",
+        "layer tag ", static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
     *order_ok.mutable_data_ptr<scalar_t>() = scalar_t(1);  // a mismatch has thrown
   });
   at::Tensor grad = backward_elemt_checked_cpu(

@@ -55,8 +55,8 @@ MergedOutputs reduce_merge_normalize_cpu(
     double layer = 0, call = 0;
     reduce_tags(own, &layer, &call);
     TORCH_CHECK(
-        false, "syncbn call order: the ranks' layer or call tags differ (this rank: layer tag ",
-        static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
+        false, SYNCBN_CALL_ORDER_MARK " the ranks' layer or call tags differ (this rank: layer ",
+        "tag ", static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
   }
   TORCH_CHECK(checks.shift_ok, kShiftMismatch);
   TORCH_CHECK_VALUE(

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "grad_header.h"
+#include "shared_constants.h"
 #include "syncbn.h"
 
 namespace syncbn {
@@ -116,19 +117,12 @@ ActAffine act_affine(
 // `act`/`act_param` checked as an Activation (the forward needs no tensors).
 Activation checked_activation(int64_t act, double act_param);
 
-// Values in front of the statistics in a gathered row, and a row's width for C channels.
-constexpr int64_t kRowHeader = 4;
+// The layouts' sizes (kRowHeader, kReduceHeader, kInfoFields), kTagLimit and the messages
+// (kShiftMismatch) are shared_constants.h's, generated from syncbn_lightning/_shared.py.
+// A gathered row's width for C channels.
 inline int64_t row_width(int64_t C) { return kRowHeader + 3 * C; }
-// Values in front of the sums in the reduce exchange's vector; its 12-bit tag chunks.
-constexpr int64_t kReduceHeader = 15;
+// The reduce exchange's 12-bit tag chunks.
 constexpr int64_t kChunkBits = 12;
-// The error of a reduce exchange whose ranks shifted their sums by different running means
-// (SHIFT_MISMATCH in Python).
-extern const char* const kShiftMismatch;
-// Tags travel as floats of the acc dtype: exact below 2^24 (TAG_LIMIT in Python).
-constexpr int64_t kTagLimit = int64_t(1) << 24;
-// Fields of a merge's `info` output: count, samples, order_ok, finite, layer_tag, call_tag.
-constexpr int64_t kInfoFields = 6;
 // Rows of `rows` (1-D, contiguous, the acc dtype of `input`, on its device, a multiple of the row
 // width long).
 int64_t check_rows(const at::Tensor& rows, const at::Tensor& input);

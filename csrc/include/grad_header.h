@@ -6,13 +6,14 @@
 #include <cstdint>
 
 #include "host_device.h"
+#include "shared_constants.h"
 
 namespace syncbn {
 
-// Values in front of the backward's sums: four 6-bit chunks of the layer tag, then four of the call
-// tag (most significant first), every chunk followed by its square. In float32 the sums of P ranks'
-// squares (at most 63^2 = 3969 each) stay exact up to P = 4096.
-constexpr int64_t kGradHeader = 16;
+// kGradHeader values in front of the backward's sums (shared_constants.h): four 6-bit chunks of
+// the layer tag, then four of the call tag (most significant first), every chunk followed by its
+// square. In float32 the sums of P ranks' squares (at most 63^2 = 3969 each) stay exact up to
+// P = 4096.
 constexpr int kGradChunkBits = 6;
 
 // Writes the header of the call tagged (layer, call), integers below 2^24 held in floats.

@@ -1,12 +1,13 @@
 // The flight recorder's state and writer in C++ (see flight.h); the `syncbn::flight_*` operators
 // through which Python attaches its ring and records into it are registered in layer.cpp.
 //
-// The ring's layout is flight.py's: a 64-byte header (the record count `written`, int64, at byte
-// 24) and `capacity` records of 56 bytes, little-endian, struct "<qdqqiBB2x16s": the sequence
-// number in the group, the time (seconds since the epoch), bytes sent, the layer's call number,
-// its tag, the op, the direction, two bytes of padding and the group's name (16 bytes, zero
-// padded). The count is written after the record, so a reader (or a kill) between the two sees
-// the previous count.
+// The ring's layout is shared_constants.h's (generated from syncbn_lightning/_shared.py, which
+// Python's recorder and reader use too): a kHeaderSize-byte header (the record count `written`,
+// int64, at byte kWrittenOffset) and `capacity` records of kRecordSize bytes, little-endian: the
+// sequence number in the group, the time (seconds since the epoch), bytes sent, the layer's call
+// number, its tag, the op, the direction, two bytes of padding and the group's name (kGroupBytes,
+// zero padded). The count is written after the record, so a reader (or a kill) between the two
+// sees the previous count.
 #include "flight.h"
 
 #include <ATen/core/Tensor.h>
@@ -20,11 +21,6 @@
 
 namespace syncbn::flight {
 namespace {
-
-constexpr int64_t kHeaderSize = 64;
-constexpr int64_t kWrittenOffset = 24;
-constexpr int64_t kRecordSize = 56;
-constexpr size_t kGroupBytes = 16;
 
 struct Ring {
   at::Tensor buffer;  // uint8, the Python recorder's memory (kept alive while attached)
@@ -100,16 +96,17 @@ void record(
   if (ring.base == nullptr) return;
   const int64_t seq = ring.group_seq[group]++;
   uint8_t* at = ring.base + kHeaderSize + (ring.written % ring.capacity) * kRecordSize;
-  put<int64_t>(at, seq);
-  put<double>(at + 8, now);
-  put<int64_t>(at + 16, nbytes);
-  put<int64_t>(at + 24, call);
-  put<int32_t>(at + 32, static_cast<int32_t>(layer_tag));
-  at[36] = op;
-  at[37] = direction;
-  at[38] = at[39] = 0;
-  std::memset(at + 40, 0, kGroupBytes);
-  std::memcpy(at + 40, group.data(), std::min(group.size(), kGroupBytes));
+  put<int64_t>(at + kSeqAt, seq);
+  put<double>(at + kTimeAt, now);
+  put<int64_t>(at + kNbytesAt, nbytes);
+  put<int64_t>(at + kCallAt, call);
+  put<int32_t>(at + kLayerTagAt, static_cast<int32_t>(layer_tag));
+  at[kOpAt] = op;
+  at[kDirectionAt] = direction;
+  std::memset(at + kDirectionAt + 1, 0, kGroupAt - kDirectionAt - 1);  // the padding
+  std::memset(at + kGroupAt, 0, kGroupBytes);
+  const size_t name_bytes = std::min(group.size(), static_cast<size_t>(kGroupBytes));
+  std::memcpy(at + kGroupAt, group.data(), name_bytes);
   ++ring.written;
   put<int64_t>(ring.base + kWrittenOffset, ring.written);
 }

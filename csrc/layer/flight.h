@@ -11,11 +11,10 @@
 #include <string>
 #include <vector>
 
-namespace syncbn::flight {
+// What a record says a collective was (the enums Op and Direction) and the ring's layout.
+#include "shared_constants.h"
 
-// What a record says a collective was (flight.py: _OPS, _DIRECTIONS).
-enum Op : uint8_t { kAllGather = 0, kAllReduce = 1 };
-enum Direction : uint8_t { kForward = 0, kBackward = 1, kCheck = 2 };
+namespace syncbn::flight {
 
 // Attaches the Python recorder's ring (`buffer`, uint8, kept alive until detach) and its state:
 // records written, each group's next sequence number, each layer tag's next call number.

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "flight.h"
+#include "shared_constants.h"
 #include "syncbn.h"
 
 namespace syncbn::layer {
@@ -63,11 +64,10 @@ enum class Summed : bool { kIntoCopy = false, kInPlace = true };
 // Every rank's 1-D `tensor` concatenated in rank order (`tensor` itself without a group).
 at::Tensor all_gather(const at::Tensor& tensor, const Settings& settings, const Note& note);
 // The backward's (and the reduce exchange's) sums of every rank: all-gathered in CPU groups of up
-// to kGatherSumMaxRanks ranks (rows summed in rank order by the caller), else all-reduced (into
-// `tensor` itself when `in_place`).
+// to kGatherSumMaxRanks ranks (shared_constants.h; rows summed in rank order by the caller), else
+// all-reduced (into `tensor` itself when `in_place`).
 at::Tensor sum_over_group(
     const at::Tensor& tensor, const Settings& settings, const Note& note, Summed where);
-constexpr int64_t kGatherSumMaxRanks = 8;  // GATHER_SUM_MAX_RANKS in Python
 
 // The layer's input checks (nn/checks.py's check_input, the same messages and exception types):
 // the input against the layer's channels and its first tensor (the weight, else the running mean).

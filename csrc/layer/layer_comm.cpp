@@ -16,9 +16,6 @@
 namespace syncbn::layer {
 namespace {
 
-const char* const kCallOrderMark = "syncbn call order:";  // CALL_ORDER_MARK in Python
-const char* const kShiftMark = "running_mean buffers";   // part of SHIFT_MISMATCH
-
 c10::intrusive_ptr<c10d::ProcessGroup> process_group(const std::string& name) {
   return c10d::resolve_process_group(name);
 }

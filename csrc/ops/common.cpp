@@ -14,9 +14,19 @@
 namespace syncbn {
 namespace detail {
 
+// The accumulation dtype of an input dtype (shared_constants.h's table: ACC_DTYPES in Python),
+// float32 for any other; and whether the kernels take the dtype (a row of the table).
+#define SYNCBN_ACC_OF(input, acc) if (t == at::ScalarType::input) return at::ScalarType::acc;
 at::ScalarType acc_dtype_of(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
+  SYNCBN_FOR_EACH_ACC_DTYPE(SYNCBN_ACC_OF)
+  return at::kFloat;
 }
+#undef SYNCBN_ACC_OF
+#define SYNCBN_IS_INPUT(input, acc) || t == at::ScalarType::input
+static bool is_input_dtype(at::ScalarType t) {
+  return false SYNCBN_FOR_EACH_ACC_DTYPE(SYNCBN_IS_INPUT);
+}
+#undef SYNCBN_IS_INPUT
 
 bool is_channels_last_dense(const at::Tensor& t) { return t.movedim(1, -1).is_contiguous(); }
 
@@ -54,8 +64,7 @@ void check_input(const at::Tensor& input, c10::DeviceType device) {
       input.dim(), "-D input of shape ", input.sizes());
   const auto t = input.scalar_type();
   TORCH_CHECK(
-      t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
-      "syncbn: `input` must be float16, bfloat16, float32 or float64, got ", t);
+      is_input_dtype(t), "syncbn: `input` must be " SYNCBN_INPUT_DTYPES_TEXT ", got ", t);
   TORCH_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
   TORCH_CHECK(
       input.device().type() == device, "syncbn: `input` must be a ", c10::DeviceTypeName(device),
@@ -288,12 +297,6 @@ void check_running(
         input.device());
   }
 }
-
-const char* const kShiftMismatch =
-    "syncbn call order: the ranks of one sync group hold different running_mean buffers in a "
-    "layer with exchange='reduce', which shifts every rank's sums by its running mean and needs "
-    "the same one on every rank (as it is after every synchronized update). Load the same "
-    "checkpoint on every rank, keep the buffers in sync, or use exchange='gather'.";
 
 MergeOutputs prepare_merge(const MergeArgs& args, c10::DeviceType device) {
   const at::Tensor& input = args.input;
