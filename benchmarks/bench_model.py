@@ -69,7 +69,13 @@ from syncbn_lightning.ops.impl_choice import IMPL_ENV, NATIVE_CUDA_ENV
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
 IMPLS = (
-    "plain", "ours", "ours_reduce", "ours_fused", "ours_native", "ours_native_fused", "torch_sync"
+    "plain",
+    "ours",
+    "ours_reduce",
+    "ours_fused",
+    "ours_native",
+    "ours_native_fused",
+    "torch_sync",
 )
 CUDA_ONLY = ("ours_native", "ours_native_fused", "torch_sync")
 MODES = ("eager", "graph")
@@ -179,9 +185,7 @@ def _graph_ms(step: Callable[[], None], device: torch.device, steps: int, warmup
     return median_replay_ms(graph, steps, warmup=warmup)
 
 
-def _build_step(
-    args: argparse.Namespace, config: str, batch: int, impl: str
-) -> Callable[[], None]:
+def _build_step(args: argparse.Namespace, config: str, batch: int, impl: str) -> Callable[[], None]:
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = _with_impl(_model(args.model), impl, args.model).to(device).train()
@@ -232,8 +236,11 @@ def _measure_interleaved(
             "eager_spread": (max(medians) - min(medians)) / statistics.median(medians),
         }
         if "graph" in args.modes and device.type == "cuda":
-            out[impl].update(_measure(argparse.Namespace(**{**vars(args), "modes": ["graph"]}),
-                                      config, batch, impl))
+            out[impl].update(
+                _measure(
+                    argparse.Namespace(**{**vars(args), "modes": ["graph"]}), config, batch, impl
+                )
+            )
     return out
 
 
@@ -278,7 +285,9 @@ def _report(args: argparse.Namespace, results: Results) -> None:
         if impl == "ours_native" and "eager" in plain:
             ratio = times["eager"] / plain["eager"]
             verdict = "PASS" if ratio <= 1.3 else "FAIL"
-            goals.append(f"{verdict} {config} b{batch}: eager ours_native/plain {ratio:.2f} (<= 1.3)")
+            goals.append(
+                f"{verdict} {config} b{batch}: eager ours_native/plain {ratio:.2f} (<= 1.3)"
+            )
         torch_eager = results.get((config, batch, "torch_sync"), {}).get("eager")
         if impl == "ours_native" and torch_eager is not None:
             ratio = torch_eager / times["eager"]

@@ -116,7 +116,10 @@ def test_the_check_sees_a_deferred_import(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "folder, patterns",
-    [("syncbn_lightning", ["**/*.py"]), ("csrc", ["*.cpp", "*.cu", "*.h", "*.cuh"])],
+    [
+        ("syncbn_lightning", ["**/*.py"]),
+        ("csrc", ["**/*.cpp", "**/*.cu", "**/*.h", "**/*.cuh"]),
+    ],
 )
 def test_every_file_stays_under_400_lines(folder: str, patterns: list[str]) -> None:
     files = [p for pattern in patterns for p in (ROOT / folder).glob(pattern)]
@@ -131,7 +134,7 @@ def test_every_cuda_kernel_declares_its_block_size() -> None:
     resources requested for launch": the float64 merge kernels, 78 registers x 1024 threads)."""
     kernels = {
         f"{p.name}: {line.strip()}"
-        for p in (ROOT / "csrc").glob("*.cu*")
+        for p in (ROOT / "csrc").rglob("*.cu*")
         for line in p.read_text().splitlines()
         if line.lstrip().startswith("__global__")
     }

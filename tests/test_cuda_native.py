@@ -1,5 +1,5 @@
 """CUDA layers on the C++ path (``SYNCBN_NATIVE_CUDA=1``): ``syncbn::sync_batch_norm`` with the
-CUDA step kernels, one orchestration with the CPU's (``csrc/layer.cpp``), on a GPU.
+CUDA step kernels, one orchestration with the CPU's (``csrc/layer/layer.cpp``), on a GPU.
 
 Run by ``benchmarks/gpu_check.sh native`` (with the other GPU test files under
 ``SYNCBN_NATIVE_CUDA=1``); skipped without a CUDA device. Each test asserts the path it names
@@ -210,13 +210,15 @@ def _skipped_layer_worker(rank: int, world: int) -> tuple[str, int, int, bool]:
     net = convert_sync_batchnorm(
         nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
     ).cuda()
+    where = (-1, -1)
     try:
         for step in range(2):
             for number, name in enumerate(names):
+                where = (step, number)
                 net[name](torch.randn(3, 4, device="cuda"))
                 torch.cuda.current_stream().synchronize()  # the device has written the flag
     except CallOrderError as exc:
-        return str(exc), step, number, net["stem"]._sync_plan.native
+        return str(exc), *where, net["stem"]._sync_plan.native
     return "", -1, -1, net["stem"]._sync_plan.native
 
 

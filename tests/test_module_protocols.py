@@ -150,8 +150,9 @@ def test_protocols_on_two_ranks_compute_what_batchnorm_computes(impl: str, nativ
         for rank in ranks:
             assert rank[protocol]["native"] is native, protocol
             if native:  # the output's node is the C++ path's
-                assert "SyncBatchNormFunction" in rank[protocol]["node"], rank[protocol]["node"]
-                assert rank[protocol]["node"].startswith("torch::autograd::CppNode<syncbn::"), rank[protocol]["node"]
+                node = rank[protocol]["node"]
+                assert "SyncBatchNormFunction" in node, node
+                assert node.startswith("torch::autograd::CppNode<syncbn::"), node
         _assert_matches(ranks, protocol)
 
 

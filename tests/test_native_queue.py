@@ -80,8 +80,16 @@ def test_without_queueing_nothing_is_handed_over(one_rank) -> None:
 def _handoff(flags: torch.Tensor, kind: str, data, aux, width, group, layer_tag=3, tiny=None):
     native.register_python_kernels()
     torch.ops.syncbn.order_flag_queued(
-        flags, 2 if kind != "backward_sums" else 0, native.KINDS.index(kind), data, aux, width,
-        group, 1, layer_tag, tiny,
+        flags,
+        2 if kind != "backward_sums" else 0,
+        native.KINDS.index(kind),
+        data,
+        aux,
+        width,
+        group,
+        1,
+        layer_tag,
+        tiny,
     )
 
 
@@ -97,7 +105,8 @@ def test_a_queued_gather_flag_that_reads_zero_names_each_rank_s_layer(queued_fla
     rows[1, 2:4] = torch.tensor([12.0, 0.0])
     info = torch.tensor([8.0, 4.0, 0.0, 1.0, 11.0, 0.0])  # order_ok (info[2]) = 0
     _handoff(info, "gathered_rows", rows.view(-1), rows.view(-1), width, None)
-    with pytest.raises(CallOrderError, match=r"rank 0 ran 'backbone.bn1'.*rank 1 ran 'backbone.bn2'"):
+    ran = r"rank 0 ran 'backbone.bn1'.*rank 1 ran 'backbone.bn2'"
+    with pytest.raises(CallOrderError, match=ran):
         check_call_order()
     assert call_order._pending == []
 

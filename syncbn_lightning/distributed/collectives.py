@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._shared import GATHER_SUM_MAX_RANKS
 from . import flight
 from .replicas import ReplicaGroup
 
@@ -50,8 +51,6 @@ __all__ = [
 #: Where a layer call's collectives go: a process group's name, the replicas of a DataParallel
 #: layer, or ``None`` (no torch.distributed: nothing to communicate).
 Group = str | ReplicaGroup | None
-#: Up to this many ranks, CPU (gloo) groups sum the backward's sums by all_gather + local sum.
-GATHER_SUM_MAX_RANKS = 8
 #: What the flight recorder notes of a layer's collective: ``(direction, layer_tag, call)``, see
 #: :mod:`.flight` (``call`` -1: not recorded, e.g. while compiling).
 Note = tuple[int, int, int]

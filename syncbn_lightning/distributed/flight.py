@@ -8,7 +8,7 @@ error-path gather of the call-order check) is recorded *before* it is issued: th
 sequence number in that group, the op, the direction, the bytes, the layer tag and the layer's
 call number. Recording is one fixed-size write into a ring buffer of :data:`DEFAULT_CAPACITY`
 records (about 2 us of host time per collective from Python, ``benchmarks/bench_host.py``; the
-layer's C++ path writes from C++, ``csrc/flight.cpp``). Nothing is recorded while
+layer's C++ path writes from C++, ``csrc/layer/flight.cpp``). Nothing is recorded while
 ``torch.compile`` traces or a CUDA graph replays.
 
 **A recorder belongs to a job** (one default process group): the process's recorder is made on
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._shared import FLIGHT_WRITTEN_OFFSET
 from . import flight_report
 from .flight_file import (
     BACKWARD,
@@ -194,7 +195,7 @@ class FlightRecorder:
             )
 
     def attach_native(self) -> None:
-        """Hand the ring and its counters to the C++ writer (``csrc/flight.cpp``), which the
+        """Hand the ring and its counters to the C++ writer (``csrc/layer/flight.cpp``), which the
         synchronized layer's C++ path records through; from then on this recorder's records and
         call numbers go through it too, so both paths keep one sequence per group and one call
         number per layer. Needs the extension loaded; idempotent."""
@@ -235,7 +236,7 @@ class FlightRecorder:
         RECORD.pack_into(self._buffer, offset, *record)
         self._written += 1
         # The count last: a reader (or a kill) between the two sees the previous count.
-        struct.pack_into("<q", self._buffer, 24, self._written)
+        struct.pack_into("<q", self._buffer, FLIGHT_WRITTEN_OFFSET, self._written)
 
     def records(self) -> list[FlightRecord]:
         """The kept records, oldest first."""

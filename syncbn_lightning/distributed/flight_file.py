@@ -3,7 +3,7 @@ job's records in a fraction of a second, in a process that never imports torch).
 
 A flight directory holds one folder per node (``node<N>``) and in it, per rank and job, a ring
 file ``flight_<job>_rank<R>.bin`` (a header and fixed-size little-endian records, written by
-:mod:`.flight` and ``csrc/flight.cpp``) and the layers' names beside it (``.names``: one
+:mod:`.flight` and ``csrc/layer/flight.cpp``) and the layers' names beside it (``.names``: one
 ``tag<TAB>name`` line per layer). The job is an id every rank of a job shares (made once per job
 through the default process group's store); a reader groups the files by the id in their header.
 """
@@ -17,6 +17,14 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
+
+from .._shared import (
+    FLIGHT_DIRECTIONS,
+    FLIGHT_HEADER_FORMAT,
+    FLIGHT_HEADER_SIZE,
+    FLIGHT_OPS,
+    FLIGHT_RECORD_FORMAT,
+)
 
 __all__ = [
     "BACKWARD",
@@ -40,16 +48,17 @@ __all__ = [
 ]
 
 FORWARD, BACKWARD, CHECK = 0, 1, 2
-DIRECTIONS = ("forward", "backward", "check")
-OPS = ("all_gather", "all_reduce")
+DIRECTIONS = FLIGHT_DIRECTIONS
+OPS = FLIGHT_OPS
 OP_CODES = {name: code for code, name in enumerate(OPS)}
 
-# File layout: a header, then `capacity` records; csrc/flight.cpp writes the same layout.
+# File layout: a header, then `capacity` records; csrc/layer/flight.cpp writes the same layout
+# (both from syncbn_lightning/_shared.py).
 MAGIC = b"SBNFLT01"
-HEADER = struct.Struct("<8siiiiq24s")  # magic, rank, world, pid, capacity, written, job
-HEADER_SIZE = 64
+HEADER = struct.Struct(FLIGHT_HEADER_FORMAT)  # magic, rank, world, pid, capacity, written, job
+HEADER_SIZE = FLIGHT_HEADER_SIZE
 # seq in group, time, bytes, call number, layer tag, op, direction, group name
-RECORD = struct.Struct("<qdqqiBB2x16s")
+RECORD = struct.Struct(FLIGHT_RECORD_FORMAT)
 
 
 def layer_text(tag: float, names: Mapping[int, str]) -> str:

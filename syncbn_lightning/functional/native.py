@@ -1,5 +1,5 @@
 """The C++ path of a synchronized layer call: ``syncbn::sync_batch_norm``, one operator per
-direction (``csrc/layer.cpp``).
+direction (``csrc/layer/layer.cpp``).
 
 The built-in exchanges (gather, reduce) run the same steps as :class:`~.function
 .SyncBatchNormFunction`, with the same kernels, collectives and flight records, from C++: the
@@ -45,7 +45,7 @@ from .registry import get_exchange
 
 __all__ = ["KINDS", "native_op", "register_python_kernels"]
 
-#: ``csrc/layer.h``'s ``Mismatch``: where a call-order mismatch was found.
+#: ``csrc/layer/layer.h``'s ``Mismatch``: where a call-order mismatch was found.
 KINDS = ("gathered_rows", "reduce_sums", "backward_sums")
 
 _registered = False
@@ -161,5 +161,5 @@ def register_python_kernels() -> None:
 
 def native_op() -> Any:
     """The C++ path's operator, ``torch.ops.syncbn.sync_batch_norm.default`` (its arguments:
-    ``csrc/layer.cpp``); the extension must be loaded."""
+    ``csrc/layer/layer.cpp``); the extension must be loaded."""
     return torch.ops.syncbn.sync_batch_norm.default

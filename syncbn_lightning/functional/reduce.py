@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import SHIFT_MARK
 from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
@@ -109,7 +110,7 @@ class ReduceExchange(SplitMeanBackward):
             )
         except RuntimeError as exc:
             text = str(exc)
-            if CALL_ORDER_MARK not in text or "running_mean buffers" in text:
+            if CALL_ORDER_MARK not in text or SHIFT_MARK in text:
                 raise
             # Every rank detects the mismatch at the same call: every rank joins this collective
             # (the error path only) to name each rank's layer.

@@ -99,7 +99,7 @@ class SyncPlan:
         op: the C++ path's operator (``None`` on the Python path).
         world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
             layer forces synchronization).
-        settings: the C++ operator's settings by name (its schema's: ``csrc/layer.cpp``), made
+        settings: the C++ operator's settings by name (its schema's: ``csrc/layer/layer.cpp``), made
             once: the group's name, its size, the call-order tag, the exchange, momentum, eps,
             the running variance's, the ranks' weights, whether call-order flags are queued, the
             channels. A call adds its fused activation (``act``, ``act_param``).
@@ -208,8 +208,15 @@ def forward_native(
         running = (running_mean, buffers["running_var"], buffers["num_batches_tracked"], nonfinite)
     act, act_param = activation or _NO_ACT
     output, mean, var, info = plan.op(
-        input, weight, bias, *running, calls, residual, act=act, act_param=act_param,
-        **plan.settings
+        input,
+        weight,
+        bias,
+        *running,
+        calls,
+        residual,
+        act=act,
+        act_param=act_param,
+        **plan.settings,
     )
     # Module.__setattr__ costs ~2 us of host time per call; last_batch is a plain attribute.
     state["last_batch"] = BatchRecord(input.shape[0], mean, var, info)

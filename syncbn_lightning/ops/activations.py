@@ -8,12 +8,12 @@ activation's own pass over the tensor (a read and a write forward, two reads and
 backward) and the memory of its saved input.
 
 :data:`ACTIVATIONS` is the table: one :class:`Activation` row per kind, with the code the
-operators take (``ActKind`` in ``csrc/activation.h``, checked by ``tests/test_activations.py``),
-the module type that computes it, the reference formulas (the pure-PyTorch twin of the kernels)
-and what a name given as ``act=`` builds. The layer (:func:`fused_activation`,
-:func:`make_activation`), the reference steps (:func:`activate`, :func:`activation_grad`) and the
-documentation's table (:func:`markdown_table`) all read it. A new fused activation is one row here
-and its case in ``csrc/activation.h``.
+operators take (``ActKind`` in ``csrc/include/activation.h``, checked by
+``tests/test_activations.py``), the module type that computes it, the reference formulas (the
+pure-PyTorch twin of the kernels) and what a name given as ``act=`` builds. The layer
+(:func:`fused_activation`, :func:`make_activation`), the reference steps (:func:`activate`,
+:func:`activation_grad`) and the documentation's table (:func:`markdown_table`) all read it. A
+new fused activation is one row here and its case in ``csrc/include/activation.h``.
 
 Derivatives at the kinks take the side torch's backward takes: relu and leaky_relu the ``z <= 0``
 side at 0, hardswish the outer pieces at +-3, relu6 0 at 0 and 6.
@@ -57,7 +57,7 @@ class Activation:
 
     Attributes:
         name: what ``SyncBatchNormAct(act=name)`` accepts.
-        code: the kernels' code for it (``ActKind`` in ``csrc/activation.h``).
+        code: the kernels' code for it (``ActKind`` in ``csrc/include/activation.h``).
         module: the ``nn.Module`` type that computes it (matched exactly: a subclass may override
             ``forward``); ``make_activation(name)`` builds ``module()``.
         forward: ``forward(z, param)``, the reference of the fused forward, in ``z``'s dtype.

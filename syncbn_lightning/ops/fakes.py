@@ -1,6 +1,6 @@
 """The ``syncbn::`` operators' fake (meta) kernels, registered when the extension is loaded.
 
-The extension (``csrc/ops.cpp``) registers seven operators, one per step of a synchronized layer
+The extension (``csrc/ops/ops.cpp``) registers seven operators, one per step of a synchronized layer
 call, with CPU and CUDA kernels:
 
 * the gather exchange: ``syncbn::stats_row(input, layer_tag, calls!) -> row`` and
@@ -23,15 +23,16 @@ call, with CPU and CUDA kernels:
 ``act``/``act_param`` are a fused activation (:mod:`.activations`; 0 is none); ``residual`` is
 added before it (``act(z + residual)``, a residual block's tail).
 
-The C++ path of a layer call (``csrc/layer.cpp``) adds three: ``syncbn::sync_batch_norm`` (the
+The C++ path of a layer call (``csrc/layer/layer.cpp``) adds three: ``syncbn::sync_batch_norm`` (the
 whole call, with its autograd node in C++) and its two steps below autograd,
 ``syncbn::sync_batch_norm_forward`` and ``syncbn::sync_batch_norm_backward``; fakes below too,
 so that fake tensors and dispatch modes can run them.
 
 Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
-running a kernel; torch imports this module for them (``set_python_module`` in ``csrc/ops.cpp``),
-and :func:`register_fakes` registers them when the extension is loaded (:mod:`.build`).
+running a kernel; torch imports this module for them (``set_python_module`` in
+``csrc/ops/ops.cpp``), and :func:`register_fakes` registers them when the extension is loaded
+(:mod:`.build`).
 """
 
 from __future__ import annotations

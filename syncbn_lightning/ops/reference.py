@@ -2,9 +2,9 @@
 ``syncbn::`` operators, are :mod:`.reference_steps`).
 
 The same five primitives as the C++/CUDA extension in ``csrc/`` with identical signatures and
-semantics (see ``csrc/syncbn.h``). They run on any device and dtype, serve as the test oracle for
-the kernels, and are the fallback when the extension cannot be built (``SYNCBN_IMPL=ref``); plain
-torch code, so ``torch.compile`` traces them too.
+semantics (see ``csrc/include/syncbn.h``). They run on any device and dtype, serve as the test
+oracle for the kernels, and are the fallback when the extension cannot be built
+(``SYNCBN_IMPL=ref``); plain torch code, so ``torch.compile`` traces them too.
 
 Conventions:
     * ``input`` has shape ``(N, C, *)``; statistics are per channel (dim 1).
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import CALL_ORDER_MARK, TAG_LIMIT
 from .activations import activate
 
 __all__ = [
@@ -46,10 +47,6 @@ __all__ = [
     "update_running",
 ]
 
-# Tags travel in the statistics' float dtype: below 2**24 they are exact even in float32.
-TAG_LIMIT = 1 << 24
-# How a call-order mismatch found while merging starts its message (C++ kernels and this file).
-CALL_ORDER_MARK = "syncbn call order:"
 
 # Tests run the device path of the call-order check on CPU tensors (see queues_order_flag).
 _QUEUE_ON_CPU = False

@@ -1,7 +1,7 @@
 """Pure-PyTorch twins of the backward's ``syncbn::`` operators (``grad_sums``, ``grad_input``),
 shared by both exchanges, and the call-order header their sums carry. The semantics of
-``csrc/entry_cpu.cpp``'s ``grad_sums_cpu``/``grad_input_cpu``; see :mod:`.reference_steps` for the
-forward steps and the conventions (the split mean ``mean + mean_lo``, the acc dtype).
+``csrc/cpu/entry_cpu.cpp``'s ``grad_sums_cpu``/``grad_input_cpu``; see :mod:`.reference_steps` for
+the forward steps and the conventions (the split mean ``mean + mean_lo``, the acc dtype).
 
 The backward's sums travel as ``[header[16], sum_dy[C], sum_dy_xmu[C]]``. The header is the call's
 layer and call tags (the merge's ``grad_info[4:6]``) as four 6-bit chunks each, every chunk followed
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import GRAD_HEADER
 from .activations import activation_grad, check_activation
 from .reference import (
     CALL_ORDER_MARK,
@@ -36,8 +37,6 @@ __all__ = [
     "tag_header",
 ]
 
-#: Values in front of the backward's sums (the call-order header).
-GRAD_HEADER = 16
 # The merges' info (and grad_info): [count, samples, order_ok, finite, layer_tag, call_tag].
 _TAGS = slice(4, 6)
 _GRAD_CHUNK = 64.0

@@ -1,6 +1,6 @@
 """Pure-PyTorch twins of the ``syncbn::`` operators: the fused steps of a synchronized layer call.
 
-The same signatures and semantics as the operators of ``csrc/ops.cpp`` (the test oracle of their
+The same signatures and semantics as the operators of ``csrc/ops/ops.cpp`` (the test oracle of their
 CPU and CUDA kernels, and the path of ``impl="reference"``):
 
 * the gather exchange: :func:`stats_row` (this rank's row), :func:`merge_normalize` (the merge of
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .._shared import INFO_FIELDS, REDUCE_HEADER, ROW_HEADER, SHIFT_MISMATCH
 from .activations import check_activation
 from .reference import (
     CALL_ORDER_MARK,
@@ -56,22 +57,9 @@ __all__ = [
     "tag_header",
 ]
 
-# Values in front of the statistics in a gathered row: [count, samples, layer_tag, call_tag].
-ROW_HEADER = 4
-# Values in front of the sums in the reduce exchange's vector: count, samples, nonempty, then the
-# 12-bit chunks of the layer tag, the call tag and the running mean's fingerprint, each followed
-# by its square (see syncbn_lightning.functional.reduce).
+# The layouts (ROW_HEADER, REDUCE_HEADER, INFO_FIELDS) and SHIFT_MISMATCH are the extension's
+# too: defined once in syncbn_lightning/_shared.py. The reduce exchange's tag chunks: 12 bits.
 _CHUNK_BITS = 12
-REDUCE_HEADER = 3 + 2 * 6
-# Values of a merge's info (and grad_info): count, samples, order_ok, finite, layer_tag, call_tag.
-INFO_FIELDS = 6
-#: The error of a reduce exchange whose ranks shifted their sums by different running means.
-SHIFT_MISMATCH = (
-    f"{CALL_ORDER_MARK} the ranks of one sync group hold different running_mean buffers in a "
-    f"layer with exchange='reduce', which shifts every rank's sums by its running mean and needs "
-    f"the same one on every rank (as it is after every synchronized update). Load the same "
-    f"checkpoint on every rank, keep the buffers in sync, or use exchange='gather'."
-)
 
 
 def row_width(channels: int) -> int:
