@@ -247,11 +247,9 @@ def test_the_operators_pass_opcheck() -> None:
         "eps": 1e-5,
         "unbiased": True,
         "equal_rank_weights": False,
-        "act": 0,
-        "act_param": 0.0,
         "num_features": 4,
     }
-    args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None)
+    args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None, 0, 0.0)
     for name in ("sync_batch_norm", "sync_batch_norm_forward"):
         torch.library.opcheck(
             getattr(torch.ops.syncbn, name).default,

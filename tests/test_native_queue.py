@@ -177,14 +177,24 @@ def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
 
 
 def test_the_settings_cross_by_name_as_the_schema_names_them(one_rank) -> None:
-    """The plan's settings are the operator's keyword arguments: every name is in the schema,
-    and with the tensors and the call's activation they are all of its arguments."""
-    layer = SyncBatchNorm(4, force_sync=True)
+    """The plan's settings are named as the operator's schema names its trailing arguments,
+    and passed in the schema's order, read from the schema (no order kept by hand)."""
+    layer = SyncBatchNorm(4, force_sync=True, exchange="reduce", momentum=0.3)
     layer(torch.randn(2, 4, 3))
+    plan = layer._sync_plan
     schema = torch.ops.syncbn.sync_batch_norm.default._schema
     names = [argument.name for argument in schema.arguments]
-    tensors = names[: names.index("residual") + 1]
-    assert set(layer._sync_plan.settings) | set(tensors) | {"act", "act_param"} == set(names)
+    trailing = names[names.index("group") :]
+    assert list(plan.settings) != [] and set(plan.settings) == set(trailing)
+    assert plan.args == tuple(plan.settings[name] for name in trailing)
+    assert plan.settings["reduce"] is True and plan.settings["momentum"] == 0.3
+
+
+def test_a_setting_the_schema_names_but_the_plan_lacks_is_named(one_rank) -> None:
+    from syncbn_lightning.nn.sync_plan import settings_in_schema_order
+
+    with pytest.raises(KeyError, match="world_size"):
+        settings_in_schema_order(torch.ops.syncbn.sync_batch_norm.default, {"group": None})
 
 
 def test_nothing_is_queued_for_a_layer_in_eval(one_rank, queued_flags) -> None:

@@ -156,15 +156,14 @@ Settings group_settings(
   const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
       const OptTensor &running_mean, const OptTensor &running_var,                            \
       const OptTensor &num_batches_tracked, const OptTensor &nonfinite,                       \
-      const at::Tensor &calls, const OptTensor &residual,                                     \
+      const at::Tensor &calls, const OptTensor &residual, int64_t act, double act_param,      \
       const c10::optional<c10::string_view>&group, int64_t world_size, int64_t layer_tag,     \
       bool reduce, c10::optional<double> momentum, double eps, bool unbiased,                 \
-      bool equal_rank_weights, bool queue_order_flags, int64_t act, double act_param,         \
-      int64_t num_features
+      bool equal_rank_weights, bool queue_order_flags, int64_t num_features
 #define SYNCBN_LAYER_PASS                                                                   \
   input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite, calls,    \
-      residual, group, world_size, layer_tag, reduce, momentum, eps, unbiased,              \
-      equal_rank_weights, queue_order_flags, act, act_param, num_features
+      residual, act, act_param, group, world_size, layer_tag, reduce, momentum, eps,        \
+      unbiased, equal_rank_weights, queue_order_flags, num_features
 
 Settings forward_settings(SYNCBN_LAYER_ARGS) {
   Settings s = group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
@@ -335,12 +334,15 @@ Outputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
 }  // namespace
 }  // namespace syncbn::layer
 
+// The call's tensors and its fused activation, then the layer's settings (from `group` on: the
+// names Python's plan gives them, nn/sync_plan.py, which passes them in this order, read from
+// this schema).
 #define SYNCBN_LAYER_SCHEMA_ARGS                                                              \
   "Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "                    \
   "Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, "         \
-  "Tensor(e!) calls, Tensor? residual, str? group, int world_size, int layer_tag, "           \
-  "bool reduce, float? momentum, float eps, bool unbiased, bool equal_rank_weights, "         \
-  "bool queue_order_flags, int act, float act_param, int num_features"
+  "Tensor(e!) calls, Tensor? residual, int act, float act_param, str? group, int world_size, " \
+  "int layer_tag, bool reduce, float? momentum, float eps, bool unbiased, "                   \
+  "bool equal_rank_weights, bool queue_order_flags, int num_features"
 
 TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   // The layer call: (output, mean, var, info) as the Python Function returns them. `group` is
