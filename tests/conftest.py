@@ -1,4 +1,4 @@
-"""Shared test configuration: GPU auto-skip, and the session's flight folder.
+"""Shared test configuration: GPU auto-skip, the session's flight folder, queued call-order flags.
 
 Every SyncBN flight record the suite writes (``distributed/flight.py``), in this process and in
 every process it starts, goes to one temporary folder made for the session
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,6 +32,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         if os.environ.get(FLIGHT_DIR_ENV) == folder:
             del os.environ[FLIGHT_DIR_ENV]
+
+
+@pytest.fixture
+def queued_flags() -> Iterator[None]:
+    """CPU calls leave their call-order flags for later, as CUDA calls do (the device path's
+    logic on CPU tensors); the queue is emptied after the test."""
+    from syncbn_lightning.distributed import call_order
+    from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+
+    set_queue_order_flags_on_cpu(True)
+    try:
+        yield
+    finally:
+        set_queue_order_flags_on_cpu(False)
+        call_order._pending.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

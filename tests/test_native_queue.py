@@ -23,7 +23,6 @@ from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
 from syncbn_lightning.distributed import call_order
 from syncbn_lightning.functional import native
 from syncbn_lightning.nn import sync_plan
-from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
 from syncbn_lightning.ops.reference_steps import ROW_HEADER
 
 
@@ -34,16 +33,6 @@ def one_rank(tmp_path) -> Iterator[str]:
         yield dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def queued_flags() -> Iterator[None]:
-    set_queue_order_flags_on_cpu(True)
-    try:
-        yield
-    finally:
-        set_queue_order_flags_on_cpu(False)
-        call_order._pending.clear()
 
 
 def _kinds() -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,6 @@ from syncbn_lightning.distributed import call_order, group_abort
 from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
 
 _REFERENCE = {"SYNCBN_IMPL": "reference"}  # the C++ CPU kernels always check at once
-
-
-@pytest.fixture
-def queued_flags() -> Iterator[None]:
-    set_queue_order_flags_on_cpu(True)
-    try:
-        yield
-    finally:
-        set_queue_order_flags_on_cpu(False)
-        call_order._pending.clear()
 
 
 def _three_layers() -> nn.ModuleDict:

@@ -32,13 +32,14 @@ from typing import Any
 
 import torch
 
+from .._shared import ROW_HEADER
 from ..distributed import flight
 from ..distributed.call_order import poll_order_checks, queue_order_check, raise_if_out_of_order
 from ..distributed.collectives import all_gather, report_collective_failure
 from ..ops.reference import check_group_count
 from ..ops.reference_steps import own_tags
 from .exchange import SyncCall, raise_backward_order
-from .gather import _report_order, row_tags
+from .gather import _report_order
 from .options import SyncOptions
 from .reduce import _report_mismatch
 from .registry import get_exchange
@@ -53,7 +54,7 @@ _lock = threading.Lock()
 _library: list[torch.library.Library] = []  # kept alive: dropping a Library deregisters it
 
 
-def _call_order_failed(
+def _order_failed(
     kind: int,
     data: torch.Tensor,
     aux: torch.Tensor,
@@ -61,38 +62,37 @@ def _call_order_failed(
     group: str | None,
     world_size: int,
     layer_tag: int,
+    at_once: bool,
 ) -> None:
-    """Raise the CallOrderError of a mismatch the C++ path found (``KINDS[kind]``)."""
+    """Raise the CallOrderError of a mismatch the C++ path found (``KINDS[kind]``) in ``data``
+    (the gathered rows, the reduce exchange's vector sent, the backward's summed sums; ``aux``:
+    the summed vector, the merge's grad_info), one rank's share ``width`` values long.
+    ``at_once``: found by every rank of the group at this call, which may then gather the ranks'
+    tags to name each rank's layer; else a queued flag read later, reported from what this rank
+    holds, never through a collective (the other ranks are elsewhere by now)."""
     if KINDS[kind] == "gathered_rows":
-        channels = (width - 4) // 3
-        raise_if_out_of_order(row_tags(data, channels), group)
-    elif KINDS[kind] == "reduce_sums":
+        _report_order(data, (width - ROW_HEADER) // 3, group)
+    elif KINDS[kind] == "reduce_sums" and at_once:
         own = torch.tensor(own_tags(data), dtype=torch.float64)
         tags = all_gather(own, group, world_size, flight.check_note(layer_tag))
         raise_if_out_of_order(tags.view(-1, 2), group)
-    else:
-        call = SyncCall(group, world_size, layer_tag, get_exchange("gather"), SyncOptions(), True)
-        raise_backward_order(data, width, aux, call, gather=True)
-
-
-def _queued_order_failed(
-    kind: int,
-    data: torch.Tensor,
-    aux: torch.Tensor,
-    width: int,
-    group: str | None,
-    world_size: int,
-    layer_tag: int,
-) -> None:
-    """Raise the CallOrderError of a queued flag that read 0 (``KINDS[kind]``): from what this
-    rank holds, never through a collective (the other ranks are elsewhere by now)."""
-    if KINDS[kind] == "gathered_rows":
-        _report_order(data, (width - 4) // 3, group)
     elif KINDS[kind] == "reduce_sums":
         _report_mismatch(data, aux, world_size, group)
     else:
         call = SyncCall(group, world_size, layer_tag, get_exchange("gather"), SyncOptions(), True)
-        raise_backward_order(data, width, aux, call, gather=False)
+        raise_backward_order(data, width, aux, call, gather=at_once)
+
+
+def _call_order_failed(*args: Any) -> None:
+    """``syncbn::call_order_failed``: :func:`_order_failed` of a mismatch every rank found at
+    this call (the arguments: the operator's)."""
+    _order_failed(*args, at_once=True)
+
+
+def _queued_order_failed(*args: Any) -> None:
+    """The report of a flag ``syncbn::order_flag_queued`` queued that read 0:
+    :func:`_order_failed` from this rank's data."""
+    _order_failed(*args, at_once=False)
 
 
 def _order_flag_queued(
