@@ -150,19 +150,19 @@ def test_a_bad_native_cuda_value_names_the_variable(monkeypatch) -> None:
 
 
 def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
-    """A layer whose tensors are not on the CPU (``meta`` here: no GPU needed) makes a plan for
-    them: the Python path unless SYNCBN_NATIVE_CUDA=1 and the device is CUDA; called on CPU
-    tensors again, a CPU plan."""
+    """Calls on tensors that are not on the CPU (``meta`` here: no GPU needed) make a plan for
+    their device: the Python path unless SYNCBN_NATIVE_CUDA=1 and the device is CUDA; called
+    on CPU tensors again, a CPU plan."""
     monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
     layer = SyncBatchNorm(4, force_sync=True)
-    cpu_plan = sync_plan.plan_of(layer, True)
+    cpu_plan = sync_plan.plan_of(layer, "cpu")
     assert cpu_plan.native and cpu_plan.cpu
-    assert sync_plan.plan_of(layer, True) is cpu_plan
+    assert sync_plan.plan_of(layer, "cpu") is cpu_plan
     layer.to("meta")
-    other = sync_plan.plan_of(layer, False)
+    other = sync_plan.plan_of(layer, "meta")
     assert other is not cpu_plan and not other.cpu and not other.native  # meta: not CUDA
     layer.to_empty(device="cpu")
-    assert sync_plan.plan_of(layer, True).native
+    assert sync_plan.plan_of(layer, "cpu").native
 
 
 def test_the_settings_cross_by_name_as_the_schema_names_them(one_rank) -> None:
@@ -184,6 +184,16 @@ def test_a_setting_the_schema_names_but_the_plan_lacks_is_named(one_rank) -> Non
 
     with pytest.raises(KeyError, match="world_size"):
         settings_in_schema_order(torch.ops.syncbn.sync_batch_norm.default, {"group": None})
+
+
+def test_an_input_on_another_device_gets_the_python_path_s_error(one_rank, monkeypatch) -> None:
+    """A CPU layer called on a meta tensor: a plan for meta (never the C++ path), and the
+    layer's own message."""
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "1")
+    layer = SyncBatchNorm(4, force_sync=True)
+    with pytest.raises(ValueError, match=r"model\.to\('meta'\)"):
+        layer(torch.randn(2, 4, 3, device="meta"))
+    assert layer._sync_plan.device == "meta" and not layer._sync_plan.native
 
 
 def test_nothing_is_queued_for_a_layer_in_eval(one_rank, queued_flags) -> None:

@@ -268,7 +268,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         training = self.training
         if training and replicas is None and not torch.compiler.is_compiling():
             if type(input) is torch.Tensor:
-                plan = plan_of(self, input.is_cpu)  # the C++ path checks the input itself
+                # The C++ path checks the input itself (the device type: read off the CPU only).
+                plan = plan_of(self, "cpu" if input.is_cpu else input.device.type)
                 # A CUDA graph's capture takes the Python path (its functional collectives, as
                 # capture on NCCL needs; a replay runs no host code, so its host cost is moot).
                 if plan.native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):

@@ -102,7 +102,8 @@ class SyncPlan:
 
     Attributes:
         native: whether calls take the C++ path.
-        cpu: whether the plan is for CPU tensors (else for the layer's device).
+        device: the device type of the inputs the plan is for (``"cpu"``, ``"cuda"``, ...).
+        cpu: whether that is the CPU.
         op: the C++ path's operator (``None`` on the Python path).
         world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
             layer forces synchronization).
@@ -119,6 +120,7 @@ class SyncPlan:
     __slots__ = (
         "args",
         "cpu",
+        "device",
         "impl",
         "name",
         "native",
@@ -130,10 +132,11 @@ class SyncPlan:
         "world_size",
     )
 
-    def __init__(self, layer: Any, world: Any, impl: Any, cpu: bool) -> None:
+    def __init__(self, layer: Any, world: Any, impl: Any, device: str) -> None:
         options = layer.sync_options
         self.options, self.process_group, self.world = options, layer.process_group, world
-        self.name, self.impl, self.cpu = layer.sync_name, impl, cpu
+        self.name, self.impl = layer.sync_name, impl
+        self.device, self.cpu = device, device == "cpu"
         self.world_size = sync_group_size(layer.process_group)
         self.native = False
         self.op: Any = None
@@ -141,7 +144,6 @@ class SyncPlan:
         self.args: tuple[Any, ...] = ()
         if self.world_size == 1 and not options.force_sync:
             return
-        device = "cpu" if cpu else _device_type(layer)
         if device != "cpu" and not (native_cuda() and device == "cuda"):
             return
         group = group_name_of(layer.process_group)
@@ -179,17 +181,10 @@ def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ..
     return tuple(settings[name] for name in names[first:])
 
 
-def _device_type(layer: Any) -> str:
-    """The device type of ``layer``'s first tensor (``"cpu"`` without tensors)."""
-    first = next(iter(layer.__dict__["_parameters"].values()), None)
-    if first is None:
-        first = next((b for b in layer.__dict__["_buffers"].values() if b is not None), None)
-    return "cpu" if first is None else first.device.type
-
-
-def plan_of(layer: Any, cpu: bool = True) -> SyncPlan:
-    """``layer``'s plan for calls on CPU tensors (``cpu``) or on its device: the one it keeps
-    while it still holds (see the module docstring), else a new one."""
+def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
+    """``layer``'s plan for calls on tensors of ``device`` (a device type): the one it keeps
+    while it still holds (see the module docstring), else a new one. An input on another device
+    than the layer's tensors gets a plan too; the layer's input checks then refuse it."""
     plan: SyncPlan | None = layer._sync_plan
     world = _world()
     impl = _impl_env() if layer.sync_options.impl is None else None
@@ -200,9 +195,9 @@ def plan_of(layer: Any, cpu: bool = True) -> SyncPlan:
         or plan.world is not world
         or plan.name is not layer.sync_name
         or plan.impl != impl
-        or plan.cpu is not cpu
+        or plan.device != device
     ):
-        plan = layer._sync_plan = SyncPlan(layer, world, impl, cpu)
+        plan = layer._sync_plan = SyncPlan(layer, world, impl, device)
     return plan
 
 
