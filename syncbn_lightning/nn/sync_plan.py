@@ -112,9 +112,9 @@ class SyncPlan:
             the running variance's, the ranks' weights, whether call-order flags are queued, the
             channels. A call adds its tensors and its fused activation (``act``, ``act_param``).
         args: ``settings`` as the call passes them, in the order the operator's schema names
-            them (:func:`settings_in_schema_order`): positional arguments cost the dispatcher's
-            Python binding ~40 us less per call than the same by keyword (measured on the 2-core
-            VM).
+            them (:func:`settings_in_schema_order`): positional arguments cost the operator's
+            Python binding ~4 us less per call than the same by keyword
+            (``benchmarks/bench_op_args.py``).
     """
 
     __slots__ = (
