@@ -261,9 +261,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.impls = args.impls or [i for i in IMPLS if cuda or i not in CUDA_ONLY]
-    bad = [i for i in args.impls if i not in IMPLS or (i in CUDA_ONLY and not cuda)]
-    if bad:
-        parser.error(f"--impls: {bad} not in {list(IMPLS)} ({CUDA_ONLY} need --device cuda)")
+    unknown = [i for i in args.impls if i not in IMPLS]
+    if unknown:
+        parser.error(f"--impls: {unknown} not in {list(IMPLS)}")
+    for impl in args.impls:
+        if impl in CUDA_ONLY and not cuda:
+            parser.error(f"--impls {impl} needs --device cuda")
     return args
 
 
