@@ -19,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 # Installed first thing in the subprocess (sitecustomize): ``import timm`` / ``torchvision``
 # raise ModuleNotFoundError wherever they are, .third_party included, as if never installed.
-_BLOCKER = '''
+_BLOCKER = """
 import sys
 
 class _Absent:
@@ -29,7 +29,7 @@ class _Absent:
         return None
 
 sys.meta_path.insert(0, _Absent())
-'''
+"""
 
 
 def _without_timm(tmp_path: Path) -> dict[str, str]:

@@ -330,7 +330,6 @@ def test_the_layer_backwards_fake_gives_no_input_gradient_where_the_kernel_gives
         )
 
 
-
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("offset", [1e4, 1e6])

@@ -161,6 +161,7 @@ def test_the_wandb_charts_carry_the_readings(tmp_path: Path, monkeypatch) -> Non
     """``finish_wandb``: each chart's title ends with its reading, which the run summary also
     keeps under ``readings/<panel>`` (a stand-in run: what W&B receives, not how it stores it)."""
     import wandb
+
     from syncbn_lightning.app import loggers
 
     _write_history(tmp_path, SMALL)

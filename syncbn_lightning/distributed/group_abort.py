@@ -196,7 +196,7 @@ def watcher_threads() -> list[threading.Thread]:
 def _watch(connection: Any, watcher: _Watcher) -> None:
     """The watcher thread: check the group's key until it appears, the job ends or it is
     stopped; on the key, log, remember and abort. Its connection is closed as it ends."""
-    job, group = watcher.key
+    _job, group = watcher.key
     message = None
     try:
         while not watcher.stop.wait(POLL_S) and watcher.job_running():

@@ -18,13 +18,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..distributed.collectives import gather_rows
+from ..distributed.group_abort import stop_watchers
 from ..distributed.group_sizes import (
     DEFAULT_TARGET_NORM_BATCH,
     GroupSize,
     auto_group_summary,
     resolve_group_size,
 )
-from ..distributed.group_abort import stop_watchers
 from ..distributed.groups import new_sync_group
 from ..nn.batchnorm import SyncBatchNorm
 from ..nn.checks import FuseResidual, check_fuse_residual
