@@ -1,7 +1,8 @@
 """The model zoo of the converter tests: every kind of BatchNorm (1d/2d/3d, torch's SyncBatchNorm,
 user subclasses with extra attributes and non-persistent buffers, affine=False,
 track_running_stats=False, momentum=None) nested in custom modules, Sequential and ModuleList, and
-helpers that compare tensors, flags and state_dicts. Module level, so that the models pickle.
+helpers that compare tensors, flags and state_dicts; a small residual network for the
+device tests. Module level, so that the models pickle.
 """
 
 from __future__ import annotations
@@ -83,6 +84,29 @@ def make_net(seed: int = 0) -> Net:
     net.stem.bn.weight.requires_grad_(False)
     net.head[1].bias.requires_grad_(False)
     return net
+
+
+class ResidualBlock(nn.Module):
+    """conv-BN, the input added, ReLU: the residual tail ``fuse_residual`` fuses."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+def residual_net(seed: int = 0) -> nn.Sequential:
+    """conv-BN-ReLU, two :class:`ResidualBlock` (``net[3]``, ``net[4]``) and a head: a converted
+    ResNet's layer kinds in a few layers (3 input channels, 10 outputs)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        ResidualBlock(16), ResidualBlock(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    )  # fmt: skip
 
 
 def make_input(seed: int = 1) -> torch.Tensor:

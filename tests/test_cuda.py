@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _convert_models import residual_net
 from _dist import run_distributed
 from _kernel_matrix import (
     BAND_KERNELS,
@@ -136,25 +137,6 @@ def test_cuda_layer_runs_without_host_synchronization(
     assert torch.isfinite(x.grad).all()
 
 
-def _residual_net() -> nn.Module:
-    """conv-BN-ReLU, a residual block (BN before the add) and a head: a converted ResNet's
-    layer kinds in a few layers."""
-
-    class Block(nn.Module):
-        def __init__(self, width: int) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(width)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.bn(self.conv(x)) + x)
-
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-        Block(16), Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["NCHW", "NHWC"])
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -173,7 +155,7 @@ def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
     memory = torch.channels_last if channels_last else torch.contiguous_format
     dist.init_process_group("nccl", init_method=f"file://{_store_path()}", rank=0, world_size=1)
     try:
-        net = _residual_net()
+        net = residual_net()
         named = [type(net[3])] if fuse else False
         model = convert_sync_batchnorm(net, exchange=exchange, fuse_residual=named)
         assert hasattr(type(model[3]), "_syncbn_fused_from") is fuse
@@ -395,9 +377,7 @@ def test_cuda_a_layer_unused_in_one_ranks_loss_raises_call_order_error(ext, tmp_
     assert "'body.1' (call #1)" in text, text
 
 
-def _cuda_skipped_layer_worker(
-    rank: int, world: int, device: str = "cuda"
-) -> tuple[str, int, int]:
+def _cuda_skipped_layer_worker(rank: int, world: int, device: str = "cuda") -> tuple[str, int, int]:
     """Three forward steps where rank 1 skips `mid` (its `tail` meets rank 0's `mid`): the flags
     are copied to pinned memory and read at later calls once their events complete. Returns the
     error and the (step, call) of the layer call that raised it; ``(-1, -1)``: only the syncing
@@ -411,8 +391,8 @@ def _cuda_skipped_layer_worker(
         nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
     ).to(device)
     try:
-        for step in range(3):
-            for number, name in enumerate(names):
+        for step in range(3):  # noqa: B007 - the except clause reads step and number
+            for number, name in enumerate(names):  # noqa: B007
                 net[name](torch.randn(3, 4, device=device))
     except CallOrderError as exc:
         return str(exc), step, number

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+from _convert_models import residual_net
 from _dist import run_distributed
 from _numerics import assert_one_graph_and_compiled_matches_eager
 from torch import nn
@@ -91,24 +92,8 @@ def test_the_cpp_path_equals_the_python_path_on_cuda(
         assert torch.equal(cpp, python)
 
 
-def _net() -> nn.Module:
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.bn = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.bn(self.conv(x)) + x)
-
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-        Block(), Block(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
-    )  # fmt: skip
-
-
 def _converted(fuse: bool, exchange: str = "auto") -> nn.Module:
-    net = _net()
+    net = residual_net()
     named = [type(net[3])] if fuse else False
     model = convert_sync_batchnorm(net, exchange=exchange, fuse_residual=named).cuda().train()
     for layer in model.modules():
