@@ -13,6 +13,7 @@ from _dist import run_distributed
 from torch import nn
 
 from syncbn_lightning import CallOrderError, convert_sync_batchnorm
+from syncbn_lightning._shared import CALL_ORDER_MARK
 from syncbn_lightning.nn.layer_state import name_tag
 
 # Two names whose tags collide (found by search; crc32 modulo 2^24).
@@ -51,3 +52,30 @@ def _one_layer_each(rank: int, world: int) -> str:
 def test_ranks_calling_the_two_layers_raise_call_order_error() -> None:
     for message in run_distributed(_one_layer_each, 2, timeout=60, pg_timeout_s=30):
         assert f"rank 0 ran '{FIRST}'" in message and f"rank 1 ran '{SECOND}'" in message, message
+
+
+def _one_layer_each_report_silenced(rank: int, world: int) -> tuple[str, str]:
+    """As :func:`_one_layer_each` with the Python report of ``syncbn::call_order_failed``
+    returning instead of raising: (the error's type, its message)."""
+    from syncbn_lightning.functional import native
+
+    native._order_failed = lambda *args, **kwargs: None
+    model = _model()
+    try:
+        model[FIRST if rank == 0 else SECOND](torch.randn(3, 4))
+    except Exception as exc:  # the type is what the test reads
+        return type(exc).__name__, str(exc)
+    return "none", ""
+
+
+@pytest.mark.distributed
+def test_the_kernels_error_stands_when_the_report_returns() -> None:
+    """The C++ layer rethrows the kernel's own error, as thrown, if the report does not raise
+    (it always does; a report that returned used to leave a copy of the error, sliced to its
+    ``c10::Error`` base: the same Python error for today's kernels, whose checks are all
+    ``TORCH_CHECK``). What must hold either way: the call fails, with the kernel's message."""
+    for kind, message in run_distributed(
+        _one_layer_each_report_silenced, 2, timeout=60, pg_timeout_s=30
+    ):
+        assert kind == "RuntimeError", (kind, message)
+        assert message.startswith(f"{CALL_ORDER_MARK} SyncBatchNorm layers were called"), message
