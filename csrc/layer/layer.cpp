@@ -148,10 +148,11 @@ Settings group_settings(
   return s;
 }
 
-// The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below).
 // The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below): the
-// layer's tensors, then its settings, which Python passes by name (nn/sync_plan.py builds them
-// once per plan) and forward_settings gathers into one Settings.
+// layer's tensors, then its settings, which Python builds by name once per plan and passes in
+// this order (nn/sync_plan.py); forward_settings gathers them into one Settings. A macro, not a
+// struct: the dispatcher's unboxed kernels take the schema's arguments one by one, and both
+// operators and the autograd kernel must list them alike.
 #define SYNCBN_LAYER_ARGS                                                                     \
   const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
       const OptTensor &running_mean, const OptTensor &running_var,                            \
