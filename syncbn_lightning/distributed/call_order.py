@@ -45,6 +45,7 @@ __all__ = [
     "call_order_error",
     "check_call_order",
     "layer_text",
+    "layers_with_status",
     "mark_status_used",
     "poll_order_checks",
     "queue_order_check",
@@ -168,6 +169,13 @@ def register_order_status(entry: Callable[[], tuple[torch.Tensor | None, int, Gr
     _statuses.append(weakref.WeakMethod(entry))  # type: ignore[arg-type]
 
 
+def layers_with_status() -> list[Any]:
+    """The live layers whose status :func:`check_call_order` reads (those placed where calls
+    queue their order flags), in the order they were placed."""
+    methods = (ref() for ref in _statuses)
+    return [method.__self__ for method in methods if method is not None]
+
+
 def register_layer_name(tag: int, name: str) -> None:
     """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages and the
     flight records, which keep the names beside the tags)."""
@@ -228,8 +236,9 @@ def check_call_order() -> None:
         _status_used = False
         _check_statuses()
     with _queue_lock:
-        queued = list(_pending)
-        _pending.clear()
+        queued = _pending[:]
+        # Only what was read: compiled code appends without the lock, at the end.
+        del _pending[: len(queued)]
     if not queued:
         return
     flags = torch.stack([entry[0][entry[1]] for entry in queued]).cpu()

@@ -20,8 +20,9 @@ timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
 **A watcher lives as long as its job.** It is keyed by the job's id (the one the default store
 holds, :func:`.flight.job_id`) and the group's name, and ends, closing its connection, when its
 job's default group is destroyed (``destroy_process_group``: seen within :data:`POLL_S`), when
-:func:`stop_watchers` is called (``SyncBNCallback``'s teardown, ``revert_sync_batchnorm``), when
-the store goes away, and at interpreter exit (joined before the interpreter finalizes).
+:func:`stop_watchers` is called (``SyncBNCallback``'s teardown; ``revert_sync_batchnorm``, for
+the groups no other live layer queues flags on), when the store goes away, and at interpreter exit
+(joined before the interpreter finalizes).
 
 On gloo an abort does not end a collective already waiting on the host; those end when the
 publishing rank's process exits and its connections close (it raised). Only SyncBN's own groups
@@ -35,6 +36,7 @@ import atexit
 import logging
 import threading
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import torch.distributed as dist
@@ -174,13 +176,15 @@ def watch_group(group: str) -> None:
         watcher.thread.start()
 
 
-def stop_watchers() -> None:
-    """End every watcher of this process and close its connection (they end by themselves when
-    their job's default group is destroyed): the callback's teardown, ``revert_sync_batchnorm``
-    and interpreter exit call it. A later SyncBN group or queued flag starts them again."""
+def stop_watchers(keep: Collection[str] = ()) -> None:
+    """End every watcher of this process but those of the groups named in ``keep``, and close
+    their connections (they end by themselves when their job's default group is destroyed): the
+    callback's teardown and interpreter exit stop them all, ``revert_sync_batchnorm`` those no
+    other live layer needs. A later SyncBN group, conversion or queued flag starts them again."""
     with _lock:
-        watchers = list(_watchers.values())
-        _watchers.clear()
+        watchers = [w for w in _watchers.values() if w.key[1] not in keep]
+        for watcher in watchers:
+            del _watchers[watcher.key]
     for watcher in watchers:
         watcher.stop.set()
     for watcher in watchers:

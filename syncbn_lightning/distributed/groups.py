@@ -43,6 +43,7 @@ __all__ = [
     "check_process_group",
     "group_name_of",
     "is_group",
+    "made_group_name",
     "new_sync_group",
     "resolve_group_size",
     "set_sync_timeout",
@@ -179,12 +180,22 @@ def watch_sync_group(process_group: Any) -> None:
     ``process_group`` synchronizes through, in a running job: a group of the caller's, or the
     world's twin once made (this never makes a group). The converter calls it, so that a job
     whose layers run only compiled code has its watchers too."""
+    name = made_group_name(process_group)
+    if name is not None:
+        group_abort.watch_group(name)
+
+
+def made_group_name(process_group: Any) -> str | None:
+    """The name of the group a layer with ``process_group`` synchronizes through, if that group
+    exists in the running job (as :func:`group_name_of`, but never making the world's twin):
+    ``None`` outside a job, or for the world before its twin is made."""
     if not (dist.is_available() and dist.is_initialized()):
-        return
+        return None
     if isinstance(process_group, dist.ProcessGroup) and process_group is not dist.group.WORLD:
-        group_abort.watch_group(process_group.group_name)
-    elif _world_twin is not None and _world_twin[0] is dist.group.WORLD:
-        group_abort.watch_group(_world_twin[1].group_name)
+        return process_group.group_name
+    if _world_twin is not None and _world_twin[0] is dist.group.WORLD:
+        return _world_twin[1].group_name
+    return None
 
 
 def _world_group_name() -> str:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..distributed.groups import check_process_group, sync_group_size
+from ..distributed.groups import check_process_group, sync_group_size, watch_sync_group
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
 from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
@@ -177,6 +177,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         self.process_group = process_group
         self._number_layer()
         match_torch_class(self)
+        watch_sync_group(process_group)  # a job running only compiled calls has its watcher too
 
     def _apply(self, fn: Any, recurse: bool = True) -> SyncBatchNorm:
         super()._apply(fn, recurse)

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
+from ..distributed.call_order import layers_with_status
 from ..distributed.group_abort import stop_watchers
-from ..distributed.groups import check_process_group, watch_sync_group
+from ..distributed.groups import check_process_group, made_group_name, watch_sync_group
 from ..functional.options import KEEP, SyncOptions
 from .checks import FuseResidual, check_fuse_residual
 from .layer_state import name_sync_layers
@@ -303,7 +304,8 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
     are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a
     :class:`SyncBatchNormAct`: :class:`BatchNormActXd`, with its ``act`` and ``drop``). The
-    process's call-order watcher threads end (a later conversion starts them again).
+    process's call-order watcher threads end, except those of groups another live layer that
+    queues order flags still uses (a later conversion starts them again).
 
     Args:
         module: the model, or a single layer.
@@ -319,8 +321,21 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         'BatchNorm2d'
     """
     _require_module(module)
-    stop_watchers()  # the job's SyncBN is done with; a later conversion starts them again
-    return _revert_tree(_RESIDUAL_HOOKS["unfuse"](module))
+    leaving = {id(layer) for layer in sync_layers(module)}
+    reverted = _revert_tree(_RESIDUAL_HOOKS["unfuse"](module))
+    stop_watchers(keep=_groups_still_watched(leaving))
+    return reverted
+
+
+def _groups_still_watched(leaving: set[int]) -> set[str]:
+    """The groups of the live layers that queue order flags, other than those with an id in
+    ``leaving``: another model (an EMA, a compiled twin) may still train on them."""
+    names = (
+        made_group_name(layer.process_group)
+        for layer in layers_with_status()
+        if id(layer) not in leaving
+    )
+    return {name for name in names if name is not None}
 
 
 def _revert_tree(module: nn.Module) -> nn.Module:

@@ -1,0 +1,161 @@
+"""A call-order watcher lives as long as its job needs it (issue 55, item 1; the thread itself:
+``distributed/group_abort.py``).
+
+One-rank gloo jobs in this process: a layer built directly on a group starts its group's watcher
+(a job whose calls are all compiled queues nothing in Python); reverting one model leaves the
+watcher another live model still needs; the callback's teardown ends them; a message published
+in an earlier job is never read in a later one; a flag queued while ``check_call_order`` reads the
+queue is kept for the next read. The three-jobs test and the revert test are in
+``test_order_flags.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _lightning import BNNet, quiet_trainer
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from syncbn_lightning import (
+    SyncBatchNorm,
+    SyncBNCallback,
+    check_call_order,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
+from syncbn_lightning.distributed import call_order, group_abort
+
+
+def _threads(within_s: float = 2.0, want: int = 0) -> list[Any]:
+    """The watcher threads, once their number is ``want`` or ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while len(group_abort.watcher_threads()) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return group_abort.watcher_threads()
+
+
+@pytest.fixture
+def one_rank_job(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo job for the test's duration; no watcher before, none left after."""
+    assert not _threads(), "a watcher of an earlier test is still running"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    assert not _threads(), "a watcher outlived its job"
+
+
+def test_a_layer_built_on_a_group_starts_its_watcher(one_rank_job: None) -> None:
+    group = dist.new_group([0])
+    layer = SyncBatchNorm(4, process_group=group)
+    (thread,) = _threads(want=1)
+    assert thread.name == f"syncbn-abort-watch-{group.group_name}"
+    assert layer.process_group is group
+
+
+def test_reverting_one_model_keeps_the_watcher_another_model_needs(
+    one_rank_job: None, queued_flags: None
+) -> None:
+    """Two models on one group whose calls queue their flags (CUDA's way, here on CPU): reverting
+    the first (an exported copy, an EMA) leaves the second's watcher; reverting the second ends
+    it."""
+    group = dist.new_group([0])
+    first = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
+    second = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
+    (thread,) = _threads(want=1)
+    revert_sync_batchnorm(first)
+    assert type(first[0]) is nn.BatchNorm1d
+    assert _threads(want=0, within_s=0.5) == [thread] and thread.is_alive()
+    second(torch.randn(3, 4)).sum().backward()
+    check_call_order()
+    revert_sync_batchnorm(second)
+    assert not group_abort.watcher_threads()  # joined before revert returns
+
+
+class _Watching(Callback):
+    """Counts the watcher threads at each training batch's end."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seen.append(len(group_abort.watcher_threads()))
+
+
+def test_the_callbacks_teardown_ends_the_fits_watchers(tmp_path: Path, queued_flags: None) -> None:
+    """A one-process DDP fit (the layers converted to be monitored, their calls synchronized):
+    their watcher runs during the fit and is gone when ``fit``
+    returns, the default group still alive (Lightning keeps it)."""
+    assert not _threads(), "a watcher of an earlier test is still running"
+    watching = _Watching()
+    trainer = quiet_trainer(
+        strategy="ddp",
+        max_steps=2,
+        callbacks=[SyncBNCallback(single_process="monitor"), watching],
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    try:
+        trainer.fit(BNNet())
+        assert watching.seen and all(n == 1 for n in watching.seen), watching.seen
+        assert dist.is_initialized()
+        assert not group_abort.watcher_threads()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_message_of_an_earlier_job_is_not_read_in_a_later_one(one_rank_job: None) -> None:
+    group = dist.new_group([0])
+    group_abort._signalled[("an earlier job", group.group_name)] = "an old mismatch"
+    try:
+        assert group_abort.published_message() is None
+        check_call_order()  # would raise CallOrderError with the old message
+        assert not group_abort._signalled
+    finally:
+        group_abort._signalled.clear()
+
+
+class _AppendedWhileCopied(list):
+    """A queue to which an entry is appended (as compiled code does, without the lock) right
+    after ``check_call_order`` copies it, before it takes what it copied off."""
+
+    late: tuple[Any, ...] = ()
+
+    def _copied(self, copy: list[Any]) -> list[Any]:
+        if self.late:
+            self.append(self.late)
+            self.late = ()
+        return copy
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._copied(list(super().__iter__())))
+
+    def __getitem__(self, index: Any) -> Any:
+        value = super().__getitem__(index)
+        return self._copied(list(value)) if isinstance(index, slice) else value
+
+
+def test_a_flag_queued_while_the_queue_is_read_waits_for_the_next_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def report() -> None:
+        raise call_order.CallOrderError("the late flag")
+
+    ok, failed = torch.ones(1), torch.zeros(1)
+    queue = _AppendedWhileCopied([(ok, 0, report, (), None, None)])
+    queue.late = (failed, 0, report, (), None, None)
+    monkeypatch.setattr(call_order, "_pending", queue)
+    check_call_order()  # reads the first flag (1); the late one stays queued
+    assert len(queue) == 1 and queue[0][0] is failed
+    with pytest.raises(call_order.CallOrderError, match="the late flag"):
+        check_call_order()
