@@ -28,7 +28,12 @@ from _lightning import BNNet, trainer
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
 from syncbn_lightning.distributed import flight
-from syncbn_lightning.distributed.flight_file import jobs_in, read_flight_dir
+from syncbn_lightning.distributed.flight_file import (
+    in_use,
+    jobs_in,
+    node_folder,
+    read_flight_dir,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -239,6 +244,35 @@ def test_a_folder_keeps_the_last_jobs_and_removes_older_ones_when_a_job_opens(
     assert jobs_in(folder) == [flight.current_recorder().job]
     with pytest.raises(ValueError, match="keep_jobs must be an int >= 0"):
         flight.set_flight_dir(folder, keep_jobs=-1)
+    for bad in ("-1", "ten", "2.5"):
+        monkeypatch.setenv(flight.KEEP_JOBS_ENV, bad)
+        with pytest.raises(ValueError, match=f"SYNCBN_FLIGHT_KEEP_JOBS must be .* got '{bad}'"):
+            flight.flight_keep_jobs()
+
+
+def test_a_running_jobs_file_is_kept_however_old(tmp_path: Path) -> None:
+    """A job that has written nothing for a while (a long evaluation) while newer jobs opened in
+    its folder keeps its file as long as its recorder lives; once closed, the next job's opening
+    removes it."""
+    folder = tmp_path / "records"
+    flight.set_flight_dir(folder, keep_jobs=2)
+    node = folder / node_folder()  # the folder this process's jobs write and prune
+    node.mkdir(parents=True)
+    idle = flight.FlightRecorder(capacity=8, path=node / "flight_idlejob_rank0.bin", job="idlejob")
+    try:
+        assert in_use(idle.path)
+        hours_ago = time.time() - 7200
+        os.utime(idle.path, (hours_ago, hours_ago))
+        for n in range(3):
+            _job(tmp_path, f"job{n}")
+        assert idle.path.exists() and "idlejob" in jobs_in(folder)
+    finally:
+        idle.close()
+        flight.set_flight_dir(None, keep_jobs=flight.DEFAULT_KEEP_JOBS)
+    assert not in_use(idle.path)
+    flight.set_flight_dir(folder, keep_jobs=2)
+    _job(tmp_path, "after")
+    assert not idle.path.exists() and len(jobs_in(folder)) == 2
 
 
 def test_running_out_of_file_names_warns_once_and_records_in_memory(

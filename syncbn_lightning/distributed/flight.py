@@ -279,11 +279,23 @@ def set_flight_dir(
 def flight_keep_jobs() -> int:
     """How many jobs' files (the newest, the opening job's included) a job keeps in its node's
     folder when it opens its recorder: :func:`set_flight_dir`'s ``keep_jobs``, else
-    ``SYNCBN_FLIGHT_KEEP_JOBS``, else :data:`DEFAULT_KEEP_JOBS` (10); 0 keeps every job's."""
+    ``SYNCBN_FLIGHT_KEEP_JOBS``, else :data:`DEFAULT_KEEP_JOBS` (10); 0 keeps every job's.
+
+    Raises:
+        ValueError: when ``SYNCBN_FLIGHT_KEEP_JOBS`` is set but not a whole number >= 0.
+    """
     if _keep_jobs is not None:
         return _keep_jobs
-    value = os.environ.get(KEEP_JOBS_ENV, "")
-    return int(value) if value.isdigit() else DEFAULT_KEEP_JOBS
+    value = os.environ.get(KEEP_JOBS_ENV, "").strip()
+    if not value:
+        return DEFAULT_KEEP_JOBS
+    if not value.isdigit():
+        raise ValueError(
+            f"{KEEP_JOBS_ENV} must be a whole number >= 0 (how many jobs' flight files a folder "
+            f"keeps, 0: all of them), got {value!r}: set it so, or unset it for the default "
+            f"{DEFAULT_KEEP_JOBS}"
+        )
+    return int(value)
 
 
 def flight_dir() -> str | None:

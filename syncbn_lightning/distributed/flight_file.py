@@ -18,6 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+try:
+    import fcntl
+except ImportError:  # Windows: a running job's files are told by their mtime alone
+    fcntl = None  # type: ignore[assignment]
+
 from .._shared import (
     FLIGHT_DIRECTIONS,
     FLIGHT_HEADER_FORMAT,
@@ -37,6 +42,7 @@ __all__ = [
     "RECORD",
     "FlightRecord",
     "decode",
+    "in_use",
     "jobs_in",
     "map_new_file",
     "names_path",
@@ -113,9 +119,16 @@ def names_path(path: Path) -> Path:
 def map_new_file(path: Path, size: int) -> mmap.mmap:
     """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
     allocated blocks, mapped; on any failure the file is removed and the error raised (the file
-    descriptor is closed either way: the map holds its own)."""
+    descriptor is closed either way: the map holds its own). The file is share-locked
+    (``flock``) while the map lives, so that :func:`prune_jobs` in another process never removes
+    a running job's file."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        if fcntl is not None:
+            try:  # held by the map's own descriptor (a dup) until the map is closed
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                pass  # a file system without locks: the file's mtime alone keeps it
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
         else:
@@ -233,18 +246,41 @@ def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) 
     return names
 
 
+def in_use(path: Path) -> bool:
+    """Whether a live recorder (of any process on this machine) holds the ring file ``path``:
+    it keeps a shared ``flock`` on it while mapped. ``False`` where locks are not available."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also releases the lock just taken
+    return False
+
+
 def prune_jobs(folder: str | os.PathLike[str], keep: int, current: str) -> list[Path]:
     """Remove the ring and names files of all but the ``keep`` most recently written jobs in
     ``folder`` (``current``, the job opening its recorder, always among them; ``keep`` 0: remove
-    nothing). A job still running keeps writing its files, so it stays among the newest. Returns
-    the files removed; files another process removed first are skipped."""
+    nothing). A job still running keeps writing its files, so it stays among the newest, and a
+    file a live recorder holds (:func:`in_use`) is never removed, however old. Returns the files
+    removed; files another process removed first are skipped."""
     if keep < 1:
         return []
     jobs = [job for job in jobs_in(folder) if job != current]
     old = set(jobs[: max(len(jobs) - (keep - 1), 0)])
+    files = [(path, job) for path, _rank, job in _job_files(folder) if job in old]
+    running = {job for path, job in files if in_use(path)}
     removed = []
-    for path, _rank, job in _job_files(folder):
-        if job not in old:
+    for path, job in files:
+        if job in running:
             continue
         for part in (path, names_path(path)):
             try:
