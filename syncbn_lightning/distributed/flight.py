@@ -17,12 +17,11 @@ in. Its ring is plain memory, or, when a flight directory is set (:func:`set_fli
 ``SYNCBN_FLIGHT_DIR`` environment variable; :class:`~syncbn_lightning.SyncBNCallback` sets the
 trainer's log folder, the training service its run folder), a memory-mapped file in it (the
 kernel keeps its pages when the process is killed, and any process can read every rank's file
-while the job hangs), laid out as :mod:`.flight_file` says: ``node<N>/flight_<job>_rank<R>.bin``,
-created for this recorder only (never another job's file, never truncated) with its blocks
-allocated up front (a disk that fills up cannot fault a write into the map); then the files of
-all but the last :func:`flight_keep_jobs` jobs (default 10) in the folder are removed. When the
-file cannot be made, or the names file cannot be written, one warning says so and the ring stays
-in memory: recording never raises. :func:`report_failure` logs where the ranks' records parted.
+while the job hangs), laid out as :mod:`.flight_file` says (one new file per rank and job, its
+blocks allocated up front); opening it removes the files of all but the last
+:func:`flight_keep_jobs` jobs in the folder, never a running job's. When the file or the names
+cannot be written, one warning says so and the ring stays in memory: recording never raises.
+:func:`report_failure` logs where the ranks' records parted.
 """
 
 from __future__ import annotations
@@ -103,9 +102,8 @@ KEEP_JOBS_ENV = "SYNCBN_FLIGHT_KEEP_JOBS"
 # The default store's key under which the ranks of a job agree on its id.
 _JOB_KEY = "syncbn_lightning/flight_job"
 
-# Layer tag -> qualified name, for every synchronized layer this process named (the converter names
-# them); a file-backed recorder writes them beside its records, so readers in other processes can
-# name layers they never built.
+# Layer tag -> qualified name of every layer this process named (the converter names them); a
+# file-backed recorder writes them beside its records, for readers in other processes.
 _layer_names: dict[int, str] = {}
 _warned: set[str] = set()
 
@@ -250,9 +248,7 @@ class FlightRecorder:
             self._buffer.close()
 
 
-# ------------------------------------------------------------------------------------------------
-# The process's recorder, and where it writes
-# ------------------------------------------------------------------------------------------------
+# --------------------------------------------------- The process's recorder, and where it writes
 
 _recorder: FlightRecorder | None = None
 _recorder_world: Any = None  # the default group the recorder was made in
@@ -279,23 +275,16 @@ def set_flight_dir(
 def flight_keep_jobs() -> int:
     """How many jobs' files (the newest, the opening job's included) a job keeps in its node's
     folder when it opens its recorder: :func:`set_flight_dir`'s ``keep_jobs``, else
-    ``SYNCBN_FLIGHT_KEEP_JOBS``, else :data:`DEFAULT_KEEP_JOBS` (10); 0 keeps every job's.
-
-    Raises:
-        ValueError: when ``SYNCBN_FLIGHT_KEEP_JOBS`` is set but not a whole number >= 0.
-    """
+    ``SYNCBN_FLIGHT_KEEP_JOBS`` (``ValueError`` unless a whole number >= 0), else
+    :data:`DEFAULT_KEEP_JOBS` (10); 0 keeps every job's."""
     if _keep_jobs is not None:
         return _keep_jobs
     value = os.environ.get(KEEP_JOBS_ENV, "").strip()
-    if not value:
-        return DEFAULT_KEEP_JOBS
-    if not value.isdigit():
+    if value and not value.isdigit():
         raise ValueError(
-            f"{KEEP_JOBS_ENV} must be a whole number >= 0 (how many jobs' flight files a folder "
-            f"keeps, 0: all of them), got {value!r}: set it so, or unset it for the default "
-            f"{DEFAULT_KEEP_JOBS}"
+            f"{KEEP_JOBS_ENV} must be a whole number >= 0 (jobs kept; 0: all), got {value!r}"
         )
-    return int(value)
+    return int(value) if value else DEFAULT_KEEP_JOBS
 
 
 def flight_dir() -> str | None:
@@ -336,6 +325,7 @@ def _open_recorder() -> FlightRecorder:
     if directory:
         folder = Path(directory) / node_folder()
         safe = "".join(c if c.isalnum() or c in "-." else "-" for c in job)
+        keep = flight_keep_jobs()  # a bad SYNCBN_FLIGHT_KEEP_JOBS raises before a file is made
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for suffix in ("", *(f"-{n}" for n in range(1, 100))):
@@ -344,7 +334,7 @@ def _open_recorder() -> FlightRecorder:
                     recorder = FlightRecorder(path=path, rank=rank, world=world, job=job)
                 except FileExistsError:
                     continue  # another recorder's file (an earlier recorder of this process)
-                prune_jobs(folder, flight_keep_jobs(), job)
+                prune_jobs(folder, keep, job)
                 return recorder
             raise FileExistsError(f"flight_{safe}_rank{rank}-1..99.bin all exist")
         except OSError as exc:
