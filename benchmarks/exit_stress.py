@@ -3,6 +3,7 @@
     python benchmarks/exit_stress.py --jobs 200 --out /tmp/exits               # one at a time
     python benchmarks/exit_stress.py --jobs 200 --parallel 2 --out /tmp/exits  # jobs side by side
     ../shared/tools/with-load python benchmarks/exit_stress.py --jobs 200 --out /tmp/exits
+    python benchmarks/exit_stress.py --jobs 200 --torchrun-beside --out /tmp/exits  # + torchrun
 
 Each job is issue 55's: a launcher process spawns 2 ranks with ``torch.multiprocessing`` (gloo,
 rendezvous alternately through a file store and a TCP store hosted by rank 0); each rank converts
@@ -10,22 +11,31 @@ a small residual network with ``fuse_residual=True`` (a watcher per rank), runs 
 on the C++ path, ``barrier()``, ``destroy_process_group()``, then one of the ranks lingers a
 little (the store's host leaves first or last). Jobs share one flight-record folder, as jobs of
 one machine do. A job passes when both ranks exit 0 and no output mentions ``terminate called``;
-every job's stdout and stderr are kept under ``--out`` for the ones that did not. Prints one
-markdown table: jobs, failed jobs, ranks by exit code, the wall time, and the command.
+every job's stdout and stderr are kept under ``--out`` for the ones that did not. A TCP job whose
+rank 0 could not listen on the port the launcher picked (EADDRINUSE: another process took it
+between the pick and the bind, a race of this harness's rendezvous, not of SyncBN) counts as
+failed, its ranks' codes marked ``port-race``. Prints one markdown table: jobs, failed jobs, ranks
+by exit code, the wall time, and the command.
+
+``--torchrun-beside`` also runs 2-rank torchrun jobs of the same step one after another for as long
+as the loop runs (other SyncBN jobs on the machine, the flight folder shared); their count and
+failures follow the table (torchrun's exit code: non-zero when a rank's was).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _JOB = r"""
-import datetime, os, socket, sys, time
+import datetime, faulthandler, os, socket, sys, time
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 
@@ -41,6 +51,9 @@ class Block(nn.Module):
 
 
 def worker(rank, init, linger):
+    # A rank still alive after 100 s (a job takes seconds) writes every thread's stack to its
+    # stderr, then again every 100 s: where it waits, kept with the job's output.
+    faulthandler.dump_traceback_later(100, repeat=True)
     torch.set_num_threads(1)
     from syncbn_lightning import convert_sync_batchnorm
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
@@ -61,6 +74,9 @@ def worker(rank, init, linger):
 
 if __name__ == "__main__":
     kind, folder, linger = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    if kind == "torchrun":  # a rank of a torchrun job: the launcher is torchrun's
+        worker(int(os.environ["RANK"]), "env://", linger)
+        sys.exit(0)
     if kind == "tcp":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -87,7 +103,7 @@ def run_job(index: int, out: Path, flight: Path) -> tuple[int, list[str], bool, 
     folder.mkdir(parents=True, exist_ok=True)
     script = out / "job.py"
     start = time.monotonic()
-    env = {**__import__("os").environ, "SYNCBN_FLIGHT_DIR": str(flight)}
+    env = {**os.environ, "SYNCBN_FLIGHT_DIR": str(flight)}
     with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
         try:
             subprocess.run(
@@ -101,8 +117,34 @@ def run_job(index: int, out: Path, flight: Path) -> tuple[int, list[str], bool, 
         (line.split()[1:] for line in text.splitlines() if line.startswith("exitcodes")),
         ["timeout", "timeout"],
     )
-    terminated = "terminate called" in (folder / "stderr.txt").read_text()
+    errors = (folder / "stderr.txt").read_text()
+    terminated = "terminate called" in errors
+    if "EADDRINUSE" in errors:  # the harness's free port was taken before rank 0 listened on it
+        codes = [f"port-race:{code}" for code in codes]
     return index, codes, terminated, time.monotonic() - start
+
+
+def run_torchrun_jobs(out: Path, flight: Path, stop: threading.Event) -> list[int]:
+    """2-rank torchrun jobs of the same step, one after another until ``stop``: their exit codes
+    (torchrun's is non-zero when any rank's is)."""
+    codes: list[int] = []
+    folder = out / "torchrun"
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SYNCBN_FLIGHT_DIR": str(flight)}
+    while not stop.is_set():
+        index = len(codes)
+        linger = _VARIANTS[index % len(_VARIANTS)][1]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", str(out / "job.py"), "torchrun", str(folder),
+                   str(linger)]  # fmt: skip
+        with open(folder / f"job{index:04d}.txt", "w") as log:
+            try:
+                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      cwd=folder, timeout=240).returncode  # fmt: skip
+            except subprocess.TimeoutExpired:
+                code = -999
+        codes.append(code)
+    return codes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,14 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--parallel", type=int, default=1, help="jobs running side by side")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--torchrun-beside", action="store_true", help="torchrun SyncBN jobs alongside the loop"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "job.py").write_text(_JOB)
     flight = args.out / "flight"
     start = time.monotonic()
+    stop = threading.Event()
+    beside = ThreadPoolExecutor(max_workers=1)
+    torchrun = (
+        beside.submit(run_torchrun_jobs, args.out, flight, stop) if args.torchrun_beside else None
+    )
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = list(pool.map(lambda i: run_job(i, args.out, flight), range(args.jobs)))
     wall = time.monotonic() - start
+    stop.set()
+    torchrun_codes = torchrun.result() if torchrun is not None else []
+    beside.shutdown()
     codes = collections.Counter(code for _, ranks, _, _ in results for code in ranks)
     failed = [i for i, ranks, term, _ in results if term or ranks != ["0", "0"]]
     print(f"command: python benchmarks/exit_stress.py {' '.join(sys.argv[1:])}")
@@ -129,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.jobs} | {args.parallel} | {len(failed)} | {by_code} | {wall:.0f} | "
         f"{wall / max(args.jobs, 1) * args.parallel:.1f} |"
     )
+    if torchrun is not None:
+        bad = sum(code != 0 for code in torchrun_codes)
+        print(f"\ntorchrun jobs beside the loop: {len(torchrun_codes)}, failed: {bad}")
+        failed += [f"torchrun {i}" for i, code in enumerate(torchrun_codes) if code != 0]
     if failed:
         print(f"\nfailed jobs (outputs under {args.out}): {failed[:20]}")
     return 1 if failed else 0
