@@ -131,7 +131,8 @@ def test_a_build_is_announced_then_says_how_long_it_has_been_running(
 def test_stale_lock_from_a_killed_build_is_removed() -> None:
     ops_build.load_extension()  # built (or loaded) under the default cache
     lock = ops_build.build_dir() / "lock"
-    lock.write_text("")  # what a build killed mid-way leaves behind
+    lock.write_text("")  # what a build killed mid-way leaves behind, its library not marked built
+    (ops_build.build_dir() / ops_build.BUILT_MARK).unlink(missing_ok=True)
     result = _python(
         """
         from syncbn_lightning.ops import build as ops_build
@@ -146,6 +147,46 @@ def test_stale_lock_from_a_killed_build_is_removed() -> None:
     assert "LOADED" in result.stdout
     assert "removing a stale build lock" in result.stderr
     assert not lock.exists()
+
+
+def test_a_built_library_loads_while_another_process_holds_the_build_lock() -> None:
+    """The ranks of a node load a built extension side by side: no lock, no ninja (a rank that
+    waited behind the others, or behind another checkout's compile, could miss its first
+    collective's timeout)."""
+    import fcntl
+
+    ops_build.load_extension()  # built and marked, or loaded
+    directory = ops_build.build_dir()
+    assert (directory / ops_build.BUILT_MARK).exists()
+    with open(directory / ".syncbn_build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # a build in progress, as far as the lock says
+        result = _python(
+            """
+            from syncbn_lightning.ops import build as ops_build
+            ops_build.load_extension()
+            print("LOADED")
+            """,
+            {ops_build.BUILD_TIMEOUT_ENV: "5"},
+            timeout=120,
+        )
+    assert result.returncode == 0 and "LOADED" in result.stdout, result.stderr[-2000:]
+
+
+def test_two_checkouts_of_the_same_sources_build_in_directories_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """ninja's build file names the sources' paths: one directory shared by two checkouts (a
+    clone and a worktree) was rebuilt whenever the other had loaded it, for minutes, under the
+    lock every rank waits on."""
+    import shutil
+
+    keys = []
+    for checkout in ("clone", "worktree"):
+        csrc = shutil.copytree(ops_build.csrc_dir(), tmp_path / checkout / "csrc")
+        files = ops_build.csrc_files(Path(csrc), ".cpp", ".h")
+        keys.append(ops_build.source_key(files, ()))
+        assert ops_build.source_key(files, ()) == keys[-1]  # the same checkout: the same key
+    assert keys[0] != keys[1]
 
 
 def test_cache_key_follows_cuda_architectures_and_the_interpreter(

@@ -5,13 +5,14 @@ the compile-only check of the CUDA sources (no GPU needed) is :mod:`.compile_che
 
 The extension is built on first use, never at import or test collection. Its build directory is
 ``$SYNCBN_CACHE_DIR/<key>`` (default root ``~/.cache/syncbn_lightning``, created ``0700``), where
-the key hashes the sources, headers, compiler flags, the CUDA architectures and the visible GPUs'
-compute capabilities (CUDA builds), the torch/CUDA/Python versions and the interpreter, so a change
-of any of them triggers a rebuild and never loads a stale binary. If the CUDA part fails to build,
-the CPU kernels are built alone (one warning naming the cause). Builds are serialized across
-processes with an ``flock`` (released by the kernel if the builder dies); holding it, a
-leftover ``lock`` file from torch's builder can only come from a build that was killed, and is
-removed.
+the key hashes the sources and headers (paths and bytes), compiler flags, the CUDA architectures
+and the visible GPUs' compute capabilities (CUDA builds), the torch/CUDA/Python versions and the
+interpreter, so a change of any of them triggers a rebuild and never loads a stale binary. If the
+CUDA part fails to build, the CPU kernels are built alone (one warning naming the cause). Builds
+are serialized across processes with an ``flock`` (released by the kernel if the builder dies);
+holding it, a leftover ``lock`` file from torch's builder can only come from a build that was
+killed, and is removed. A completed build is marked, and later loads take neither the lock nor
+ninja's check.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .._files import shipped_dir
 from .fakes import register_fakes
 
 __all__ = [
+    "BUILT_MARK",
     "CUDA_CFLAGS",
     "HEARTBEAT_S",
     "MEASURED_BUILD_S",
@@ -55,6 +57,8 @@ __all__ = [
 
 CACHE_ENV = "SYNCBN_CACHE_DIR"
 BUILD_TIMEOUT_ENV = "SYNCBN_BUILD_TIMEOUT"
+#: The file a build directory gets once its library is whole (written under the build lock).
+BUILT_MARK = ".syncbn_built"
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +109,20 @@ def _cpu_arch_flags() -> list[str]:
 
 
 def source_key(files: list[Path], extra: tuple[Any, ...]) -> str:
-    """A 16-hex-digit cache key of ``files`` (folder, name and bytes: a move between the folders of
-    ``csrc/`` changes what its quoted includes find), ``extra`` and the toolchain.
+    """A 16-hex-digit cache key of ``files`` (resolved path and bytes), ``extra`` and the
+    toolchain.
 
     The torch, CUDA and Python versions, the interpreter (its environment's prefix and resolved
     path) and the machine architecture are always part of the key, so a build made by another of
     them is never loaded, and two virtual environments never take turns rebuilding one directory.
+    The files' paths are too: ninja's build file names them, so two checkouts of the same sources
+    (a clone and a worktree, a clone and an installed wheel) sharing one directory would rebuild
+    it in turns, each holding the build lock for the whole compile while every rank that loads
+    the extension waits.
     """
     digest = hashlib.sha256()
     for path in files:
-        digest.update(f"{path.parent.name}/{path.name}".encode())
+        digest.update(str(path.resolve()).encode())
         digest.update(path.read_bytes())
     for item in (
         *extra,
@@ -318,6 +326,11 @@ def build_locked(
 ) -> Any:
     """Compile extension ``name`` in ``directory`` under the inter-process build lock and load it.
 
+    Once a build in ``directory`` has completed (its :data:`BUILT_MARK` file), a shared library
+    (``python_module=False``) is loaded at once, without the lock or ninja's check: the
+    directory's key already fixes its sources, flags and toolchain, and the ranks of a node load
+    it side by side instead of one after another.
+
     A ``lock`` file that torch's builder left behind (its build was killed) is removed first; the
     wait for another builder is bounded by ``SYNCBN_BUILD_TIMEOUT`` (default 900 s). A fresh build
     is announced in one line and followed by a line every :data:`HEARTBEAT_S` seconds with the
@@ -329,6 +342,13 @@ def build_locked(
     """
     from torch.utils import cpp_extension
 
+    library = directory / f"{name}.so"
+    if not python_module and (directory / BUILT_MARK).exists():
+        try:  # built from exactly these sources and flags (the key): no lock, no ninja
+            torch.ops.load_library(str(library))
+            return str(library)
+        except OSError as exc:  # removed by hand since: build again, under the lock
+            log.info("extension %s: loading %s failed (%s); building it", name, library, exc)
     timeout_s = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
     with _build_lock(directory, timeout_s):
         stale = directory / "lock"
@@ -339,7 +359,7 @@ def build_locked(
                 stacklevel=3,
             )
             stale.unlink()
-        fresh = not (directory / f"{name}.so").exists()
+        fresh = not library.exists()
         started = time.perf_counter()
         with _heartbeat(name, directory, with_cuda) if fresh else nullcontext():
             loaded = cpp_extension.load(
@@ -354,6 +374,7 @@ def build_locked(
                 is_python_module=python_module,
                 verbose=False,
             )
+        (directory / BUILT_MARK).touch()  # under the lock, after the library is whole
     seconds = time.perf_counter() - started
     log.info("extension %s ready in %.1f s (%s)", name, seconds, directory)
     return loaded
