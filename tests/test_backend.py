@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from syncbn_lightning.ops import build as ops_build
+from syncbn_lightning.ops import build_lock
 from syncbn_lightning.ops import dispatch as syncbn_impl
 from syncbn_lightning.ops import reference as R
 
@@ -108,9 +109,9 @@ def test_failed_build_falls_back_once_with_the_cause(tmp_path: Path) -> None:
 def test_a_build_is_announced_then_says_how_long_it_has_been_running(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ops_build, "HEARTBEAT_S", 0.05)
-    with caplog.at_level("WARNING", logger=ops_build.__name__):
-        with ops_build._heartbeat("ext", tmp_path / "key", with_cuda=False):
+    monkeypatch.setattr(build_lock, "HEARTBEAT_S", 0.05)
+    with caplog.at_level("WARNING", logger=ops_build.__name__):  # the build's one logger
+        with build_lock._heartbeat("ext", tmp_path / "key", with_cuda=False):
             time.sleep(0.3)
         after = len(caplog.messages)
         time.sleep(0.2)  # nothing once the build is over
@@ -222,7 +223,7 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ext = ops_build.load_extension()
-        assert calls == [True, False], calls
+        assert calls in ([True, False], [True]), calls  # [True]: the CPU build is done, marked
         assert ext.with_cuda is False
         messages = [str(w.message) for w in caught if "CUDA kernels failed" in str(w.message)]
         assert len(messages) == 1 and "compute_99" in messages[0], messages
