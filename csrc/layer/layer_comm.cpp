@@ -4,6 +4,7 @@
 
 #include "common.h"
 
+#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
@@ -18,6 +19,37 @@ namespace {
 
 c10::intrusive_ptr<c10d::ProcessGroup> process_group(const std::string& name) {
   return c10d::resolve_process_group(name);
+}
+
+// While a collective is issued, the thread's stashed Python objects are set aside. gloo's work
+// keeps a copy of the issuing thread's state, and torch's backward stashes a Python object there
+// (contextvars.Context, `_engine_run_backward`). A gloo worker thread drops its last reference to
+// a finished work after the waiting caller has moved on; if that is after the interpreter began
+// to finalize, the object's decref cannot take the GIL, CPython ends the thread, and the unwind
+// through the work's noexcept destructor calls std::terminate: a SIGABRT at exit
+// (docs/reliability.md). Without Python objects, that drop needs no GIL.
+class PythonObjectsSetAside {
+ public:
+  PythonObjectsSetAside() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
+    at::impl::ThreadLocalPythonObjects::set_state({});
+  }
+  ~PythonObjectsSetAside() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
+  PythonObjectsSetAside(const PythonObjectsSetAside&) = delete;
+  PythonObjectsSetAside& operator=(const PythonObjectsSetAside&) = delete;
+
+ private:
+  at::impl::ThreadLocalPythonObjects saved_;
+};
+
+// The collective `issue` starts (the work it returns holds no Python object), then waited on.
+template <typename Issue>
+void issue_and_wait(Issue issue) {
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    PythonObjectsSetAside aside;
+    work = issue();
+  }
+  work->wait();
 }
 
 // Calls the operator `name` (a kernel Python registers, functional/native.py) with `stack`.
@@ -58,7 +90,7 @@ at::Tensor all_gather(const at::Tensor& tensor, const Settings& s, const Note& n
   at::Tensor gathered = detail::new_empty({s.world_size * tensor.numel()}, tensor.options());
   record(tensor, s, note, true);
   try {
-    group->_allgather_base(gathered, input)->wait();
+    issue_and_wait([&] { return group->_allgather_base(gathered, input); });
   } catch (const std::exception& error) {
     report_failure(tensor, "all_gather", error);
     throw;
@@ -78,7 +110,7 @@ at::Tensor sum_over_group(
   std::vector<at::Tensor> summed{where == Summed::kInPlace ? tensor : tensor.clone()};
   record(tensor, s, note, false);
   try {
-    group->allreduce(summed)->wait();
+    issue_and_wait([&] { return group->allreduce(summed); });
   } catch (const std::exception& error) {
     report_failure(tensor, "all_reduce", error);
     throw;

@@ -56,6 +56,9 @@ Group = str | ReplicaGroup | None
 Note = tuple[int, int, int]
 
 _functional = torch.ops._c10d_functional
+# The key under which torch's backward (``torch.autograd.graph._engine_run_backward``) stashes
+# its contextvars in the thread's state.
+_BACKWARD_CONTEXT = "context"
 # The options of the eager calls, made once: ProcessGroup methods take them as they are.
 _GATHER_OPTIONS: Any = None
 _SUM_OPTIONS: Any = None
@@ -88,7 +91,12 @@ def all_gather(
                 _functional.all_gather_into_tensor(tensor, world_size, group)
             )
         gathered = tensor.new_empty(world_size * tensor.numel())
-        process_group._allgather_base(gathered, tensor, _GATHER_OPTIONS).wait()
+        aside = _set_aside_python_context()
+        try:
+            work = process_group._allgather_base(gathered, tensor, _GATHER_OPTIONS)
+        finally:
+            _put_back_python_context(aside)
+        work.wait()
         return gathered
     except RuntimeError as exc:
         _report(exc, "all_gather")
@@ -112,11 +120,37 @@ def all_reduce(
         if process_group is None:
             return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
         summed = tensor if in_place else tensor.clone()
-        process_group.allreduce([summed], _SUM_OPTIONS).wait()
+        aside = _set_aside_python_context()
+        try:
+            work = process_group.allreduce([summed], _SUM_OPTIONS)
+        finally:
+            _put_back_python_context(aside)
+        work.wait()
         return summed
     except RuntimeError as exc:
         _report(exc, "all_reduce")
         raise
+
+
+def _set_aside_python_context() -> Any:
+    """Take the Python object torch's backward stashes in the thread's state (``"context"``, a
+    ``contextvars.Context``) out of it while a collective is issued, and return it (``None`` if
+    none): a gloo work keeps a copy of that state, and a gloo worker thread that drops a finished
+    work after the interpreter began to finalize cannot take the GIL to release the object;
+    CPython ends the thread inside the work's noexcept destructor and the process aborts
+    (``terminate called without an active exception``; docs/reliability.md). The C++ path does
+    the same (``layer_comm.cpp``)."""
+    if not torch._C._is_key_in_tls(_BACKWARD_CONTEXT):
+        return None
+    context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
+    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
+    return context
+
+
+def _put_back_python_context(context: Any) -> None:
+    """Undo :func:`_set_aside_python_context`."""
+    if context is not None:
+        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
 
 def _report(exc: RuntimeError, op: str) -> None:

@@ -1,0 +1,120 @@
+"""SyncBN's collectives leave no Python object to the threads that finish them (issue 55, item 2).
+
+torch's backward stashes a ``contextvars.Context`` in the thread's state, and a gloo work keeps a
+copy of that state. A gloo worker thread drops its last reference to a finished work after the
+waiting caller has moved on; when that happens after the interpreter began to finalize, the
+release of the Python object cannot take the GIL, CPython ends the thread inside the work's
+noexcept destructor, and the rank dies with SIGABRT, "terminate called without an active
+exception" (core dumps of such ranks: ``benchmarks/RESULTS.md``). So both paths issue their
+collectives with the thread's Python objects set aside (``layer_comm.cpp``,
+``collectives.py``), and put them back for the rest of the backward.
+
+The test replaces c10d's CPU kernels for the two collectives with probes (one rank: the gather is
+a copy) that note whether the issuing thread holds the backward's Python object. Both paths call
+the process group's methods, which dispatch to these operators.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning.distributed import collectives
+
+_CONTEXT = "context"  # the key of torch.autograd.graph._engine_run_backward
+
+
+class _Probe:
+    """c10d's CPU all_gather / all_reduce for one rank, noting for each call whether the issuing
+    thread held torch's backward context."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    @staticmethod
+    def _done(result: Any) -> Any:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(result)
+        return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+    def gather(self, output: torch.Tensor, input: torch.Tensor, *_: Any) -> Any:
+        self.calls.append(("all_gather", torch._C._is_key_in_tls(_CONTEXT)))
+        output.copy_(input.reshape(-1))
+        return output, self._done([output])
+
+    def reduce(self, tensors: list[torch.Tensor], *_: Any) -> Any:
+        self.calls.append(("all_reduce", torch._C._is_key_in_tls(_CONTEXT)))
+        return tensors, self._done(tensors)
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Iterator[_Probe]:
+    """A one-rank gloo job whose CPU collectives are :class:`_Probe`'s."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    found = _Probe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        library = torch.library.Library("c10d", "IMPL")
+        library.impl("_allgather_base_", found.gather, "CPU")
+        library.impl("allreduce_", found.reduce, "CPU")
+    try:
+        yield found
+    finally:
+        library._destroy()
+        dist.destroy_process_group()
+
+
+def _backward(impl: str) -> bool:
+    """One train step of conv -> SyncBN (``impl``) on a one-rank group; whether the backward's
+    context was in the thread's state after the layer's backward (the conv's backward runs
+    after it, under the same context)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), SyncBatchNorm(4, force_sync=True, impl=impl))
+    seen_after: list[bool] = []
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    x.register_hook(lambda grad: seen_after.append(torch._C._is_key_in_tls(_CONTEXT)))
+    model(x).square().mean().backward()
+    return seen_after == [True]
+
+
+@pytest.mark.parametrize("impl", ["ext", "reference"])
+def test_the_backward_collective_holds_no_python_object(probe: _Probe, impl: str) -> None:
+    assert _backward(impl), "the backward's context must be back after the layer's backward"
+    # The forward's exchange, then the backward's: neither holds the backward's Python object.
+    assert probe.calls == [("all_gather", False), ("all_gather", False)]
+
+
+def test_an_all_reduce_holds_no_python_object(
+    probe: _Probe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Groups above GATHER_SUM_MAX_RANKS sum the backward with all_reduce; with the bound at 0,
+    # a one-rank group does too (the Python path reads the bound per call).
+    monkeypatch.setattr(collectives, "GATHER_SUM_MAX_RANKS", 0)
+    assert _backward("reference")
+    assert probe.calls == [("all_gather", False), ("all_reduce", False)]
+
+
+def test_the_probe_sees_the_context_a_plain_call_holds(probe: _Probe) -> None:
+    """The checks above can fail: a collective issued inside a backward without setting the
+    context aside (as ``torch.distributed``'s own calls do) is seen holding it."""
+
+    class Gathered(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(grad).reshape(-1)
+            collectives.all_gather_single(out, grad.reshape(-1).contiguous(), None)
+            return out.view_as(grad)
+
+    Gathered.apply(torch.ones(3, requires_grad=True)).sum().backward()
+    assert probe.calls == [("all_gather", True)]
