@@ -24,6 +24,7 @@ run outside any compiled graph.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -59,6 +60,12 @@ _functional = torch.ops._c10d_functional
 # The key under which torch's backward (``torch.autograd.graph._engine_run_backward``) stashes
 # its contextvars in the thread's state.
 _BACKWARD_CONTEXT = "context"
+#: The longest a gloo collective waits for its worker to let go of its tensors (:func:`_run`).
+_RELEASE_WAIT_S = 1.0
+# How long it looks again at once (the worker lets go microseconds after the wait ends), then how
+# long it sleeps between looks (the worker may be off the CPU on a busy machine).
+_RELEASE_SPIN_S = 2e-5
+_RELEASE_POLL_S = 5e-5
 # The options of the eager calls, made once: ProcessGroup methods take them as they are.
 _GATHER_OPTIONS: Any = None
 _SUM_OPTIONS: Any = None
@@ -91,12 +98,7 @@ def all_gather(
                 _functional.all_gather_into_tensor(tensor, world_size, group)
             )
         gathered = tensor.new_empty(world_size * tensor.numel())
-        aside = _set_aside_python_context()
-        try:
-            work = process_group._allgather_base(gathered, tensor, _GATHER_OPTIONS)
-        finally:
-            _put_back_python_context(aside)
-        work.wait()
+        _run(process_group, process_group._allgather_base, (gathered, tensor, _GATHER_OPTIONS))
         return gathered
     except RuntimeError as exc:
         _report(exc, "all_gather")
@@ -120,16 +122,63 @@ def all_reduce(
         if process_group is None:
             return _functional.wait_tensor(_functional.all_reduce(tensor, "sum", group))
         summed = tensor if in_place else tensor.clone()
-        aside = _set_aside_python_context()
-        try:
-            work = process_group.allreduce([summed], _SUM_OPTIONS)
-        finally:
-            _put_back_python_context(aside)
-        work.wait()
+        _run(process_group, process_group.allreduce, ([summed], _SUM_OPTIONS))
         return summed
     except RuntimeError as exc:
         _report(exc, "all_reduce")
         raise
+
+
+def _run(process_group: Any, method: Any, args: tuple[Any, ...]) -> None:
+    """Issue the collective ``method(*args)`` of ``process_group``, wait for it, and on gloo also
+    until the group's worker thread has let go of its tensors.
+
+    A gloo worker thread releases a finished work after the waiting caller has moved on. What it
+    releases last must not need the GIL: if that happens after the interpreter began to finalize,
+    CPython ends the thread inside the work's noexcept destructor and the process aborts
+    ("terminate called without an active exception"; docs/reliability.md). Two things in a work
+    would: the Python object torch's backward stashes in the thread's state, which the work copies
+    (set aside while issuing, :func:`_set_aside_python_context`), and a tensor whose Python object
+    the caller dropped while the work still held it (torch then hands the Python object to the
+    tensor). So on gloo the call returns once the work's tensors are back to their holders before
+    the call (usually at once: the worker lets go microseconds after the wait ends; at most
+    :data:`_RELEASE_WAIT_S`). NCCL's works are released by its watchdog, much later: not waited
+    for.
+    """
+    tensors = [arg for arg in _flat(args) if isinstance(arg, torch.Tensor)]
+    holders = [tensor._use_count() for tensor in tensors]
+    aside = _set_aside_python_context()
+    try:
+        work = method(*args)
+    finally:
+        _put_back_python_context(aside)
+    work.wait()
+    del work
+    if process_group.name() == "gloo":
+        _until_released(tensors, holders)
+
+
+def _flat(args: tuple[Any, ...]) -> list[Any]:
+    """``args`` with its lists (a collective's tensor lists) spread out."""
+    return [item for arg in args for item in (arg if isinstance(arg, list) else [arg])]
+
+
+def _until_released(tensors: list[torch.Tensor], holders: list[int]) -> None:
+    """Wait until each of ``tensors`` has no more holders than ``holders`` says (``_use_count``,
+    the C++ references), yielding the CPU, for at most :data:`_RELEASE_WAIT_S` in all."""
+    deadline = 0.0
+    for tensor, count in zip(tensors, holders, strict=True):
+        while tensor._use_count() > count:
+            now = time.monotonic()
+            if not deadline:  # the worker is usually microseconds away: look again before sleeping
+                deadline = now + _RELEASE_WAIT_S
+                spin_until = now + _RELEASE_SPIN_S
+                while tensor._use_count() > count and time.monotonic() < spin_until:
+                    pass
+            elif now > deadline:
+                return
+            else:
+                time.sleep(_RELEASE_POLL_S)
 
 
 def _set_aside_python_context() -> Any:
