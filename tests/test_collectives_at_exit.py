@@ -90,7 +90,11 @@ def _backward(impl: str) -> bool:
 
 
 @pytest.mark.parametrize("impl", ["ext", "reference"])
-def test_the_backward_collective_holds_no_python_object(probe: _Probe, impl: str) -> None:
+def test_the_backward_collective_holds_no_python_object(
+    probe: _Probe, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if impl == "ext":  # the C++ path's own guard: the Python path's set-aside is off
+        monkeypatch.setattr(collectives, "_set_aside_python_context", lambda: None)
     assert _backward(impl), "the backward's context must be back after the layer's backward"
     # The forward's exchange, then the backward's: neither holds the backward's Python object.
     assert probe.calls == [("all_gather", False), ("all_gather", False)]
@@ -104,6 +108,17 @@ def test_an_all_reduce_holds_no_python_object(
     monkeypatch.setattr(collectives, "GATHER_SUM_MAX_RANKS", 0)
     assert _backward("reference")
     assert probe.calls == [("all_gather", False), ("all_reduce", False)]
+
+
+def test_the_python_path_without_its_set_aside_is_seen(
+    probe: _Probe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reference layer's collectives are the Python path's: with its set-aside off, the
+    backward's gather holds the context (so the ``ext`` case above, passing with it off, ran the
+    C++ path's guard)."""
+    monkeypatch.setattr(collectives, "_set_aside_python_context", lambda: None)
+    assert _backward("reference")
+    assert probe.calls == [("all_gather", False), ("all_gather", True)]
 
 
 def test_the_probe_sees_the_context_a_plain_call_holds(probe: _Probe) -> None:
