@@ -62,13 +62,12 @@ def _allow_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
-def run_job(kind: str, folder: Path, library: Path | None) -> tuple[int, bool]:
-    """One torchrun job: (torchrun's exit code, whether a rank printed 'terminate called')."""
+def run_job(kind: str, folder: Path, library: Path) -> tuple[int, bool]:
+    """One torchrun job with ``library`` (a checkout) first on the path: (torchrun's exit code,
+    whether a rank printed 'terminate called')."""
     for rank in (0, 1):
         (folder / f"rank{rank}").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    if library is not None:
-        env["PYTHONPATH"] = str(library)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": str(library)}
     if kind == "syncbn-ref":
         env["SYNCBN_IMPL"] = "ref"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "job.py").write_text(_JOB)
-    sides: dict[str, Path | None] = {"this checkout": _ROOT}
+    sides: dict[str, Path] = {"this checkout": _ROOT}
     if args.compare is not None:
         sides[str(args.compare)] = args.compare.resolve()
     found = {side: {"aborted": 0, "other": 0, "seconds": 0.0} for side in sides}

@@ -184,11 +184,8 @@ def _until_released(tensors: list[torch.Tensor], holders: list[int]) -> None:
 def _set_aside_python_context() -> Any:
     """Take the Python object torch's backward stashes in the thread's state (``"context"``, a
     ``contextvars.Context``) out of it while a collective is issued, and return it (``None`` if
-    none): a gloo work keeps a copy of that state, and a gloo worker thread that drops a finished
-    work after the interpreter began to finalize cannot take the GIL to release the object;
-    CPython ends the thread inside the work's noexcept destructor and the process aborts
-    (``terminate called without an active exception``; docs/reliability.md). The C++ path does
-    the same (``layer_comm.cpp``)."""
+    none); why: :func:`_run`. Python cannot list the state's keys, so only this one, the key
+    eager training puts there; the C++ path sets all of them aside (``layer_comm.cpp``)."""
     if not torch._C._is_key_in_tls(_BACKWARD_CONTEXT):
         return None
     context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
