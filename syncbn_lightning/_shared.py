@@ -34,6 +34,7 @@ __all__ = [
     "GRAD_HEADER",
     "HEADER_PATH",
     "INFO_FIELDS",
+    "ORDER_FLAG_SLOTS",
     "REDUCE_HEADER",
     "ROW_HEADER",
     "SHIFT_MARK",
@@ -75,6 +76,9 @@ GRAD_HEADER = 16
 #: The largest CPU group whose backward (and reduce) sums are all-gathered and summed in rank
 #: order (bitwise reproducible); larger groups, and CUDA tensors, all-reduce them.
 GATHER_SUM_MAX_RANKS = 8
+#: Call-order flags a process keeps queued, unread, before a host sync reads them all (each
+#: path's queue: distributed/call_order.py's, and the C++ path's slots of pinned memory and events).
+ORDER_FLAG_SLOTS = 1024
 #: The input dtypes the kernels take, each with its accumulation dtype (torch's names).
 ACC_DTYPES = {
     "float16": "float32",
@@ -138,6 +142,7 @@ _CPP_NAMES = {
     "INFO_FIELDS": ("syncbn", "kInfoFields"),
     "GRAD_HEADER": ("syncbn", "kGradHeader"),
     "GATHER_SUM_MAX_RANKS": ("syncbn", "kGatherSumMaxRanks"),
+    "ORDER_FLAG_SLOTS": ("syncbn", "kOrderFlagSlots"),
     "FLIGHT_HEADER_SIZE": ("syncbn::flight", "kHeaderSize"),
     "FLIGHT_WRITTEN_OFFSET": ("syncbn::flight", "kWrittenOffset"),
     "FLIGHT_RECORD_SIZE": ("syncbn::flight", "kRecordSize"),

@@ -47,6 +47,15 @@ def queued_flags() -> Iterator[None]:
     finally:
         set_queue_order_flags_on_cpu(False)
         call_order._pending.clear()
+        if _ring_loaded():
+            torch.ops.syncbn.order_ring_clear()
+
+
+def _ring_loaded() -> bool:
+    """Whether the extension (and so the C++ path's order ring) is loaded in this process."""
+    from syncbn_lightning.ops import build
+
+    return build._ext_module is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -39,6 +39,7 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
         "entry_cuda.o",
         "entry_reduce_cuda.o",
         "normalize_cuda.o",
+        "order_flags_cuda.o",
         "stats_cuda.o",
     ]
     symbols = "".join(
@@ -64,6 +65,8 @@ def test_cuda_sources_compile_for_sm90(nvcc: str, tmp_path: Path) -> None:
     ):  # fmt: skip
         argument = first.get(name, "at::Tensor const&")
         assert f"syncbn::{name}_cuda({argument}" in symbols, name
+    # The C++ path's call-order flags on CUDA devices (csrc/include/flag_store.h).
+    assert "syncbn::cuda_flag_store(signed char)" in symbols
 
 
 def test_compile_check_reports_a_broken_source(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _dist import run_distributed
+from _package_calls import PLAN_CALLS, package_calls
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -54,22 +54,6 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _package_calls(fn: Any) -> list[str]:
-    """The package's Python functions called while ``fn()`` runs (this thread)."""
-    seen: list[str] = []
-
-    def probe(frame: Any, event: str, _arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-            seen.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
-
-    sys.setprofile(probe)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return seen
-
-
 def _residual_net() -> nn.Module:
     """conv-BN-ReLU, a torchvision-style block whose tail is fused, and a head."""
 
@@ -96,29 +80,22 @@ def test_the_backward_runs_no_python_of_the_package(request, group: str) -> None
     net = _residual_net()
     x = torch.randn(4, 3, 8, 8, requires_grad=True)
     loss = net(x).square().sum()
-    assert _package_calls(loss.backward) == []
+    assert package_calls(loss.backward) == []
     assert x.grad is not None and net[1].weight.grad is not None
     # The probe sees the Python path's backward (the reference twin's Function).
     for layer in net.modules():
         if isinstance(layer, SyncBatchNorm):
             layer.impl = "reference"
     loss = net(x).square().sum()
-    assert any("function.py:backward" in c for c in _package_calls(loss.backward))
+    assert any("function.py:backward" in c for c in package_calls(loss.backward))
 
 
 def test_a_forward_runs_only_the_python_that_picks_the_path(one_rank) -> None:
     layer = SyncBatchNorm(4, force_sync=True)
     x = torch.randn(3, 4, 5)
     layer(x)  # the plan is made once
-    calls = _package_calls(lambda: layer(x))
-    assert set(calls) <= {
-        "batchnorm.py:forward",
-        "batchnorm.py:_forward",
-        "sync_plan.py:plan_of",
-        "sync_plan.py:_impl_env",
-        "sync_plan.py:_world",
-        "sync_plan.py:forward_native",
-    }, calls
+    calls = package_calls(lambda: layer(x))
+    assert set(calls) <= PLAN_CALLS, calls
     assert len(calls) == 6, calls
 
 

@@ -1,12 +1,15 @@
 """The C++ path's queued call-order flags and its device plan, driven on CPU.
 
 On CUDA tensors ``syncbn::sync_batch_norm`` cannot read a call's order flag without a host
-sync, so each direction hands it to the queue both paths share (``syncbn::order_flag_queued``,
-``functional/native.py`` -> ``distributed/call_order.py``). Here CPU calls on the C++ path queue
+sync, so each direction queues it in the C++ path's order ring (``csrc/layer/order_ring.h``:
+a pinned slot and an event per flag on CUDA), polled before each later collective and drained by
+``check_call_order``; Python runs only when a flag reads 0. Here CPU calls on the C++ path queue
 their flags the same way (``set_queue_order_flags_on_cpu``; the CPU kernels still raise a
-mismatch at once), which runs every host step of that path but the pinned copy and the event.
-The reports of a queued flag that reads 0 are checked by handing the operator such a flag. The
-device plan (``SYNCBN_NATIVE_CUDA``) is checked where no GPU is needed. What only a GPU shows is
+mismatch at once, and the CPU's store has its copy at once), which runs every host step of that
+path but the pinned copy and the event; those run under the CUDA emulation
+(``tests/test_cuda_emu_order_ring.py``). The reports of a queued flag that reads 0 are checked by
+queueing such a flag through ``syncbn::queue_order_flag``. The device plan
+(``SYNCBN_NATIVE_CUDA``) is checked where no GPU is needed. What only a GPU shows is
 ``benchmarks/gpu_check.sh native``.
 """
 
@@ -17,10 +20,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from _package_calls import PLAN_CALLS, package_calls
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
-from syncbn_lightning.distributed import call_order
+from syncbn_lightning.distributed import call_order, group_abort
 from syncbn_lightning.functional import native
 from syncbn_lightning.nn import sync_plan
 from syncbn_lightning.ops.reference_steps import ROW_HEADER
@@ -36,12 +39,9 @@ def one_rank(tmp_path) -> Iterator[str]:
 
 
 def _kinds() -> list[str]:
-    """The kinds of the queued entries' reports (``KINDS`` of their first argument)."""
-    return [
-        native.KINDS[entry[3][0]]
-        for entry in call_order._pending
-        if entry[2] is native._queued_order_failed
-    ]
+    """The kinds of the reports of the flags queued in the C++ path's ring, oldest first."""
+    queued = torch.ops.syncbn.order_ring_queued()
+    return [native.KINDS[kind] for kind in queued[0::2]]
 
 
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
@@ -53,22 +53,23 @@ def test_each_direction_hands_its_flag_to_the_queue(one_rank, queued_flags, exch
     kind = "gathered_rows" if exchange == "gather" else "reduce_sums"
     assert _kinds() == [kind]
     y.sum().backward()
-    # The backward's hand-off polled the forward's flag (ready: a CPU copy) before queueing its own.
+    # The backward's check before its collective read the forward's flag (landed: a CPU copy).
     assert _kinds() == ["backward_sums"]
     check_call_order()  # reads what is left: in order
-    assert call_order._pending == []
+    assert _kinds() == [] and call_order._pending == []
 
 
 def test_without_queueing_nothing_is_handed_over(one_rank) -> None:
     layer = SyncBatchNorm(4, force_sync=True)
     layer(torch.randn(3, 4, 5, requires_grad=True)).sum().backward()
     assert not layer._sync_plan.settings["queue_order_flags"]
-    assert call_order._pending == []
+    assert _kinds() == [] and call_order._pending == []
 
 
-def _handoff(flags: torch.Tensor, kind: str, data, aux, width, group, layer_tag=3, tiny=None):
+def _queue(flags: torch.Tensor, kind: str, data, aux, width, group, layer_tag=3, tiny=None):
+    """Queue ``flags``' order flag in the C++ path's ring, as a call of ``kind`` does."""
     native.register_python_kernels()
-    torch.ops.syncbn.order_flag_queued(
+    torch.ops.syncbn.queue_order_flag(
         flags,
         2 if kind != "backward_sums" else 0,
         native.KINDS.index(kind),
@@ -93,7 +94,7 @@ def test_a_queued_gather_flag_that_reads_zero_names_each_rank_s_layer(queued_fla
     rows[0, 2:4] = torch.tensor([11.0, 0.0])
     rows[1, 2:4] = torch.tensor([12.0, 0.0])
     info = torch.tensor([8.0, 4.0, 0.0, 1.0, 11.0, 0.0])  # order_ok (info[2]) = 0
-    _handoff(info, "gathered_rows", rows.view(-1), rows.view(-1), width, None)
+    _queue(info, "gathered_rows", rows.view(-1), rows.view(-1), width, None)
     ran = r"rank 0 ran 'backbone.bn1'.*rank 1 ran 'backbone.bn2'"
     with pytest.raises(CallOrderError, match=ran):
         check_call_order()
@@ -106,25 +107,94 @@ def test_a_queued_backward_flag_that_reads_zero_names_this_rank_s_layer(queued_f
     register_layer_name(21, "head.bn")
     summed = torch.zeros(16 + 2 * 3)
     grad_info = torch.tensor([6.0, 3.0, 1.0, 1.0, 21.0, 4.0])
-    _handoff(torch.zeros(1), "backward_sums", summed, grad_info, summed.numel(), None)
+    _queue(torch.zeros(1), "backward_sums", summed, grad_info, summed.numel(), None)
     with pytest.raises(CallOrderError, match=r"backward of 'head.bn' \(call #5\)"):
         check_call_order()
 
 
-def test_a_queued_flag_is_read_at_the_next_handoff(queued_flags) -> None:
-    """Polling before queueing: the next call (here its hand-off) raises, not only the step's
-    ``check_call_order``."""
+def test_a_queued_flag_is_read_before_the_next_call_s_collective(one_rank, queued_flags) -> None:
+    """The next synchronized call reads the landed flags before its collective and raises there:
+    not only the step's ``check_call_order``, and before the call joins the collective (its
+    running statistics are untouched)."""
     summed, grad_info = torch.zeros(22), torch.tensor([6.0, 3.0, 1.0, 1.0, 21.0, 0.0])
-    _handoff(torch.zeros(1), "backward_sums", summed, grad_info, 22, None)
+    _queue(torch.zeros(1), "backward_sums", summed, grad_info, 22, None)
+    layer = SyncBatchNorm(4, force_sync=True)
     with pytest.raises(CallOrderError):
-        _handoff(torch.ones(1), "backward_sums", summed, grad_info, 22, None)
+        layer(torch.randn(3, 4, 5) + 5)
+    assert layer._sync_plan.native
+    assert torch.equal(layer.running_mean, torch.zeros(4)) and _kinds() == []
+
+
+def test_flags_that_read_one_run_no_python(one_rank, queued_flags) -> None:
+    """Steps whose flags all read 1 run no Python of the package beyond the forward's plan:
+    queueing, polling and reading the flags are C++, and the backward runs no Python at all."""
+    layer = SyncBatchNorm(4, force_sync=True)
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    layer(x).sum().backward()  # the plan, the watcher
+    outputs: list[torch.Tensor] = []
+    for _ in range(3):
+        calls = package_calls(lambda: outputs.append(layer(x)))
+        assert package_calls(outputs[-1].sum().backward) == []
+        assert set(calls) <= PLAN_CALLS, calls
+        assert _kinds() == ["backward_sums"]
+
+
+def test_a_published_mismatch_is_raised_before_the_next_collective(one_rank, queued_flags) -> None:
+    """Another rank's mismatch, as the watcher leaves it: the C++ path's next call raises it
+    before joining a collective (the documented CallOrderError, not the collective's error)."""
+    layer = SyncBatchNorm(4, force_sync=True)
+    layer(torch.randn(3, 4, 5))
+    job = group_abort._job_id()
+    group_abort._signalled[(job, "g")] = "global rank 1 found: a mismatch"
+    group_abort._notify(True)
+    try:
+        with pytest.raises(CallOrderError, match="global rank 1 found: a mismatch"):
+            layer(torch.randn(3, 4, 5) + 5)
+        assert torch.equal(layer.num_batches_tracked, torch.tensor(1))
+    finally:
+        group_abort._signalled.clear()
+        group_abort._notify(False)
+    layer(torch.randn(3, 4, 5))  # cleared: the calls go on
+    assert torch.equal(layer.num_batches_tracked, torch.tensor(2))
+
+
+def test_a_stale_signal_is_cleared_by_the_first_check(one_rank, queued_flags) -> None:
+    """A message of an earlier job: the first check drops it and tells the C++ path, whose
+    later calls ask Python nothing more."""
+    layer = SyncBatchNorm(4, force_sync=True)
+    layer(torch.randn(3, 4, 5))
+    group_abort._signalled[("an earlier job", "g")] = "old"
+    group_abort._notify(True)
+    first = package_calls(lambda: layer(torch.randn(3, 4, 5)))
+    assert "call_order.py:raise_if_published" in first and not group_abort.signalled()
+    later = package_calls(lambda: layer(torch.randn(3, 4, 5)))
+    assert "call_order.py:raise_if_published" not in later
+
+
+def test_a_full_ring_is_drained_before_the_next_flag(queued_flags) -> None:
+    """A flag beyond the ring's slots: every flag queued is read first (a host sync on a
+    device), then the new one is queued; a zero among them raises there."""
+    from syncbn_lightning._shared import ORDER_FLAG_SLOTS
+
+    summed, grad_info = torch.zeros(22), torch.tensor([6.0, 3.0, 1.0, 1.0, 21.0, 0.0])
+    for _ in range(ORDER_FLAG_SLOTS):
+        _queue(torch.ones(1), "backward_sums", summed, grad_info, 22, None)
+    assert len(_kinds()) == ORDER_FLAG_SLOTS
+    _queue(torch.ones(1), "backward_sums", summed, grad_info, 22, None)
+    assert len(_kinds()) == 1
+    for index in range(ORDER_FLAG_SLOTS - 1):
+        flag = torch.zeros(1) if index == 7 else torch.ones(1)
+        _queue(flag, "backward_sums", summed, grad_info, 22, None, layer_tag=index)
+    with pytest.raises(CallOrderError, match="call #1"):
+        _queue(torch.ones(1), "backward_sums", summed, grad_info, 22, None)
+    assert _kinds() == []
 
 
 def test_a_tiny_input_checks_the_group_count_on_the_host(queued_flags) -> None:
     info = torch.tensor([1.0, 1.0, 1.0, 1.0, 3.0, 0.0])  # one value per channel in the group
     rows = torch.zeros(ROW_HEADER + 3)
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
-        _handoff(info, "gathered_rows", rows, rows, rows.numel(), None, tiny=torch.ones(1, 1))
+        _queue(info, "gathered_rows", rows, rows, rows.numel(), None, tiny=torch.ones(1, 1))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,7 +269,7 @@ def test_an_input_on_another_device_gets_the_python_path_s_error(one_rank, monke
 def test_nothing_is_queued_for_a_layer_in_eval(one_rank, queued_flags) -> None:
     layer = SyncBatchNorm(4, force_sync=True).eval()
     layer(torch.randn(2, 4, 3))
-    assert call_order._pending == []
+    assert _kinds() == [] and call_order._pending == []
 
 
 def test_module_protocol_keeps_the_queue(one_rank, queued_flags) -> None:
@@ -211,4 +281,3 @@ def test_module_protocol_keeps_the_queue(one_rank, queued_flags) -> None:
     prune.l1_unstructured(layer, "weight", 0.5)
     layer(torch.randn(2, 4, 3, requires_grad=True)).sum().backward()
     assert _kinds() == ["backward_sums"]
-    assert isinstance(layer, nn.Module)

@@ -243,10 +243,7 @@ MergedOutputs merge_normalize_cpu(const MergeArgs& args, const at::Tensor& rows)
       samples += r[w * width + 1];
       ranks += r[w * width] > 0 ? 1 : 0;
     }
-    TORCH_CHECK_VALUE(
-        total != 1, "Expected more than 1 value per channel when training, got input size ",
-        "torch.Size(", input.sizes(), ") (1 value per channel in the whole sync group of ", W,
-        " rank(s))");
+    check_group_count(total, input, W);
     bool finite = true;
     for (int64_t c = 0; c < C; ++c) {
       const MergedChannel m = merge_row_channel(r, width, W, C, c, total, ranks, equal_rank_weights);

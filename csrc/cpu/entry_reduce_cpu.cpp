@@ -59,10 +59,7 @@ MergedOutputs reduce_merge_normalize_cpu(
         "tag ", static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
   }
   TORCH_CHECK(checks.shift_ok, kShiftMismatch);
-  TORCH_CHECK_VALUE(
-      t[0] != 1, "Expected more than 1 value per channel when training, got input size ",
-      "torch.Size(", input.sizes(), ") (1 value per channel in the whole sync group of ",
-      world_size, " rank(s))");
+  check_group_count(t[0], input, world_size);
   const int64_t C = input.size(1);
   const at::Tensor k = shift_float64(args.running.mean, input);
   const double* kp = k.defined() ? k.const_data_ptr<double>() : nullptr;

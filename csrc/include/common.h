@@ -1,6 +1,7 @@
 // Host-side declarations shared by the entry points (entry_*.cpp/.cu, reduce_*.cpp/.cu) and the
-// kernel files: the helpers of common.cpp (layouts, argument checks, operands) and the kernels'
-// "into" functions that write given outputs. Declarations only, like syncbn.h (which declares the
+// kernel files: the helpers of common.cpp (layouts, argument checks, operands) and of
+// step_helpers.cpp (the fused steps' rows, sums, buffers and infos), and the kernels' "into"
+// functions that write given outputs. Declarations only, like syncbn.h (which declares the
 // primitives and the fused steps themselves).
 #pragma once
 
@@ -11,7 +12,8 @@
 namespace syncbn {
 
 // ------------------------------------------------------------------------------------------------
-// Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp, no nvcc).
+// Host-side helpers shared by the _cpu and _cuda entry points (defined in common.cpp and
+// step_helpers.cpp, no nvcc).
 // ------------------------------------------------------------------------------------------------
 namespace detail {
 
@@ -156,6 +158,10 @@ at::Tensor group_sums(const at::Tensor& sums, const at::Tensor& info, const at::
 at::Tensor required_info(const c10::optional<at::Tensor>& info);
 // `info` of grad_sums: undefined, or kInfoFields values of the acc dtype on the input's device.
 at::Tensor checked_grad_info(const c10::optional<at::Tensor>& info, const at::Tensor& input);
+// torch's error for a training batch of one value per channel, where the batch is the whole sync
+// group's: raised (a c10::ValueError, as Python's ValueError) when `total` values per channel over
+// `world_size` ranks is 1; `input` is this rank's.
+void check_group_count(double total, const at::Tensor& input, int64_t world_size);
 // The ranks whose sums `sums` holds for grad_input's check: its R rows when gathered (R > 1), else
 // `world_size` (one all-reduced row; >= 1).
 double summed_ranks(int64_t rows, int64_t world_size);

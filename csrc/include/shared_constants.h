@@ -57,6 +57,10 @@ constexpr int64_t kGradHeader = 16;
 // order (bitwise reproducible); larger groups, and CUDA tensors, all-reduce them.
 constexpr int64_t kGatherSumMaxRanks = 8;
 
+// Call-order flags a process keeps queued, unread, before a host sync reads them all (each
+// path's queue: distributed/call_order.py's, and the C++ path's slots of pinned memory and events).
+constexpr int64_t kOrderFlagSlots = 1024;
+
 namespace flight {
 
 // Bytes of the ring's header (its format's 56, padded): the first record starts there.

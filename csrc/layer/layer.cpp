@@ -8,12 +8,15 @@
 // The same steps, kernels and collectives as the Python Function (functional/function.py), called
 // from C++: no Python frame per layer call in either direction. One orchestration for every
 // device: only the step kernels (StepKernels, the _cpu or _cuda twins) differ, and where the
-// call-order flags are read: CPU kernels raise a mismatch at once, CUDA calls hand their flags
-// to the queue that reads them later (queue_order_flag). Which layers take this path on CUDA is
-// the Python plan's choice (nn/sync_plan.py: opt-in until benchmarks/gpu_check.sh native passes).
+// call-order flags are read: CPU kernels raise a mismatch at once, CUDA calls queue their flags in
+// C++ (queue_order_flag, order_flags.cpp), read before later calls' collectives
+// (check_before_collective). The whole call runs on the input's device (a device guard). Which
+// layers take this path on CUDA is the Python plan's choice (nn/sync_plan.py: opt-in until
+// benchmarks/gpu_check.sh native passes).
 #include "layer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
@@ -68,6 +71,7 @@ Forward forward_steps(
     const StepKernels& k, const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
     const State& st, const OptTensor& residual, const Settings& s) {
   Forward f;
+  check_before_collective(s);
   f.flight_call = forward_call(s);
   const Note note{flight::kForward, s.layer_tag, f.flight_call};
   MergedOutputs merged;
@@ -179,7 +183,10 @@ Settings forward_settings(SYNCBN_LAYER_ARGS) {
 // `syncbn::sync_batch_norm_forward` on one device's tensors: the forward's steps (no autograd).
 template <const StepKernels& K>
 ForwardOutputs forward_kernel(SYNCBN_LAYER_ARGS) {
-  check_layer_input(input, num_features, weight, running_mean);
+  // The input's device for the whole call, hand-off included: a kernel, a collective or a queued
+  // flag's copy on another current device would use that device's stream.
+  const c10::DeviceGuard guard(input.device());
+  check_layer_input(input, num_features, weight, running_mean);  // the call's one input check
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   const Settings s = forward_settings(SYNCBN_LAYER_PASS);
   Forward f = forward_steps(K, input, weight, bias, state, residual, s);
@@ -198,6 +205,7 @@ Outputs backward_kernel(
     const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
     bool queue_order_flags, int64_t act, double act_param, int64_t flight_call,
     bool input_grad) {
+  const c10::DeviceGuard guard(input.device());  // as in forward_kernel
   const Settings s =
       group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
   const at::Tensor residual = residual_.value_or(at::Tensor());
@@ -211,6 +219,7 @@ Outputs backward_kernel(
   at::Tensor grad_input;
   if (input_grad) {
     const Note note{flight::kBackward, layer_tag, flight_call};
+    check_before_collective(s);
     const at::Tensor summed = sum_over_group(sums, s, note, Summed::kInPlace);
     at::Tensor order_ok;
     try {
@@ -314,7 +323,7 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
 
 // `syncbn::sync_batch_norm` with autograd: the node above around the forward operator.
 Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
-  check_layer_input(input, num_features, weight, running_mean);
+  // The input is checked once, by the forward operator's kernel.
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   SavedCall call;
   call.settings = forward_settings(SYNCBN_LAYER_PASS);

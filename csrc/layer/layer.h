@@ -2,8 +2,11 @@
 // its collective and the merge/normalize in one operator, `syncbn::sync_batch_norm`, whose
 // autograd node is C++ too (its backward: the gradient sums, their collective, the input
 // gradient). Collectives go through the c10d ProcessGroup of the layer's group, from C++
-// (layer_comm.cpp); failures and call-order mismatches are handed to Python's error reporting
-// (the only Python that can run during a call, and only when it fails).
+// (layer_comm.cpp). Call-order flags that would cost a host sync to read (CUDA) wait in a C++
+// queue (order_flags.cpp, order_ring.h). Python runs during a call only through the hand-off
+// operators whose kernels are Python's (functional/native.py): at a job's first collective (the
+// flight recorder), when a collective fails, when a call-order check fails (at once, or a queued
+// flag that reads 0), and when another rank published a mismatch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -86,17 +89,29 @@ bool is_call_order_error(const c10::Error& error);
 [[noreturn]] void call_order_failed(
     Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
     const Settings& settings);
-// Hands a call's call-order flag `flags[index]` (nonzero: in order) to the queue that reads it
-// once the device has written it (Python's distributed/call_order.py, the one queue of both
-// paths: pinned copy behind an event, polled at later calls without a host sync, nothing queued
-// while a CUDA graph is captured, a mismatch published to the group), after polling the flags
-// queued before. `data`, `aux` and `width` are what the report of a mismatch reads (as for
+// Before a collective of a call whose flags are queued (Settings::queue_order_flags): reads the
+// queued flags the device has written (an event query each, no host sync) and raises the
+// CallOrderError of the first that reads 0; then raises the mismatch another rank published
+// (distributed/group_abort.py), rather than joining a collective the group has given up. Python
+// runs only on those errors.
+void check_before_collective(const Settings& settings);
+// Queues a call's call-order flag `flags[index]` (nonzero: in order) in the process's order ring
+// (order_ring.h): copied to host memory behind the call's kernels, read by later calls' checks
+// (check_before_collective) or by Python's check_call_order; nothing is queued while a CUDA graph
+// is captured. `data`, `aux` and `width` are what the report of a mismatch reads (as for
 // call_order_failed, without a collective). `tiny_input`: the input, when it has fewer than two
-// values per channel (the group's count is then checked on the host, as the Python path does).
+// values per channel (the group's count is then read on the host, as the Python path does).
 void queue_order_flag(
     const at::Tensor& flags, int64_t index, Mismatch kind, const at::Tensor& data,
     const at::Tensor& aux, int64_t width, const Settings& settings,
     const at::Tensor& tiny_input);
+// What order_flags.cpp hands to Python (layer_comm.cpp holds every hand-off): the report of a
+// queued flag that read 0 (raises the CallOrderError naming the layers, after telling the group's
+// other ranks; returns only if Python finds nothing to raise), and the check for a mismatch
+// another rank published (raises its CallOrderError, or returns when there is none for this job).
+struct FlagReport;  // order_ring.h
+void queued_order_failed(const FlagReport& report);
+void raise_if_published();
 // Makes sure the flight recorder's ring is attached (Python makes it on the first call of a job).
 void ensure_flight_ring();
 

@@ -3,6 +3,7 @@
 #include "layer.h"
 
 #include "common.h"
+#include "order_ring.h"
 
 #include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,10 +53,19 @@ void issue_and_wait(Issue issue) {
   work->wait();
 }
 
-// Calls the operator `name` (a kernel Python registers, functional/native.py) with `stack`.
-void call_python(const char* name, torch::jit::Stack stack) {
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+// The hand-off operator `name` (its kernel is Python's, functional/native.py), found once per
+// call site: `static const auto op = python_op(...)`.
+c10::OperatorHandle python_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Calls a hand-off operator with `stack` (a Python exception raised there arrives as thrown).
+void call_python(const c10::OperatorHandle& op, torch::jit::Stack stack) {
   op.callBoxed(&stack);
+}
+
+c10::IValue group_value(const c10::optional<std::string>& group) {
+  return group.has_value() ? c10::IValue(*group) : c10::IValue();
 }
 
 // Logs what the flight recorder knows about a failed collective (Python's report, once per
@@ -65,7 +75,8 @@ void report_failure(const at::Tensor& sent, const char* op, const std::exception
   try {
     std::string what = error.what();
     what = what.substr(0, what.find('\n'));
-    call_python("syncbn::collective_failed", {sent, std::string(op), what.substr(0, 200)});
+    static const auto handoff = python_op("syncbn::collective_failed");
+    call_python(handoff, {sent, std::string(op), what.substr(0, 200)});
   } catch (...) {
   }
 }
@@ -127,28 +138,31 @@ bool is_call_order_error(const c10::Error& error) {
 void call_order_failed(
     Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
     const Settings& s) {
+  static const auto handoff = python_op("syncbn::call_order_failed");
   call_python(
-      "syncbn::call_order_failed",
-      {static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
-       s.group.has_value() ? c10::IValue(*s.group) : c10::IValue(), s.world_size, s.layer_tag});
+      handoff, {static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
+                group_value(s.group), s.world_size, s.layer_tag});
   // The Python report always raises; if it did not, the kernel's error stands, as thrown (a
   // `throw original;` would slice a derived error to its c10::Error base).
   std::rethrow_exception(std::current_exception());
 }
 
-void queue_order_flag(
-    const at::Tensor& flags, int64_t index, Mismatch kind, const at::Tensor& data,
-    const at::Tensor& aux, int64_t width, const Settings& s, const at::Tensor& tiny_input) {
+void queued_order_failed(const FlagReport& r) {
+  static const auto handoff = python_op("syncbn::queued_order_failed");
   call_python(
-      "syncbn::order_flag_queued",
-      {flags, index, static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
-       s.group.has_value() ? c10::IValue(*s.group) : c10::IValue(), s.world_size, s.layer_tag,
-       tiny_input.defined() ? c10::IValue(tiny_input) : c10::IValue()});
+      handoff, {r.kind, r.data, r.aux.defined() ? r.aux : r.data, r.width, group_value(r.group),
+                r.world_size, r.layer_tag});
+}
+
+void raise_if_published() {
+  static const auto handoff = python_op("syncbn::raise_if_published");
+  call_python(handoff, {});
 }
 
 void ensure_flight_ring() {
   if (!flight::attached()) {
-    call_python("syncbn::flight_open", {detail::new_empty({0}, at::TensorOptions())});
+    static const auto handoff = python_op("syncbn::flight_open");
+    call_python(handoff, {detail::new_empty({0}, at::TensorOptions())});
   }
 }
 
@@ -159,10 +173,10 @@ TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   m.def(
       "call_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
       "int world_size, int layer_tag) -> ()");
+  m.def(
+      "queued_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
+      "int world_size, int layer_tag) -> ()");
+  m.def("raise_if_published() -> ()");
   m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
   m.def("flight_open(Tensor like) -> ()");
-  m.def(
-      "order_flag_queued(Tensor flags, int index, int kind, Tensor data, Tensor aux, int width, "
-      "str? group, int world_size, int layer_tag, Tensor? tiny_input) -> ()");
 }
-

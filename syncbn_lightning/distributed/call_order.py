@@ -3,26 +3,27 @@ backward, in the same order.
 
 Collectives pair up by order, so a rank that skips a layer, takes another branch or runs a layer a
 different number of times would silently merge statistics of different layers. Every exchange
-strategy sends each call's layer and call tags with its statistics, and the backward sends them
-back with its sums (a 16-value header, see ``ops.reference_steps.grad_sums``), at no extra
-collective; both are checked when the payload arrives: when the ranks' tags disagree, every rank
-of the group raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same
-payload, so they all raise at the same call, and none is left waiting). A backward mismatch
-usually means a layer's output was not used in the loss on some rank (its backward never runs
-there); the error says so and how to fix it. On CPU tensors the check runs at once (the payload
-is in host memory); compiled code raises the kernel's RuntimeError with the same facts, since a
-compiled graph cannot re-raise a Python exception type. On CUDA tensors a check would cost a host
-sync per layer, so the strategy leaves a flag on the device and queues it with
-:func:`queue_order_check`, which copies it to pinned host memory behind the call's kernels and
-records an event. Every later synchronized call polls the queue (:func:`poll_order_checks`: an
-event query per flag, no host sync), so a mismatch is found a few layer calls after the device
-reached it, within the same step; :func:`check_call_order` reads whatever is left at once (one
-host sync; the callback calls it before each optimizer step, so a step with mixed statistics is
-never applied). The rank that finds a mismatch this way tells its group's other ranks through the
-job's store and aborts the group (:mod:`.group_abort`), since they may be waiting in a collective
-it will never join. Compiled calls cannot queue anything at run time: they note their flags on
-the layer's status tensor instead (:func:`note_order_flag`), which :func:`check_call_order`
-reads. A mismatch that changes the payload size (e.g. the skipped layer has another
+strategy sends each call's layer and call tags with its statistics, and the backward sends them back
+with its sums (a 16-value header, see ``ops.reference_steps.grad_sums``), at no extra collective;
+both are checked when the payload arrives: when the ranks' tags disagree, every rank of the group
+raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same payload, so they
+all raise at the same call, and none is left waiting). A backward mismatch usually means a layer's
+output was not used in the loss on some rank (its backward never runs there); the error says so and
+how to fix it. On CPU tensors the check runs at once (the payload is in host memory); compiled code
+raises the kernel's RuntimeError with the same facts, since a compiled graph cannot re-raise a
+Python exception type. On CUDA tensors a check would cost a host sync per layer, so the strategy
+leaves a flag on the device and queues it with :func:`queue_order_check`, which copies it to pinned
+host memory behind the call's kernels and records an event. Every later synchronized call polls the
+queue (:func:`poll_order_checks`: an event query per flag, no host sync), so a mismatch is found a
+few layer calls after the device reached it, within the same step (the C++ path keeps its flags in a
+queue of its own, in C++, polled the same way and registered here with :func:`register_queue`);
+:func:`check_call_order` reads whatever is left at once (one host sync; the callback calls it before
+each optimizer step, so a step with mixed statistics is never applied). The rank that finds a
+mismatch this way tells its group's other ranks through the job's store and aborts the group
+(:mod:`.group_abort`), since they may be waiting in a collective it will never join. Compiled calls
+cannot queue anything at run time: they note their flags on the layer's status tensor instead
+(:func:`note_order_flag`), which :func:`check_call_order` reads. The errors and their messages are
+:mod:`.order_errors`'. A mismatch that changes the payload size (e.g. the skipped layer has another
 channel count) cannot be told apart by the payload: gloo then aborts the rank whose receive size
 does not match within seconds, NCCL fails the collective at its timeout; the flight recorder
 (:mod:`.flight`) names the first collective at which the ranks differed.
@@ -37,8 +38,16 @@ from typing import Any
 
 import torch
 
-from . import flight, group_abort
+from .._shared import ORDER_FLAG_SLOTS
+from . import group_abort
 from .collectives import Group, group_ranks
+from .order_errors import (
+    CallOrderError,
+    call_order_error,
+    layer_text,
+    raise_if_out_of_order,
+    register_layer_name,
+)
 
 __all__ = [
     "CallOrderError",
@@ -50,40 +59,25 @@ __all__ = [
     "poll_order_checks",
     "queue_order_check",
     "raise_if_out_of_order",
+    "raise_if_published",
+    "register_queue",
+    "report_queued_failure",
     "note_order_flag",
     "register_layer_name",
     "register_order_status",
 ]
 
 # Queued flags before a host sync reads them all (bounds memory where the device runs far behind).
-_MAX_PENDING = 1024
-_FIX = (
-    "Every rank must run every SyncBatchNorm layer of the group in the same order and the same "
-    "number of times per training forward (a rank skipped a layer, took another branch, or ran a "
-    "different number of BN calls); otherwise statistics of different layers would be merged. "
-    "Make the forward identical on all ranks, or put layers that only some ranks run in eval mode."
-)
-
-
-_BACKWARD_FIX = (
-    "A synchronized layer's backward runs only on the ranks whose loss depends on its output, and "
-    "each such backward joins a collective of the whole group: an auxiliary head used on some "
-    "ranks only, or a branch the data skipped, leaves the other ranks one collective short. Use "
-    "every synchronized layer's output in the loss on every rank (e.g. `loss = loss + 0 * "
-    "out.sum()` where it is not needed), or put a layer that need not be trained in eval mode on "
-    "every rank (eval mode does not synchronize)."
-)
-
-
-class CallOrderError(RuntimeError):
-    """Ranks of one sync group called their SyncBatchNorm layers in different orders."""
-
-
+_MAX_PENDING = ORDER_FLAG_SLOTS
 # Unchecked calls on the device: (flags, index of the order flag, the function that raises the
 # error if the flag is 0, its arguments, the group, the flag's host copy or None).
 _Entry = tuple[torch.Tensor, int, Callable[..., None], tuple[Any, ...], Group, "_FlagCopy | None"]
 _pending: list[_Entry] = []
 _poll_lock = threading.Lock()  # one poller at a time (DataParallel's replica threads)
+# Queues of flags kept elsewhere (the C++ path's order ring): (drain, clear) functions. ``drain``
+# reads every flag (a host sync) and raises the error of the first that reads 0; ``clear`` drops
+# them.
+_queues: list[tuple[Callable[[], None], Callable[[], None]]] = []
 _queue_lock = threading.Lock()  # every change of _pending from eager code (compiled code appends)
 
 
@@ -176,53 +170,6 @@ def layers_with_status() -> list[Any]:
     return [method.__self__ for method in methods if method is not None]
 
 
-def register_layer_name(tag: int, name: str) -> None:
-    """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages and the
-    flight records, which keep the names beside the tags)."""
-    flight.register_layer_name(tag, name)
-
-
-def layer_text(tag: float) -> str:
-    """The name of the layer whose tag is ``tag``, quoted, for messages."""
-    return flight.layer_text(tag)
-
-
-def call_order_error(what: str, ranks: list[int], backward: bool = False) -> CallOrderError:
-    """The error for a mismatch among ``ranks`` (global ranks of the group); ``what`` says which
-    rank ran which layer; ``backward``: found by the backward's exchange. Logs what the flight
-    recorder knows first (:func:`.flight.report_failure`)."""
-    flight.report_failure("a SyncBatchNorm call-order mismatch")
-    if backward:
-        return CallOrderError(
-            f"The backward passes of SyncBatchNorm layers ran in a different order on the ranks of "
-            f"one sync group (global ranks {ranks}): {what}. {_BACKWARD_FIX}"
-        )
-    return CallOrderError(
-        f"SyncBatchNorm layers were called in a different order on the ranks of one sync group "
-        f"(global ranks {ranks}): {what}. {_FIX}"
-    )
-
-
-def raise_if_out_of_order(tags: torch.Tensor, group: Group, backward: bool = False) -> None:
-    """Raise :class:`CallOrderError` unless every row of ``tags`` (``[W, 2]`` gathered
-    ``(layer_tag, call_tag)`` on the host, one row per rank of ``group``) is the same;
-    ``backward``: the tags came with the backward's sums."""
-    if bool((tags == tags[0]).all()):
-        return
-    ranks = group_ranks(group, tags.shape[0])
-    pairs = zip(ranks, tags.tolist(), strict=True)
-    rows = [(rank, int(layer), int(call)) for rank, (layer, call) in pairs]
-    ran = "ran the backward of" if backward else "ran"
-    what = "; ".join(f"rank {r} {ran} {layer_text(layer)} (call #{c + 1})" for r, layer, c in rows)
-    if backward:
-        first, other = rows[0], next(row for row in rows if row[1:] != rows[0][1:])
-        what += (
-            f" (e.g. the output of {layer_text(first[1])} was not used in the loss on rank "
-            f"{other[0]})"
-        )
-    raise call_order_error(what, ranks, backward)
-
-
 def check_call_order() -> None:
     """Check every call-order flag queued by CUDA layers and not yet read (one host sync), and
     whether another rank published a mismatch (:mod:`.group_abort`).
@@ -231,10 +178,12 @@ def check_call_order() -> None:
         CallOrderError: on every rank of a group whose ranks called layers in different orders.
     """
     global _status_used
-    _raise_if_published()
+    raise_if_published()
     if _status_used:
         _status_used = False
         _check_statuses()
+    for drain, _clear in _queues:
+        drain()
     with _queue_lock:
         queued = _pending[:]
         # Only what was read: compiled code appends without the lock, at the end.
@@ -245,6 +194,21 @@ def check_call_order() -> None:
     for ok, entry in zip(flags.tolist(), queued, strict=True):
         if not ok:
             _fail(entry)
+
+
+def register_queue(drain: Callable[[], None], clear: Callable[[], None]) -> None:
+    """Have :func:`check_call_order` read another queue of flags with ``drain`` (reads every
+    flag, raising the error of the first that reads 0), and a found mismatch drop it with
+    ``clear`` (once per pair; the C++ path's order ring registers itself)."""
+    if (drain, clear) not in _queues:
+        _queues.append((drain, clear))
+
+
+def report_queued_failure(report: Callable[..., None], args: tuple[Any, ...], group: Group) -> None:
+    """A flag of another queue (see :func:`register_queue`) read 0: drop every queue, raise
+    ``report(*args)``'s error, and first tell the other ranks of ``group``, as for a flag of
+    this module's queue."""
+    _fail((torch.zeros(1), 0, report, args, group, None))
 
 
 def _check_statuses() -> None:
@@ -297,7 +261,7 @@ def poll_order_checks() -> None:
     there."""
     if torch.compiler.is_compiling() or not (_pending or group_abort.signalled()):
         return
-    _raise_if_published()
+    raise_if_published()
     if not _poll_lock.acquire(blocking=False):
         return  # another thread (a DataParallel replica) is reading the queue
     try:
@@ -357,8 +321,7 @@ def queue_order_check(
 def _fail(entry: _Entry) -> None:
     """A queued flag is 0: drop the queue, raise the entry's error, and first tell the other
     ranks of its group (they may be waiting in a collective this rank will never join)."""
-    with _queue_lock:
-        _pending.clear()
+    _clear_queues()
     _flags, _index, report, args, group, _copy = entry
     try:
         report(*args)
@@ -368,11 +331,21 @@ def _fail(entry: _Entry) -> None:
         raise
 
 
-def _raise_if_published() -> None:
+def _clear_queues() -> None:
+    """Drop every queued flag, this module's and the other queues' (a mismatch was found: the
+    ranks have parted, and the flags queued since mean nothing)."""
+    with _queue_lock:
+        _pending.clear()
+    for _drain, clear in _queues:
+        clear()
+
+
+def raise_if_published() -> None:
+    """Raise :class:`CallOrderError` with the mismatch another rank of one of this process's
+    sync groups published (:mod:`.group_abort`), dropping every queued flag; nothing if none."""
     message = group_abort.published_message()
     if message is not None:
-        with _queue_lock:
-            _pending.clear()
+        _clear_queues()
         raise CallOrderError(
             f"Another rank of this rank's SyncBatchNorm sync group found a call-order mismatch "
             f"and ended the group: {message}"

@@ -9,13 +9,15 @@ timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
 * it writes the error message under a key of the job's store (``syncbn/abort/<group name>``) and
   aborts its own member of SyncBN's group;
 * every rank runs one watcher thread per SyncBN group of its job, started when SyncBN makes the
-  group (:mod:`.groups`), converts a model onto it, or first queues a flag on it (eager or
-  compiled code alike: groups are made and converted onto eagerly). On its own connection to the
+  group (:mod:`.groups`), converts a model onto it, makes a layer's plan that queues flags on it
+  (the C++ path), or first queues a flag on it (eager or compiled code alike: groups are made and
+  converted onto eagerly). On its own connection to the
   store (:meth:`torch.distributed.Store.clone`) it checks for that key every
   :data:`POLL_S` seconds. When the key appears, the watcher logs the message, aborts this rank's
   member of the group (on NCCL its pending collectives fail at once) and remembers the message:
   the rank's next synchronized call or :func:`~syncbn_lightning.check_call_order` raises
-  :class:`~.call_order.CallOrderError` with it.
+  :class:`~.call_order.CallOrderError` with it. The C++ path learns of it through the hooks of
+  :func:`on_signal` (it checks before each collective without calling Python).
 
 **A watcher lives as long as its job.** It is keyed by the job's id (the one the default store
 holds, :func:`.flight.job_id`) and the group's name, and ends, closing its connection, when its
@@ -36,7 +38,7 @@ import atexit
 import logging
 import threading
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch.distributed as dist
@@ -47,10 +49,12 @@ from .collectives import process_group
 __all__ = [
     "POLL_S",
     "abort_group",
+    "on_signal",
     "publish_mismatch",
     "published_message",
     "signalled",
     "stop_watchers",
+    "watch_epoch",
     "watch_group",
     "watcher_threads",
 ]
@@ -69,6 +73,12 @@ _signalled: dict[tuple[str, str], str] = {}
 # Groups whose mismatch this rank published (its watcher stays quiet).
 _published: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+# Called with whether a mismatch may be signalled, each time that changes (functional/native.py
+# tells the C++ path).
+_signal_hooks: list[Callable[[bool], None]] = []
+#: How many times :func:`stop_watchers` ran: whoever started a watcher at one value starts it
+#: again once this differs (a C++ layer plan, ``nn/sync_plan.py``; read as an attribute, per call).
+watch_epoch = 0
 
 
 class _Watcher:
@@ -126,7 +136,24 @@ def published_message() -> str | None:
         if key[0] == job:
             return _signalled[key]
         del _signalled[key]
+        if not _signalled:
+            _notify(False)
     return None
+
+
+def on_signal(hook: Callable[[bool], None]) -> None:
+    """Call ``hook(signalled())`` now and each time it changes (once per hook)."""
+    if hook not in _signal_hooks:
+        _signal_hooks.append(hook)
+        hook(signalled())
+
+
+def _notify(signalled_now: bool) -> None:
+    for hook in _signal_hooks:
+        try:
+            hook(signalled_now)
+        except Exception as exc:  # the watcher thread must not die of a hook
+            _log.debug("syncbn_lightning: a signal hook failed: %s", exc)
 
 
 def abort_group(group: str) -> None:
@@ -181,10 +208,12 @@ def stop_watchers(keep: Collection[str] = ()) -> None:
     their connections (they end by themselves when their job's default group is destroyed): the
     callback's teardown and interpreter exit stop them all, ``revert_sync_batchnorm`` those no
     other live layer needs. A later SyncBN group, conversion or queued flag starts them again."""
+    global watch_epoch
     with _lock:
         watchers = [w for w in _watchers.values() if w.key[1] not in keep]
         for watcher in watchers:
             del _watchers[watcher.key]
+        watch_epoch += 1
     for watcher in watchers:
         watcher.stop.set()
     for watcher in watchers:
@@ -217,6 +246,7 @@ def _watch(connection: Any, watcher: _Watcher) -> None:
     if message is None or watcher.key in _published:
         return  # nothing published, or this rank found it, raised, and aborted the group
     _signalled[watcher.key] = message
+    _notify(True)
     _log.error(
         "syncbn_lightning: a SyncBatchNorm call-order mismatch in sync group %s ended it: %s",
         group,

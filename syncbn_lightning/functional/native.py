@@ -7,22 +7,28 @@ forward is one call from Python, and its backward is an autograd node in C++, so
 runs no Python at all. Which layer calls take it is the layer's plan's choice
 (:mod:`syncbn_lightning.nn.sync_plan`): eager CPU tensors with the extension's kernels.
 
-Python runs during such a call only when it fails, when it leaves a call-order flag for later
-(CUDA), or at a job's first collective, through four operators whose schemas the extension
+Python runs during such a call only through five operators whose schemas the extension
 declares and whose kernels are registered here (:func:`register_python_kernels`):
 
 * ``syncbn::call_order_failed``: the ranks' call-order tags disagree; raises
   :class:`~syncbn_lightning.CallOrderError` naming each rank's layer, as the Python path does
   (gathering the ranks' tags where the payload was summed: an error path every rank of the group
   takes at the same call);
+* ``syncbn::queued_order_failed``: a call-order flag the C++ path queued (a call on a device
+  whose flags would cost a host sync to read: CUDA) read 0 when a later call or
+  :func:`~syncbn_lightning.check_call_order` read it; raises the error from what this rank holds,
+  after telling the group's other ranks (:mod:`~syncbn_lightning.distributed.group_abort`);
+* ``syncbn::raise_if_published``: another rank published a mismatch (the watcher said so through
+  ``syncbn::order_signal``); raises its error before this rank joins another collective;
 * ``syncbn::collective_failed``: a collective raised; logs what the flight recorder knows, then
   the C++ code rethrows the collective's own error;
-* ``syncbn::flight_open``: the first collective of a job makes this process's flight recorder;
-* ``syncbn::order_flag_queued``: a call on a device whose flags would cost a host sync to read
-  (CUDA) hands its flag to the one queue of both paths
-  (:func:`~syncbn_lightning.distributed.call_order.queue_order_check`), after polling the flags
-  queued before: a pinned copy behind an event, read at later calls without a host sync, nothing
-  queued while a CUDA graph is captured, a mismatch published to the group's other ranks.
+* ``syncbn::flight_open``: the first collective of a job makes this process's flight recorder.
+
+The queued flags themselves never reach Python: they wait in the C++ path's order ring
+(``csrc/layer/order_ring.h``: a pinned slot and an event per flag, polled before each later
+collective without a host sync), which :func:`~syncbn_lightning.check_call_order` drains through
+``syncbn::order_ring_drain`` (registered with :func:`~syncbn_lightning.distributed.call_order
+.register_queue`).
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ from typing import Any
 import torch
 
 from .._shared import ROW_HEADER
-from ..distributed import flight
-from ..distributed.call_order import poll_order_checks, queue_order_check, raise_if_out_of_order
+from ..distributed import flight, group_abort
+from ..distributed.call_order import (
+    raise_if_out_of_order,
+    raise_if_published,
+    register_queue,
+    report_queued_failure,
+)
 from ..distributed.collectives import all_gather, report_collective_failure
-from ..ops.reference import check_group_count
 from ..ops.reference_steps import own_tags
 from .exchange import SyncCall, raise_backward_order
 from .gather import _report_order
@@ -89,15 +99,12 @@ def _call_order_failed(*args: Any) -> None:
     _order_failed(*args, at_once=True)
 
 
-def _queued_order_failed(*args: Any) -> None:
-    """The report of a flag ``syncbn::order_flag_queued`` queued that read 0:
-    :func:`_order_failed` from this rank's data."""
+def _report_queued(*args: Any) -> None:
+    """The report of a queued flag that read 0: :func:`_order_failed` from this rank's data."""
     _order_failed(*args, at_once=False)
 
 
-def _order_flag_queued(
-    flags: torch.Tensor,
-    index: int,
+def _queued_order_failed(
     kind: int,
     data: torch.Tensor,
     aux: torch.Tensor,
@@ -105,29 +112,16 @@ def _order_flag_queued(
     group: str | None,
     world_size: int,
     layer_tag: int,
-    tiny_input: torch.Tensor | None,
 ) -> None:
-    """Poll the flags queued before (raising on a mismatch), then queue ``flags[index]`` with
-    what its report needs; with ``tiny_input``, check the group's count on the host (as the
-    Python path does: fewer than two values per channel on this rank), except while capturing."""
-    poll_order_checks()
-    queue_order_check(
-        flags,
-        index,
-        _queued_order_failed,
-        kind,
-        data,
-        aux,
-        width,
-        group,
-        world_size,
-        layer_tag,
-        group=group,
-    )
-    if tiny_input is not None and not (
-        tiny_input.is_cuda and torch.cuda.is_current_stream_capturing()
-    ):
-        check_group_count(int(flags[0].item()), tiny_input, world_size)
+    """``syncbn::queued_order_failed``: a flag of the C++ path's order ring read 0; raise its
+    error after telling the group's other ranks (the arguments: :func:`_order_failed`'s)."""
+    args = (kind, data, aux, width, group, world_size, layer_tag)
+    report_queued_failure(_report_queued, args, group)
+
+
+def _order_signal(signalled: bool) -> None:
+    """Tell the C++ path whether another rank may have published a mismatch."""
+    torch.ops.syncbn.order_signal(signalled)
 
 
 def _collective_failed(sent: torch.Tensor, op: str, reason: str) -> None:
@@ -139,8 +133,9 @@ def _flight_open(like: torch.Tensor) -> None:
 
 
 def register_python_kernels() -> None:
-    """Register the kernels of the four hand-off operators (idempotent; the extension must be
-    loaded)."""
+    """Register the kernels of the hand-off operators, the C++ order ring as a queue
+    :func:`~syncbn_lightning.check_call_order` drains, and the watcher's signal to the C++ path
+    (idempotent; the extension must be loaded)."""
     global _registered
     if _registered:
         return
@@ -150,12 +145,15 @@ def register_python_kernels() -> None:
         library = torch.library.Library("syncbn", "IMPL")
         for name, kernel in (
             ("call_order_failed", _call_order_failed),
+            ("queued_order_failed", _queued_order_failed),
+            ("raise_if_published", raise_if_published),
             ("collective_failed", _collective_failed),
             ("flight_open", _flight_open),
-            ("order_flag_queued", _order_flag_queued),
         ):
             library.impl(name, kernel, "CompositeExplicitAutograd")
         _library.append(library)
+        register_queue(torch.ops.syncbn.order_ring_drain, torch.ops.syncbn.order_ring_clear)
+        group_abort.on_signal(_order_signal)
         _registered = True
 
 

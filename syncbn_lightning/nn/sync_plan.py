@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import flight
+from ..distributed import flight, group_abort
 from ..distributed.call_order import mark_status_used, poll_order_checks
 from ..distributed.groups import group_name_of, sync_group_size
 from ..functional.exchange import LayerState, SyncCall
@@ -42,6 +42,7 @@ from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
 from ..ops.dispatch import IMPL_ENV, uses_extension
 from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
 from ..ops.reference import queues_order_flag, queues_order_flags_on
+from .checks import functorch_active, functorch_error
 from .layer_state import BatchRecord
 
 __all__ = [
@@ -115,6 +116,9 @@ class SyncPlan:
             them (:func:`settings_in_schema_order`): positional arguments cost the operator's
             Python binding ~4 us less per call than the same by keyword
             (``benchmarks/bench_op_args.py``).
+        watched: for a C++ plan whose calls queue their call-order flags in a group, the
+            :data:`~syncbn_lightning.distributed.group_abort.watch_epoch` at which it started the
+            group's watcher (started again when watchers were stopped since); else ``None``.
     """
 
     __slots__ = (
@@ -128,6 +132,7 @@ class SyncPlan:
         "options",
         "process_group",
         "settings",
+        "watched",
         "world",
         "world_size",
     )
@@ -142,6 +147,7 @@ class SyncPlan:
         self.op: Any = None
         self.settings: dict[str, Any] = {}
         self.args: tuple[Any, ...] = ()
+        self.watched: int | None = None
         if self.world_size == 1 and not options.force_sync:
             return
         if device != "cpu" and not (native_cuda() and device == "cuda"):
@@ -167,6 +173,15 @@ class SyncPlan:
             "num_features": layer.num_features,
         }
         self.args = settings_in_schema_order(self.op, self.settings)
+        if self.settings["queue_order_flags"] and group is not None:
+            self.watch()
+
+    def watch(self) -> None:
+        """Start the watcher of the plan's group (a queued flag that reads 0 on another rank is
+        published there, :mod:`~syncbn_lightning.distributed.group_abort`): the C++ path queues
+        its flags without Python, so the plan starts it."""
+        self.watched = group_abort.watch_epoch
+        group_abort.watch_group(self.settings["group"])
 
 
 def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -211,6 +226,8 @@ def forward_native(
     """The C++ path (see :func:`forward_function` for what a call does): ``act(bn(input) +
     residual)`` with the fused ``activation`` (``None``: none) and ``residual`` (``None``:
     none), the layer's input checks included."""
+    if functorch_active():  # a transform's wrapped tensors pass the layer's type check
+        raise functorch_error()
     state = layer.__dict__
     params, buffers = state["_parameters"], state["_buffers"]
     try:  # affine_of, inlined (a Python call is ~0.1 us of this path's host cost)
@@ -228,6 +245,8 @@ def forward_native(
     else:
         running = (running_mean, buffers["running_var"], buffers["num_batches_tracked"], nonfinite)
     act, act_param = activation or _NO_ACT
+    if plan.watched is not None and plan.watched != group_abort.watch_epoch:
+        plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
     output, mean, var, info = plan.op(
         input, weight, bias, *running, calls, residual, act, act_param, *plan.args
     )
@@ -248,6 +267,8 @@ def forward_function(
     :meth:`~syncbn_lightning.SyncBatchNorm.nonfinite_skips`; an all-empty group leaves them alone
     as torch does), and the fused ``activation`` (None: none) after adding ``residual`` (None:
     none) when the exchange fuses residuals; returns the output and whether both were applied."""
+    if not torch.compiler.is_compiling() and functorch_active():  # (not traceable)
+        raise functorch_error()
     poll_order_checks()  # flags the device has written since the last call (no host sync)
     buffers = layer._buffers
     (weight, bias), running_mean = affine_of(layer), buffers["running_mean"]

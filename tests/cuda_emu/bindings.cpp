@@ -1,5 +1,6 @@
 // Python bindings of the emulation extension: the CUDA entry points of csrc/*.cu (five primitives,
-// six fused steps) on CPU tensors, the emulator's controls, and its self-test kernels. Every entry
+// six fused steps) on CPU tensors, the call-order flag ring with the CUDA flag store, the
+// emulator's controls, and its self-test kernels. Every entry
 // point runs with heap poisoning on, so an output element a kernel never writes reads as NaN.
 #include <torch/extension.h>
 
@@ -14,6 +15,15 @@ at::Tensor run(
     const std::string& name, const at::Tensor& x, const std::vector<int64_t>& grid,
     const std::vector<int64_t>& block, int64_t shared_bytes, int64_t arg, int64_t out_numel);
 }
+
+namespace order_ring_probe {  // order_ring_probe.cpp
+void reset(int64_t capacity);
+bool push(const at::Tensor& flags, int64_t index, int64_t layer_tag, int64_t device);
+int64_t poll();
+int64_t drain();
+std::vector<int64_t> queued_tags();
+bool capturing(int64_t device);
+}  // namespace order_ring_probe
 
 namespace {
 
@@ -235,6 +245,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_stats", &take_stats, "Counters since the last call");
   m.def("poisoned_empty", &poisoned_empty, "at::empty under the entry points' heap poisoning",
         py::arg("numel"));
+  // The C++ path's call-order ring with the CUDA flag store (order_ring_probe.cpp): layer tags
+  // stand for the queued flags; poll and drain return the failed flag's tag, else -1.
+  m.def("order_ring_reset", &order_ring_probe::reset, py::arg("capacity"));
+  m.def("order_ring_push", &order_ring_probe::push, py::arg("flags"), py::arg("index"),
+        py::arg("layer_tag"), py::arg("device") = 0);
+  m.def("order_ring_poll", &order_ring_probe::poll);
+  m.def("order_ring_drain", &order_ring_probe::drain);
+  m.def("order_ring_queued", &order_ring_probe::queued_tags);
+  m.def("order_ring_capturing", &order_ring_probe::capturing, py::arg("device") = 0);
+  m.def("hold_device", &simt::hold_device, py::arg("held"));
+  m.def("release_device", &simt::release_device);
+  m.def("set_capturing", &simt::set_capturing, py::arg("capturing"));
+  m.def("take_stream_devices", &simt::take_stream_devices);
   m.def("selftest", &simt_selftest::run, "Run one of the emulator's self-test kernels",
         py::arg("name"), py::arg("x"), py::arg("grid"), py::arg("block"),
         py::arg("shared_bytes"), py::arg("arg"), py::arg("out_numel"));

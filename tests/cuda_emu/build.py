@@ -217,7 +217,10 @@ def _build() -> ModuleType:
     fixed_sources = [
         *sorted(EMU_DIR.glob("simt_*.cpp")),
         EMU_DIR / "bindings.cpp",
+        EMU_DIR / "order_ring_probe.cpp",
         csrc / "ops" / "common.cpp",
+        csrc / "ops" / "step_helpers.cpp",
+        csrc / "layer" / "order_ring.cpp",
     ]
     headers = (
         sorted(INCLUDE_DIR.rglob("*.h"))
@@ -245,9 +248,15 @@ def _build() -> ModuleType:
         f"syncbn_emu_{key}",
         directory,
         sources=sources + [str(p) for p in fixed_sources],
-        # The rewritten .cuh files first, then the stand-ins and the shared headers; the
-        # originals' folder (csrc/cuda) is never on the path.
-        include_paths=[str(generated), str(INCLUDE_DIR), str(ops_build.include_dir(csrc))],
+        # The rewritten .cuh files first, then the stand-ins and the shared headers, then the
+        # layer's (order_ring.h, for the probe); the originals' folder (csrc/cuda) is never on
+        # the path.
+        include_paths=[
+            str(generated),
+            str(INCLUDE_DIR),
+            str(ops_build.include_dir(csrc)),
+            str(csrc / "layer"),
+        ],
         cflags=cflags,
         ldflags=ldflags,
     )

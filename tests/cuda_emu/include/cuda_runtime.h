@@ -3,6 +3,8 @@
 // the multiprocessor count). Found before any real CUDA header (-I precedes torch's -isystem).
 #pragma once
 
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "simt_control.h"
@@ -14,7 +16,11 @@ enum cudaDeviceAttr : int {
   cudaDevAttrMultiProcessorCount = 16,
 };
 
-enum cudaMemcpyKind : int { cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 };
+enum cudaMemcpyKind : int {
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int /*device*/) {
   switch (attr) {
@@ -47,5 +53,50 @@ inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t = null
 inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind,
                                    cudaStream_t = nullptr) {
   std::memmove(d, s, n);
+  return cudaSuccess;
+}
+
+// Pinned host memory: plain heap memory (never freed by the callers either).
+constexpr unsigned int cudaHostAllocDefault = 0, cudaHostAllocPortable = 1;
+inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int /*flags*/) {
+  *p = std::malloc(n);
+  return *p != nullptr ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Events: each record takes the next ticket of the emulated device; the device has completed
+// every ticket unless ::simt::hold_device held it (simt_control.h).
+struct CUevent_st {
+  uint64_t ticket = 0;
+};
+using cudaEvent_t = CUevent_st*;
+constexpr unsigned int cudaEventDefault = 0, cudaEventDisableTiming = 2;
+namespace simt {
+uint64_t record_event();               // the new event's ticket
+bool event_completed(uint64_t ticket);  // whether the emulated device got there
+void wait_event(uint64_t ticket);       // the host waits: the device gets there
+bool capturing();
+}  // namespace simt
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int /*flags*/) {
+  *e = new CUevent_st();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
+  e->ticket = ::simt::record_event();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  return ::simt::event_completed(e->ticket) ? cudaSuccess : cudaErrorNotReady;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  ::simt::wait_event(e->ticket);
+  return cudaSuccess;
+}
+
+enum cudaStreamCaptureStatus : int {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+};
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* status) {
+  *status = ::simt::capturing() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
   return cudaSuccess;
 }

@@ -45,6 +45,7 @@ enum cudaError_t : int {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719,
 };
 

@@ -36,4 +36,16 @@ Stats take_stats();
 // read as NaN, never as a lucky zero.
 void poison_allocations(bool on);
 
+// The emulated device's progress, as CUDA events see it (cuda_runtime.h's stand-ins): work runs
+// at once, but while the device is held an event recorded since reads "not ready"
+// (cudaErrorNotReady) until release_device(), or until the host waits for it
+// (cudaEventSynchronize), as on a GPU that has not got there yet.
+void hold_device(bool held);
+void release_device();
+// Whether cudaStreamIsCapturing reports a capture in progress (default false).
+void set_capturing(bool capturing);
+// The device indices c10::cuda::getCurrentCUDAStream was asked for since the last call (-1: the
+// current device), then cleared.
+std::vector<int> take_stream_devices();
+
 }  // namespace simt

@@ -12,7 +12,8 @@ class CUDAStream {
   operator cudaStream_t() const { return nullptr; }  // NOLINT: implicit, as in c10
 };
 
-inline CUDAStream getCurrentCUDAStream(c10::DeviceIndex = -1) { return {}; }
+// Notes the device asked for (simt::take_stream_devices), then answers the one stream.
+CUDAStream getCurrentCUDAStream(c10::DeviceIndex device = -1);
 inline CUDAStream getDefaultCUDAStream(c10::DeviceIndex = -1) { return {}; }
 
 }  // namespace c10::cuda
