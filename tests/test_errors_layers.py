@@ -229,6 +229,17 @@ def test_revert_direct_layer_one_dim_input() -> None:
         back(torch.randn(4))
 
 
+def test_bn_synchronized_inside_a_torch_func_transform() -> None:
+    layer = SyncBatchNorm(4, force_sync=True)
+    x = torch.randn(3, 4, 5)
+
+    def loss(weight: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, {"weight": weight}, (x,)).sum()
+
+    with expect_row():
+        torch.func.grad(loss)(layer.weight.detach())
+
+
 def test_jit_script_names_revert() -> None:
     model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))).eval()
     with expect_row():

@@ -180,6 +180,37 @@ def test_prune_and_parametrize_take_the_cpp_path(one_rank, protocol: str) -> Non
 
 
 # ------------------------------------------------------------------------------------------------
+# torch.func transforms
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("impl", ["ext", "reference"])
+def test_a_synchronizing_call_inside_a_torch_func_transform_names_the_fix(
+    one_rank, impl: str, transform: str
+) -> None:
+    """Wrapped tensors pass the C++ path's type check; inside a transform neither path can run
+    (its collective), so both raise the layer's error, not torch's internal one. What the error
+    suggests works: the layer in eval mode, under the same transform."""
+    layer = convert_sync_batchnorm(nn.Sequential(_plain()), impl=impl, force_sync=True)[0]
+    x = torch.randn(2, 3, C, 4, 4, dtype=torch.float64)
+
+    def apply(module: nn.Module) -> Any:
+        if transform == "vmap":
+            return torch.func.vmap(module)(x)
+
+        def loss(weight: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(module, {"weight": weight}, (x[0],)).sum()
+
+        return torch.func.grad(loss)(module.weight.detach())
+
+    with pytest.raises(RuntimeError, match="cannot synchronize its batch statistics inside a"):
+        apply(layer)
+    assert torch.equal(layer.num_batches_tracked, torch.tensor(0))
+    assert apply(layer.eval()) is not None
+
+
+# ------------------------------------------------------------------------------------------------
 # torch.fx
 # ------------------------------------------------------------------------------------------------
 

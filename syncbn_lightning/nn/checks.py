@@ -16,6 +16,8 @@ __all__ = [
     "check_fuse_residual",
     "check_input",
     "check_num_features",
+    "functorch_active",
+    "functorch_error",
     "refuse_scripting",
     "same_operands",
 ]
@@ -24,6 +26,10 @@ __all__ = [
 FuseResidual = bool | Sequence[type[nn.Module] | str]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: Whether a torch.func transform (grad, vmap, jacrev, ...) is running, ``functorch_active()``: a
+#: private function of torch (torch >= 2.0; absent, no transform is assumed and torch's own error
+#: stands). A builtin, called straight from the layer's forward (no Python frame of ours).
+functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def check_num_features(num_features: Any) -> None:
@@ -97,6 +103,21 @@ def same_operands(input: torch.Tensor, residual: Any) -> bool:
         and residual.shape == input.shape
         and residual.dtype == input.dtype
         and residual.device == input.device
+    )
+
+
+def functorch_error() -> RuntimeError:
+    """The error of a synchronized call inside a ``torch.func`` transform
+    (:data:`functorch_active`), which no synchronized call can run in: its statistics are a
+    collective over the process group, which a transform can neither batch (``vmap``) nor
+    differentiate functionally (``grad``: the layer's autograd nodes, C++ and Python, are not
+    functorch-aware)."""
+    return RuntimeError(
+        "SyncBatchNorm cannot synchronize its batch statistics inside a torch.func transform "
+        "(grad, vmap, jacrev, vjp, ...): the exchange is a collective over the process group, "
+        "which these transforms can neither batch nor differentiate. Inside the transform, put "
+        "the layer in eval mode: it normalizes with its running statistics and communicates "
+        "nothing."
     )
 
 
