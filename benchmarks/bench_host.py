@@ -2,22 +2,28 @@
 
 On a tiny tensor the kernels cost next to nothing, so the time is what the host spends around
 them: Python, autograd, the dispatcher, the collectives' bookkeeping. Compared, eager, each as a
-whole ``layer(x).backward(g)`` step, interleaved round by round, median of the rounds:
+whole ``layer(x).backward(g)`` step, unprofiled (on a GPU the device is synchronized once per
+``--steps`` steps, not per step), interleaved round by round, median of the rounds:
 
-* ``bn``: ``nn.BatchNorm2d`` (no synchronization; the floor);
-* ``ext``: ``SyncBatchNorm(force_sync=True)`` with the ``syncbn::`` operators;
-* ``ref``: the same layer with the pure-PyTorch reference steps.
+* ``bn``: ``nn.BatchNorm2d`` (no synchronization);
+* on the CPU, ``ext``: ``SyncBatchNorm(force_sync=True)`` with the ``syncbn::`` operators (the C++
+  path), and ``ref``: the same layer with the pure-PyTorch reference steps;
+* on a GPU (``--device cuda``), ``ours``: ``SyncBatchNorm(force_sync=True)`` on the Python path
+  (the Python Function with the ``syncbn::`` steps), and ``ours_native``: the C++ path
+  (``SYNCBN_NATIVE_CUDA=1``); each run asserts the path it names.
 
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
-gloo group (the sync layer really calls gloo twice; gloo's own cost is shown on its own line).
-The flight recorder's share of a collective (the forward's call number and one record, in memory
-and into a memory-mapped file) is timed on its own. In the group, a floor is timed beside them:
-``nn.BatchNorm2d`` plus the two collectives any synchronized layer issues, called straight on the
-ProcessGroup; and a whole ResNet-18 train step (plain, ours, and its floor).
+group (gloo on the CPU, NCCL on a GPU: the sync layer really issues two collectives; on the CPU
+gloo's own cost is shown on its own line). The flight recorder's share of a collective (the
+forward's call number and one record, in memory and into a memory-mapped file) is timed on its
+own (CPU). In the group, a floor is timed beside them: ``nn.BatchNorm2d`` plus the two
+collectives any synchronized layer issues, called straight on the ProcessGroup; the host goal is
+the synchronized layer over that floor (C++ path: <= 1.1 per layer, printed as PASS/FAIL). On the
+CPU a whole ResNet-18 train step follows (plain, ours, and its floor).
 The op counts come from a ``TorchDispatchMode`` around one step, AccumulateGrad's ``add_`` of the
 three gradients included (``bn`` pays them too).
 
-    python benchmarks/bench_host.py [--rounds 15] [--steps 1000] [--threads 1]
+    python benchmarks/bench_host.py [--rounds 15] [--steps 1000] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import OpCounter
+from _common import OpCounter, one_rank_group
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
@@ -41,12 +48,42 @@ from syncbn_lightning.distributed import flight
 SHAPE = (2, 8, 4, 4)
 
 
-def _layers() -> dict[str, tuple[str, nn.Module]]:
+#: The host goal: the C++ path's layer step over the floor's, in the group.
+GOAL = 1.1
+
+
+def _layers(device: torch.device) -> dict[str, tuple[dict[str, str], nn.Module]]:
+    """The layers compared on ``device``: name -> (the environment its calls run under, layer)."""
+    if device.type == "cpu":
+        impls = {"bn": "auto", "ext": "ext", "ref": "ref"}
+        envs = {name: {"SYNCBN_IMPL": impl} for name, impl in impls.items()}
+    else:
+        envs = {
+            "bn": {},
+            "ours": {"SYNCBN_IMPL": "ext", "SYNCBN_NATIVE_CUDA": "0"},
+            "ours_native": {"SYNCBN_IMPL": "ext", "SYNCBN_NATIVE_CUDA": "1"},
+        }
     return {
-        "bn": ("auto", nn.BatchNorm2d(SHAPE[1])),
-        "ext": ("ext", SyncBatchNorm(SHAPE[1], force_sync=True)),
-        "ref": ("ref", SyncBatchNorm(SHAPE[1], force_sync=True)),
+        name: (
+            env,
+            (nn.BatchNorm2d(SHAPE[1]) if name == "bn" else SyncBatchNorm(SHAPE[1], force_sync=True))
+            .to(device)
+            .train(),
+        )
+        for name, env in envs.items()
     }
+
+
+def _check_path(name: str, layer: nn.Module) -> None:
+    """Assert that ``layer`` took the path its name says (its plan, made at its first call)."""
+    native = {"ext": True, "ref": False, "ours": False, "ours_native": True}.get(name)
+    if native is not None:
+        plan = layer._sync_plan
+        assert plan is not None and plan.native is native, (name, plan and plan.native)
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
@@ -56,35 +93,44 @@ def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[],
     return run
 
 
-def _time(fn: Callable[[], None], steps: int) -> float:
+def _time(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+    """Microseconds per ``fn()`` over ``steps`` calls, the device synchronized once at the end."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
+    sync()
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def measure(rounds: int, steps: int, floor: bool = False) -> dict[str, dict[str, Any]]:
+def measure(
+    rounds: int, steps: int, device: torch.device, floor: bool = False
+) -> dict[str, dict[str, Any]]:
     """Per layer: median microseconds per step and the op counts of one step; with ``floor``,
     the floor's step (:func:`floor_step`) too, interleaved with the others."""
-    x = torch.randn(*SHAPE, requires_grad=True)
+    x = torch.randn(*SHAPE, device=device, requires_grad=True)
     grad = torch.ones_like(x)
     results: dict[str, dict[str, Any]] = {}
     runs = {}
-    steps_of = {name: (impl, _step(layer, x, grad)) for name, (impl, layer) in _layers().items()}
+    layers = _layers(device)
+    steps_of = {name: (env, _step(layer, x, grad)) for name, (env, layer) in layers.items()}
     if floor:
-        steps_of["floor"] = ("auto", floor_step(x, grad))
-    for name, (impl, run) in steps_of.items():
-        os.environ["SYNCBN_IMPL"] = impl
+        steps_of["floor"] = ({}, floor_step(x, grad))
+    for name, (env, run) in steps_of.items():
+        _apply_env(env)
         for _ in range(50):
             run()
+        if name in layers:
+            _check_path(name, layers[name][1])
         with OpCounter() as counter:
             run()
-        runs[name] = (impl, run)
+        runs[name] = (env, run)
         results[name] = {"ops": counter.ops, "us": []}
     for _ in range(rounds):
-        for name, (impl, run) in runs.items():
-            os.environ["SYNCBN_IMPL"] = impl
-            results[name]["us"].append(_time(run, steps))
+        for name, (env, run) in runs.items():
+            _apply_env(env)
+            results[name]["us"].append(_time(run, steps, device))
     for entry in results.values():
         entry["median_us"] = statistics.median(entry["us"])
     return results
@@ -99,9 +145,10 @@ def floor_step(x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     from syncbn_lightning.distributed.groups import sync_world_group
 
     group, channels = sync_world_group(), SHAPE[1]
-    layer = nn.BatchNorm2d(channels)
-    row, sums = torch.randn(2 * channels + 1), torch.randn(2 * channels)
-    gathered = torch.empty(row.numel())
+    layer = nn.BatchNorm2d(channels).to(x.device)
+    row = torch.randn(2 * channels + 1, device=x.device)
+    sums = torch.randn(2 * channels, device=x.device)
+    gathered = torch.empty(row.numel(), device=x.device)
     gather_options, sum_options = AllgatherOptions(), AllreduceOptions()
 
     def run() -> None:
@@ -175,7 +222,7 @@ def network_table(rounds: int, steps: int) -> list[str]:
             run()
     for _ in range(rounds):
         for name, run in runs.items():
-            times[name].append(_time(run, steps) / 1000)
+            times[name].append(_time(run, steps, torch.device("cpu")) / 1000)
     medians = {name: statistics.median(t) for name, t in times.items()}
     lines = ["| ResNet-18 step | ms / step | x plain | x floor |", "|---|---:|---:|---:|"]
     for name, ms in medians.items():
@@ -195,7 +242,7 @@ def gloo_cost(rounds: int, steps: int) -> float:
         c10d.wait_tensor(c10d.all_gather_into_tensor(row, 1, name))
         c10d.wait_tensor(c10d.all_reduce(row, "sum", name))
 
-    return statistics.median(_time(pair, steps) for _ in range(rounds))
+    return statistics.median(_time(pair, steps, torch.device("cpu")) for _ in range(rounds))
 
 
 def flight_cost(rounds: int, steps: int) -> dict[str, float]:
@@ -212,7 +259,9 @@ def flight_cost(rounds: int, steps: int) -> dict[str, float]:
                 call = flight.next_call(7)
                 flight.record("0", "all_gather", row, (flight.FORWARD, 7, call))
 
-            costs[where] = statistics.median(_time(one, steps) for _ in range(rounds))
+            costs[where] = statistics.median(
+                _time(one, steps, torch.device("cpu")) for _ in range(rounds)
+            )
             flight.reset_flight_recorder()
     return costs
 
@@ -228,35 +277,50 @@ def _table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def goal_line(results: dict[str, dict[str, Any]], name: str) -> str:
+    """PASS or FAIL of ``name``'s step over the floor's against :data:`GOAL`."""
+    ratio = results[name]["median_us"] / results["floor"]["median_us"]
+    verdict = "PASS" if ratio <= GOAL else "FAIL"
+    return f"{verdict} {name}: host per layer step / floor {ratio:.2f} (<= {GOAL})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), input {SHAPE}, float32, CPU")
+    cuda = device.type == "cuda"
+    where = f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}" if cuda else "CPU"
+    print(f"torch {torch.__version__}, {args.threads} thread(s), input {SHAPE}, float32, {where}")
+    print(f"command: python benchmarks/bench_host.py {' '.join(sys.argv[1:])}")
     print("\nNo process group (no collective is issued):\n")
-    print("\n".join(_table(measure(args.rounds, args.steps))))
-    costs = flight_cost(args.rounds, args.steps)
-    print(
-        f"\nflight recorder, per collective (call number + one record): "
-        f"{costs['memory']:.2f} us in memory, {costs['file']:.2f} us into its file"
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            print("\nOne-rank gloo group (one all-gather forward, one collective backward):\n")
-            results = measure(args.rounds, args.steps, floor=True)
-            print("\n".join(_table(results)))
-            floor = results["floor"]["median_us"]
-            print(f"\next / floor: {results['ext']['median_us'] / floor:.2f}")
+    print("\n".join(_table(measure(args.rounds, args.steps, device))))
+    if not cuda:
+        costs = flight_cost(args.rounds, args.steps)
+        print(
+            f"\nflight recorder, per collective (call number + one record): "
+            f"{costs['memory']:.2f} us in memory, {costs['file']:.2f} us into its file"
+        )
+    native = "ours_native" if cuda else "ext"
+    with one_rank_group(device):
+        backend = "NCCL" if cuda else "gloo"
+        print(f"\nOne-rank {backend} group (one all-gather forward, one collective backward):\n")
+        results = measure(args.rounds, args.steps, device, floor=True)
+        print("\n".join(_table(results)))
+        for name in results:
+            if name not in ("bn", "floor"):
+                ratio = results[name]["median_us"] / results["floor"]["median_us"]
+                print(f"\n{name} / floor: {ratio:.2f}")
+        print("\n" + goal_line(results, native))
+        if not cuda:
             print(f"\ngloo alone, all_gather + all_reduce with waits: {gloo_cost(5, 500):.1f} us")
             print("\nA whole network in the same group (ResNet-18, 2 images of 32x32, SGD):\n")
             print("\n".join(network_table(max(3, args.rounds // 3), 20)))
-            print("\nops of one ext step:", dict(results["ext"]["ops"]))
-        finally:
-            dist.destroy_process_group()
+        print(f"\nops of one {native} step:", dict(results[native]["ops"]))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,19 @@
 # sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py, test_cuda_fused.py and
 # test_cuda_residual.py, the
 # two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"), native (CUDA layers
-# on the C++ path, SYNCBN_NATIVE_CUDA=1, in at most 8 minutes on one H100: its tests
-# (test_cuda_native.py: bitwise the Python path, 0 host syncs per step, graph replay bitwise
-# eager, a skipped layer found before the step's last call, one compiled graph) and the layer's
-# GPU test files again on that path (GPU_NATIVE_FILES, default test_cuda.py and
-# test_cuda_residual.py); profile_eager.py with ours_native, goal <= 120 host µs per layer over
-# plain; bench_model.py ResNet-50 eager, medians of 5 interleaved rounds at bf16-cl b32 and fp32
-# b64, goals ours_native <= 1.3x plain and torch_sync >= 2x ours_native. The last line says
-# whether CUDA layers may take the C++ path by default). No step: only the build. Full outputs go to $OUT (default ./gpu_out); the console gets tails.
+# on the C++ path, SYNCBN_NATIVE_CUDA=1, in at most 8 minutes on one H100 or H200, the build's
+# ~35 s included: its tests, -m "gpu and not slow" over test_cuda_native.py (bitwise the Python
+# path, 0 host syncs per step on NCCL, graph replay equal to eager, a skipped layer found before
+# the step's last call, one compiled graph) and the layer's GPU test files again on that path
+# (GPU_NATIVE_FILES, default test_cuda.py and test_cuda_residual.py), within 150 s; the host
+# goal, bench_host.py --device cuda: unprofiled µs per layer step, plain BatchNorm / the floor
+# (plain BatchNorm + the same two collectives straight on the ProcessGroup) / ours / ours_native,
+# goal ours_native <= 1.1x the floor; profile_eager.py with ours_native (where the host time goes,
+# no verdict); bench_model.py ResNet-50 eager, medians of 5 interleaved rounds at bf16-cl b32 and
+# fp32 b64, plain / ours_native / ours / torch SyncBatchNorm, goals ours_native <= 1.3x plain and
+# torch_sync >= 2x ours_native (only the ours_native lines decide). The last line says whether
+# CUDA layers may take the C++ path by default). No step: only the build. Full outputs go to $OUT
+# (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
 # The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
 set -u
@@ -87,25 +92,31 @@ for step in "$@"; do
     ;;
   native)
     export SYNCBN_NATIVE_CUDA=1
-    # The budget (8 min on an H100, the build's ~35 s included): 160 s of tests, 100 s of
-    # profile, 2 x 90 s of whole-network timings.
+    # The budget (8 min at most, the build's ~35 s included): 150 s of tests, 45 s of host
+    # timings, 80 s of profile, 2 x 85 s of whole-network timings.
     read -r -a files <<<"${GPU_NATIVE_FILES:-tests/test_cuda.py tests/test_cuda_residual.py}"
-    timeout 160 python -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_native.py \
-      "${files[@]}" >"$OUT/native_tests.txt" 2>&1 || failed+=("native tests")
+    timeout 150 python -m pytest -q -p no:cacheprovider -m "gpu and not slow" \
+      tests/test_cuda_native.py "${files[@]}" >"$OUT/native_tests.txt" 2>&1 ||
+      failed+=("native tests")
     tail -4 "$OUT/native_tests.txt"
-    timeout 100 python benchmarks/profile_eager.py --impls plain,ours,ours_native,torch_sync \
+    timeout 45 python benchmarks/bench_host.py --device cuda --rounds 7 --steps 300 \
+      >"$OUT/native_host.md" 2>&1 || failed+=("native host")
+    tail -16 "$OUT/native_host.md"
+    grep -q "^PASS ours_native" "$OUT/native_host.md" || failed+=("native host goal")
+    timeout 80 python benchmarks/profile_eager.py --impls plain,ours,ours_native,torch_sync \
       --out "$OUT/native_profile" >"$OUT/native_profile.md" 2>&1 || failed+=("native profile")
     tar -czf "$OUT/native_profile.tgz" -C "$OUT" native_profile && rm -rf "$OUT/native_profile"
     grep -v "^USDT\|profiler_st" "$OUT/native_profile.md" | tail -22
-    grep -q "^PASS ours_native" "$OUT/native_profile.md" || failed+=("native host goal")
     for cfg in "bf16-cl 32" "fp32-nchw 64"; do
       read -r config batch <<<"$cfg"
-      timeout 90 python benchmarks/bench_model.py --configs "$config" --batch "$batch" \
+      timeout 85 python benchmarks/bench_model.py --configs "$config" --batch "$batch" \
         --modes eager --rounds 5 --steps 10 --warmup 3 \
         --impls plain,ours,ours_native,ours_native_fused,torch_sync \
         >"$OUT/native_model_$config.md" 2>&1 || failed+=("native model $config")
       tail -12 "$OUT/native_model_$config.md"
-      ! grep -q "^FAIL" "$OUT/native_model_$config.md" || failed+=("native goals $config")
+      # Only the C++ path's goals decide (the Python path's lines are printed, not judged here).
+      ! grep -q "^FAIL .*ours_native" "$OUT/native_model_$config.md" ||
+        failed+=("native goals $config")
     done
     unset SYNCBN_NATIVE_CUDA
     if [[ " ${failed[*]:-} " == *" native"* ]]; then

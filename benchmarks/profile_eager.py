@@ -230,11 +230,6 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
             extra = f" ({(value - plain['us'][cat]) / n:+.0f})" if plain and impl != "plain" else ""
             cells.append(f"{value:.0f}{extra}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
-    native = results.get("ours_native")
-    if plain and native:
-        over = (native["wall_ms"] - plain["wall_ms"]) * 1e3 / max(native["layers"], 1)
-        verdict = "PASS" if over <= 120 else "FAIL"
-        lines.append(f"\n{verdict} ours_native: host µs per layer over plain {over:.0f} (<= 120)")
     if plain:
         lines.append("\nDispatcher ops per step beyond plain's (name: count):\n")
         for impl, r in results.items():

@@ -93,3 +93,18 @@ def test_profile_eager_refuses_torch_sync_on_cpu(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "torch_sync needs --device cuda" in done.stderr
+
+
+@pytest.mark.slow
+def test_bench_host_judges_the_cpp_path_against_its_floor_on_cpu() -> None:
+    """benchmarks/bench_host.py (the host goal of gpu_check.sh native, there with --device
+    cuda) on a CPU: its tables, each path asserted, and one PASS/FAIL line for the C++ path
+    over the floor (which of the two is timing, not tested here)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_host.py", "--rounds", "1", "--steps", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 1 and " ext: host per layer step / floor " in verdicts[0], verdicts
+    assert "| floor |" in done.stdout and "command: " in done.stdout
