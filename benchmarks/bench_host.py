@@ -82,8 +82,17 @@ def _check_path(name: str, layer: nn.Module) -> None:
         assert plan is not None and plan.native is native, (name, plan and plan.native)
 
 
+#: The variables a run's environment sets; a run that does not set one runs without it.
+_ENV_KEYS = ("SYNCBN_IMPL", "SYNCBN_NATIVE_CUDA")
+
+
 def _apply_env(env: dict[str, str]) -> None:
-    os.environ.update(env)
+    """Run under exactly ``env`` as far as :data:`_ENV_KEYS` go (``{}``: none of them)."""
+    for key in _ENV_KEYS:
+        if key in env:
+            os.environ[key] = env[key]
+        else:
+            os.environ.pop(key, None)
 
 
 def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
@@ -133,6 +142,7 @@ def measure(
             results[name]["us"].append(_time(run, steps, device))
     for entry in results.values():
         entry["median_us"] = statistics.median(entry["us"])
+    _apply_env({})  # what runs next (the network) runs with the defaults
     return results
 
 
