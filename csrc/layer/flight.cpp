@@ -22,9 +22,13 @@
 namespace syncbn::flight {
 namespace {
 
+// The C++ side keeps no tensor of the ring: a torch.frombuffer view's deleter releases a Python
+// object and needs the GIL, so a view dropped here (a re-attach, a detach, the exit) could wait for
+// the GIL while holding `mutex`, which a thread holding the GIL may wait for (two ranks hung in
+// their first step on torch 2.8). Python keeps the memory alive while it is attached
+// (distributed/flight.py, until its recorder closes).
 struct Ring {
-  at::Tensor buffer;  // uint8, the Python recorder's memory (kept alive while attached)
-  uint8_t* base = nullptr;
+  uint8_t* base = nullptr;  // the Python recorder's memory
   int64_t capacity = 0;
   int64_t written = 0;
   std::unordered_map<std::string, int64_t> group_seq;
@@ -57,7 +61,6 @@ void attach(
       "syncbn: flight_attach: `groups`/`seqs` and `tags`/`calls` must have equal lengths");
   std::lock_guard<std::mutex> lock(mutex);
   ring = Ring{};
-  ring.buffer = buffer;
   ring.base = buffer.mutable_data_ptr<uint8_t>();
   ring.capacity = capacity;
   ring.written = written;

@@ -16,8 +16,9 @@
 
 namespace syncbn::flight {
 
-// Attaches the Python recorder's ring (`buffer`, uint8, kept alive until detach) and its state:
-// records written, each group's next sequence number, each layer tag's next call number.
+// Attaches the Python recorder's ring (`buffer`, uint8: its memory, which Python keeps alive
+// until detach; no reference to the tensor is kept) and its state: records written, each group's
+// next sequence number, each layer tag's next call number.
 void attach(
     const at::Tensor& buffer, int64_t capacity, int64_t written,
     const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,

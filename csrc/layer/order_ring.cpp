@@ -131,8 +131,10 @@ std::vector<std::pair<int64_t, int64_t>> OrderRing::queued() const {
 }
 
 OrderRing& order_ring() {
-  static OrderRing ring;
-  return ring;
+  // Never destroyed: its entries' tensors must not be freed by the exit handlers, after the
+  // interpreter finalized (a tensor with a Python object needs the GIL to be freed).
+  static auto* ring = new OrderRing();
+  return *ring;
 }
 
 }  // namespace layer

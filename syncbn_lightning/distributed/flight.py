@@ -7,9 +7,9 @@ things. Every collective of a synchronized layer (forward exchange, backward sum
 error-path gather of the call-order check) is recorded *before* it is issued: the group and its
 sequence number in that group, the op, the direction, the bytes, the layer tag and the layer's
 call number. Recording is one fixed-size write into a ring buffer of :data:`DEFAULT_CAPACITY`
-records (about 2 us of host time per collective from Python, ``benchmarks/bench_host.py``; the
-layer's C++ path writes from C++, ``csrc/layer/flight.cpp``). Nothing is recorded while
-``torch.compile`` traces or a CUDA graph replays.
+records (from C++ on the layer's C++ path, ``csrc/layer/flight.cpp``; its cost is in
+``benchmarks/bench_host.py``). Nothing is recorded while ``torch.compile`` traces or a CUDA
+graph replays.
 
 **A recorder belongs to a job** (one default process group): the process's recorder is made on
 the first collective and made anew when torch's default group is no longer the one it was made
@@ -164,7 +164,7 @@ class FlightRecorder:
         self._written = 0
         self._group_seq: dict[str, int] = {}
         self._calls: dict[int, int] = {}
-        # Once attached (attach_native), the C++ writer's ops and the view of the ring it holds.
+        # Once attached: the C++ writer's ops, and the view whose memory it writes (see close).
         self._native: Any = None
         self._view: torch.Tensor | None = None
         HEADER.pack_into(
@@ -241,8 +241,8 @@ class FlightRecorder:
         return decode(bytes(self._buffer))[1]
 
     def close(self) -> None:
-        if self._native is not None:
-            self._native.flight_detach()  # drops the C++ writer's view before the unmap
+        if self._native is not None:  # the C++ writer keeps the address only (a view needs the
+            self._native.flight_detach()  # GIL to be freed): it lets go before the unmap
             self._native, self._view = None, None
         if isinstance(self._buffer, mmap.mmap):
             self._buffer.close()
