@@ -22,7 +22,9 @@ Function, its options and exchange strategies), ``nn`` (the modules and converte
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _legacy
+from . import _legacy, _torch
+
+_torch.check_torch()  # below the supported floor: one ImportError naming both releases
 
 if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __getattr__ below
     from .distributed.call_order import CallOrderError, check_call_order

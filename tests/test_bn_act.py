@@ -131,7 +131,15 @@ def test_reference_activation_and_derivative_match_torch(name: str) -> None:
     out = module(z.clone()) if name == "relu" else module(z)  # ReLU(inplace) on a leaf's clone
     (grad,) = torch.autograd.grad(out.sum(), z)
     torch.testing.assert_close(activate(z.detach(), code, param), out.detach())
-    torch.testing.assert_close(activation_grad(z.detach(), code, param), grad)
+    ours = activation_grad(z.detach(), code, param)
+    kinks = z.detach().abs() == 3
+    outer = (z.detach()[kinks] > 0).to(grad.dtype)  # the outer pieces' slopes: 0 at -3, 1 at 3
+    if name == "hardswish" and not torch.equal(grad[kinks], outer):
+        # torch 2.4 takes the inner piece's slope at some kinks (-0.5 at -3, 1.5 at 3, by code
+        # path); later releases (2.8 checked) the outer pieces', as the fused kernels do.
+        assert torch.equal(ours[kinks], outer)
+        ours, grad = ours[~kinks], grad[~kinks]
+    torch.testing.assert_close(ours, grad)
 
 
 @pytest.mark.slow

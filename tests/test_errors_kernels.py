@@ -45,6 +45,17 @@ def fresh_extension(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- 1. kernels
 
 
+def test_torch_below_the_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package's import with an older torch imported: the check reads its version."""
+    import importlib
+
+    import syncbn_lightning
+
+    monkeypatch.setattr(torch, "__version__", "2.3.1")
+    with expect_row():
+        importlib.reload(syncbn_lightning)
+
+
 def test_impl_unknown_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SYNCBN_IMPL", "fast")
     with expect_row():

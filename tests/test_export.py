@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -57,7 +58,9 @@ def test_torch_export_records_plain_batch_norm() -> None:
     x = _sample(1)
     torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
     code = program.graph_module.code
-    assert code.count("aten.batch_norm") == 2 or code.count("_native_batch_norm") == 2, code
+    # aten.batch_norm, or the inference op it decomposes to (torch 2.4 records the latter).
+    calls = [n for n in program.graph.nodes if n.op == "call_function" and "batch_norm" in str(n)]
+    assert len(calls) == 2, code
     assert "syncbn" not in code and "c10d" not in code  # no kernels of ours, no collective
 
 
@@ -72,10 +75,15 @@ def test_jit_trace_matches_without_tracer_warnings() -> None:
     torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
 
 
-def test_onnx_export_runs_in_the_onnx_reference_evaluator() -> None:
+def test_onnx_export_runs_in_the_onnx_reference_evaluator(tmp_path, monkeypatch) -> None:
     from onnx.reference import ReferenceEvaluator  # the [test] extra's onnx
 
+    monkeypatch.chdir(tmp_path)  # a failed export writes its report into the working folder
     model = _converted()
+    try:  # the control: torch's exporter on the plain model (torch 2.4's fails on it)
+        torch.onnx.export(revert_sync_batchnorm(copy.deepcopy(model)), (_sample(0),), dynamo=True)
+    except Exception as exc:
+        pytest.skip(f"torch {torch.__version__} cannot export the plain model either: {exc!r:.80}")
     program = torch.onnx.export(model, (_sample(0),), dynamo=True, verbose=False)
     proto = program.model_proto
     x = _sample(1)

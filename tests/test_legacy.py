@@ -45,10 +45,14 @@ def test_the_public_api_is_a_superset_of_the_old_one_with_the_same_signatures() 
     old, new = json.loads((DATA / "api.json").read_text()), public_api()
     assert set(old) == set(new)  # the same names in __all__
     for name, entry in old.items():
-        now = new[name]
+        now, obj = new[name], getattr(syncbn_lightning, name)
         assert now["kind"] == entry["kind"], name
-        if now["signature"] != entry["signature"]:  # only new keyword-only arguments
-            assert _extends(getattr(syncbn_lightning, name), entry["signature"]), (name, now)
+        # A class whose constructor is torch's has torch's signature, which differs by release
+        # (torch 2.4's _BatchNorm has no `bias=`): the dump was made on 2.13.
+        init_module = getattr(getattr(obj, "__init__", None), "__module__", None) or ""
+        torch_init = isinstance(obj, type) and init_module.startswith("torch.")
+        if now["signature"] != entry["signature"] and not torch_init:  # new keyword-only args
+            assert _extends(obj, entry["signature"]), (name, now)
         for method, signature in entry.get("methods", {}).items():
             assert now["methods"].get(method) == signature, (name, method)
         assert set(entry.get("attributes", [])) <= set(now.get("attributes", [])), name

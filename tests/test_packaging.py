@@ -65,6 +65,32 @@ def test_dependencies_are_split_into_library_and_extras() -> None:
     assert "syncbn_lightning[lightning]" in extras["app"]
 
 
+def test_the_torch_floor_is_pyproject_s() -> None:
+    """The floor the import checks and the requirement pip resolves are one release."""
+    from syncbn_lightning import _torch
+
+    assert f"torch>={_torch.TORCH_FLOOR}" in PYPROJECT["project"]["dependencies"]
+
+
+@pytest.mark.parametrize(
+    ("version", "numbers"),
+    [("2.4.1+cu121", (2, 4, 1)), ("2.10.0a0+git1234", (2, 10, 0)), ("2.4", (2, 4)), ("x", ())],
+)
+def test_torch_releases_compare_by_number(version: str, numbers: tuple[int, ...]) -> None:
+    from syncbn_lightning import _torch
+
+    assert _torch.release(version) == numbers
+
+
+def test_the_floor_check_passes_at_and_above_the_floor_only() -> None:
+    from syncbn_lightning import _torch
+
+    for ok in (_torch.TORCH_FLOOR, "2.4.0", "2.10.1", "3.0.0"):
+        _torch.check_torch(ok)
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.4, found torch 2\.3\.1"):
+        _torch.check_torch("2.3.1")
+
+
 @pytest.mark.parametrize("script", ["syncbn-train", "syncbn-report"])
 def test_console_scripts_point_at_functions(script: str) -> None:
     module, _, function = PYPROJECT["project"]["scripts"][script].partition(":")

@@ -127,7 +127,12 @@ _statuses: list[weakref.WeakMethod] = []
 _status_used = False
 
 
-@torch.library.custom_op("syncbn_lightning::note_order_flag", mutates_args=("status",))
+# The schema is written out: torch 2.4 cannot infer it from this module's string annotations.
+@torch.library.custom_op(
+    "syncbn_lightning::note_order_flag",
+    mutates_args=("status",),
+    schema="(Tensor(a!) status, Tensor order_ok, Tensor call_tag, bool backward) -> ()",
+)
 def note_order_flag(
     status: torch.Tensor, order_ok: torch.Tensor, call_tag: torch.Tensor, backward: bool
 ) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import put_back_backward_context, take_backward_context, use_count
 from .._shared import GATHER_SUM_MAX_RANKS
 from . import flight
 from .replicas import ReplicaGroup
@@ -57,9 +58,6 @@ Group = str | ReplicaGroup | None
 Note = tuple[int, int, int]
 
 _functional = torch.ops._c10d_functional
-# The key under which torch's backward (``torch.autograd.graph._engine_run_backward``) stashes
-# its contextvars in the thread's state.
-_BACKWARD_CONTEXT = "context"
 #: The longest a gloo collective waits for its worker to let go of its tensors (:func:`_run`).
 _RELEASE_WAIT_S = 1.0
 # How long it looks again at once (the worker lets go microseconds after the wait ends), then how
@@ -138,7 +136,8 @@ def _run(process_group: Any, method: Any, args: tuple[Any, ...]) -> None:
     CPython ends the thread inside the work's noexcept destructor and the process aborts
     ("terminate called without an active exception"; docs/reliability.md). Two things in a work
     would: the Python object torch's backward stashes in the thread's state, which the work copies
-    (set aside while issuing, :func:`_set_aside_python_context`), and a tensor whose Python object
+    (set aside while issuing, :func:`~syncbn_lightning._compat.take_backward_context`; the C++ path
+    sets aside every stashed object, ``layer_comm.cpp``), and a tensor whose Python object
     the caller dropped while the work still held it (torch then hands the Python object to the
     tensor). So on gloo the call returns once the work's tensors are back to their holders before
     the call (usually at once: the worker lets go microseconds after the wait ends; at most
@@ -146,12 +145,12 @@ def _run(process_group: Any, method: Any, args: tuple[Any, ...]) -> None:
     for.
     """
     tensors = [arg for arg in _flat(args) if isinstance(arg, torch.Tensor)]
-    holders = [tensor._use_count() for tensor in tensors]
-    aside = _set_aside_python_context()
+    holders = [use_count(tensor) for tensor in tensors]
+    aside = take_backward_context()
     try:
         work = method(*args)
     finally:
-        _put_back_python_context(aside)
+        put_back_backward_context(aside)
     work.wait()
     del work
     if process_group.name() == "gloo":
@@ -164,39 +163,22 @@ def _flat(args: tuple[Any, ...]) -> list[Any]:
 
 
 def _until_released(tensors: list[torch.Tensor], holders: list[int]) -> None:
-    """Wait until each of ``tensors`` has no more holders than ``holders`` says (``_use_count``,
-    the C++ references), yielding the CPU, for at most :data:`_RELEASE_WAIT_S` in all."""
+    """Wait until each of ``tensors`` has no more holders than ``holders`` says (the C++
+    references; ``None`` where torch cannot count them: no wait), yielding the CPU, for at most
+    :data:`_RELEASE_WAIT_S` in all."""
     deadline = 0.0
     for tensor, count in zip(tensors, holders, strict=True):
-        while tensor._use_count() > count:
+        while count is not None and use_count(tensor) > count:
             now = time.monotonic()
             if not deadline:  # the worker is usually microseconds away: look again before sleeping
                 deadline = now + _RELEASE_WAIT_S
                 spin_until = now + _RELEASE_SPIN_S
-                while tensor._use_count() > count and time.monotonic() < spin_until:
+                while use_count(tensor) > count and time.monotonic() < spin_until:
                     pass
             elif now > deadline:
                 return
             else:
                 time.sleep(_RELEASE_POLL_S)
-
-
-def _set_aside_python_context() -> Any:
-    """Take the Python object torch's backward stashes in the thread's state (``"context"``, a
-    ``contextvars.Context``) out of it while a collective is issued, and return it (``None`` if
-    none); why: :func:`_run`. Python cannot list the state's keys, so only this one, the key
-    eager training puts there; the C++ path sets all of them aside (``layer_comm.cpp``)."""
-    if not torch._C._is_key_in_tls(_BACKWARD_CONTEXT):
-        return None
-    context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
-    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
-    return context
-
-
-def _put_back_python_context(context: Any) -> None:
-    """Undo :func:`_set_aside_python_context`."""
-    if context is not None:
-        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
 
 def _report(exc: RuntimeError, op: str) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._compat import store_connection
 from . import flight
 from .collectives import process_group
 
@@ -192,7 +193,7 @@ def watch_group(group: str) -> None:
         watcher = _Watcher((job, group), dist.GroupMember.WORLD)
         _watchers[watcher.key] = watcher  # also when no watcher runs: asked once per job
         try:
-            connection = _store().clone()
+            connection = store_connection(_store())
         except Exception as exc:  # a store that cannot be cloned: the error still ends this rank
             _log.debug("syncbn_lightning: no watcher for group %s: %s", group, exc)
             return

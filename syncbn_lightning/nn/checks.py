@@ -16,7 +16,6 @@ __all__ = [
     "check_fuse_residual",
     "check_input",
     "check_num_features",
-    "functorch_active",
     "functorch_error",
     "refuse_scripting",
     "same_operands",
@@ -26,10 +25,6 @@ __all__ = [
 FuseResidual = bool | Sequence[type[nn.Module] | str]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-#: Whether a torch.func transform (grad, vmap, jacrev, ...) is running, ``functorch_active()``: a
-#: private function of torch (torch >= 2.0; absent, no transform is assumed and torch's own error
-#: stands). A builtin, called straight from the layer's forward (no Python frame of ours).
-functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def check_num_features(num_features: Any) -> None:
@@ -108,10 +103,10 @@ def same_operands(input: torch.Tensor, residual: Any) -> bool:
 
 def functorch_error() -> RuntimeError:
     """The error of a synchronized call inside a ``torch.func`` transform
-    (:data:`functorch_active`), which no synchronized call can run in: its statistics are a
-    collective over the process group, which a transform can neither batch (``vmap``) nor
-    differentiate functionally (``grad``: the layer's autograd nodes, C++ and Python, are not
-    functorch-aware)."""
+    (``syncbn_lightning._compat.functorch_active``), which no synchronized call can run in: its
+    statistics are a collective over the process group, which a transform can neither batch
+    (``vmap``) nor differentiate functionally (``grad``: the layer's autograd nodes, C++ and
+    Python, are not functorch-aware)."""
     return RuntimeError(
         "SyncBatchNorm cannot synchronize its batch statistics inside a torch.func transform "
         "(grad, vmap, jacrev, vjp, ...): the exchange is a collective over the process group, "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import functorch_active
 from ..distributed import flight, group_abort
 from ..distributed.call_order import mark_status_used, poll_order_checks
 from ..distributed.groups import group_name_of, sync_group_size
@@ -42,7 +43,7 @@ from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
 from ..ops.dispatch import IMPL_ENV, uses_extension
 from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
 from ..ops.reference import queues_order_flag, queues_order_flags_on
-from .checks import functorch_active, functorch_error
+from .checks import functorch_error
 from .layer_state import BatchRecord
 
 __all__ = [

@@ -2,10 +2,12 @@
 :mod:`.build` and the CUDA emulation build (``tests/cuda_emu``).
 
 Builds of one build directory are serialized across processes with an ``flock`` (released by the
-kernel if the builder dies); holding it, a leftover ``lock`` file from torch's builder can only
-come from a build that was killed, and is removed. A completed build is marked
-(:data:`BUILT_MARK`), and later loads of its library take neither the lock nor ninja's check. A
-fresh build is announced, then followed by a line every :data:`HEARTBEAT_S` seconds.
+kernel if the builder dies); holding it, a leftover ``lock`` file from torch's builder can only come
+from a build that was killed, and is removed, where torch marks a build by the file's existence
+(2.13 and older); torch 2.14 flocks that file instead and leaves it after every build. A completed
+build is marked (:data:`BUILT_MARK`), and later loads of its library take neither the lock nor
+ninja's check. A fresh build is announced, then followed by a line every :data:`HEARTBEAT_S`
+seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .._compat import torch_build_lock_is_flock
 
 __all__ = [
     "BUILD_TIMEOUT_ENV",
@@ -75,16 +79,14 @@ def build_locked(
     from torch.utils import cpp_extension
 
     library = directory / f"{name}.so"
-    if not python_module and (directory / BUILT_MARK).exists():
-        try:  # built from exactly these sources and flags (the key): no lock, no ninja
-            torch.ops.load_library(str(library))
-            return str(library)
-        except OSError as exc:  # removed by hand since: build again, under the lock
-            log.info("extension %s: loading %s failed (%s); building it", name, library, exc)
+    if not python_module and _load_built(name, directory, library):
+        return str(library)
     timeout_s = float(os.environ.get(BUILD_TIMEOUT_ENV, "900"))
     with _build_lock(directory, timeout_s):
+        if not python_module and _load_built(name, directory, library):
+            return str(library)  # another process built it while this one waited
         stale = directory / "lock"
-        if stale.exists():
+        if stale.exists() and not torch_build_lock_is_flock():
             warnings.warn(
                 f"syncbn_lightning: removing a stale build lock {stale} left by a killed build",
                 RuntimeWarning,
@@ -110,6 +112,20 @@ def build_locked(
     seconds = time.perf_counter() - started
     log.info("extension %s ready in %.1f s (%s)", name, seconds, directory)
     return loaded
+
+
+def _load_built(name: str, directory: Path, library: Path) -> bool:
+    """Load ``library`` if a build in ``directory`` completed (:data:`BUILT_MARK`): built from
+    exactly these sources and flags (the directory's key), so without the lock or ninja's check.
+    False when not built, or when loading fails (removed by hand since: build it again)."""
+    if not (directory / BUILT_MARK).exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+        return True
+    except OSError as exc:
+        log.info("extension %s: loading %s failed (%s); building it", name, library, exc)
+        return False
 
 
 #: The first build of the CPU kernels, measured on an idle 2-core machine (docs/kernels.md says
