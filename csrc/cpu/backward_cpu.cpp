@@ -301,8 +301,12 @@ namespace detail {
 void backward_sums_into_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean,
     const at::Tensor& mean_lo, Channels sum_dy, Channels sum_dy_xmu, const ActAffine& act) {
+  if (is_reduced_precision(input)) {  // the float32 kernel (cpu_kernels.h)
+    return backward_sums_into_cpu(
+        as_float(grad_out), as_float(input), mean, mean_lo, sum_dy, sum_dy_xmu, act);
+  }
   const Geometry g = geometry_of(input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "backward_reduce_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "backward_reduce_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     acc_t* dy_sum = sum_dy.data<acc_t>();
     acc_t* dy_xmu_sum = sum_dy_xmu.data<acc_t>();
@@ -332,19 +336,27 @@ at::Tensor act_grad_residual_cpu(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& residual,
     const at::Tensor& mean, const at::Tensor& mean_lo, const ActAffine& act) {
   if (act.act.identity()) return grad_out.clone(at::MemoryFormat::Preserve);
+  if (is_reduced_precision(input)) {  // the float32 kernel (cpu_kernels.h)
+    return act_grad_residual_cpu(
+               as_float(grad_out), as_float(input), as_float(residual), mean, mean_lo, act)
+        .to(input.scalar_type());
+  }
   at::Tensor out = new_empty_like(input);
   if (input.numel() == 0) return out;
   const Geometry g = geometry_of(input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "act_grad_residual_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "act_grad_residual_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const Affine<acc_t> a = normalize_coefficients<acc_t>(
         mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(mean_lo),
         act.invstd.const_data_ptr<acc_t>(), data_or_null<acc_t>(act.weight),
         data_or_null<acc_t>(act.bias), g.C);
     with_cpu_activation<acc_t>(act.act, [&](const auto& f) {
-      act_grad_residual_kernel<scalar_t, acc_t>(
-          grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-          residual.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), g, a, f);
+      // Not instantiated for the identity, returned above (a faster first build).
+      if constexpr (!std::decay_t<decltype(f)>::kIdentity) {
+        act_grad_residual_kernel<scalar_t, acc_t>(
+            grad_out.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+            residual.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), g, a, f);
+      }
     });
   });
   return out;
@@ -355,11 +367,17 @@ at::Tensor backward_elemt_checked_cpu(
     const at::Tensor& mean_lo_, const at::Tensor& invstd_,
     const c10::optional<at::Tensor>& weight, Channels sum_dy, Channels sum_dy_xmu, double count,
     const ActAffine& act) {
+  if (is_reduced_precision(input_)) {  // the float32 kernel (cpu_kernels.h)
+    return backward_elemt_checked_cpu(
+               as_float(grad_out_), as_float(input_), mean_, mean_lo_, invstd_, as_float(weight),
+               sum_dy, sum_dy_xmu, count, act)
+        .to(input_.scalar_type());
+  }
   const ElemtOperands o =
       elemt_operands(input_, grad_out_, mean_, mean_lo_, invstd_, weight, c10::nullopt);
   if (o.input.numel() == 0) return o.output;
   const Geometry g = geometry_of(o.input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "backward_elemt_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(o.input.scalar_type(), "backward_elemt_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto coeff = backward_coefficients<acc_t>(
         o.mean.const_data_ptr<acc_t>(), mean_lo_of<acc_t>(o.mean_lo, g.C),

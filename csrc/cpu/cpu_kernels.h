@@ -49,6 +49,22 @@ constexpr int64_t kFlushRows = 256;
 // Lane groups accumulated in acc_t before flushing into double accumulators.
 constexpr int64_t kFlushGroups = 128;
 
+// float16 and bfloat16 inputs are computed by the float32 kernels, on float32 copies: the kernels
+// read every value into acc_t (float32 for these too) and round only what they store, which the
+// copy back rounds alike, so the results are the same, and each kernel is compiled for two dtypes
+// instead of four (the first build's time; CPU half-precision training is rare).
+inline bool is_reduced_precision(const at::Tensor& t) {
+  return t.defined() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16);
+}
+
+inline at::Tensor as_float(const at::Tensor& t) {
+  return is_reduced_precision(t) ? t.to(at::kFloat) : t;
+}
+
+inline c10::optional<at::Tensor> as_float(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(as_float(*t)) : t;
+}
+
 // Conversions between storage and accumulation types. bfloat16 is spelled out as branch-free bit
 // operations (round to nearest even, NaN kept quiet) that the vectorizer handles directly; c10's
 // conversion has a NaN branch. (Not measured in isolation: it went in with other changes.)

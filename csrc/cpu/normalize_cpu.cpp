@@ -83,11 +83,17 @@ at::Tensor normalize_act_cpu(
     const at::Tensor& input_, const at::Tensor& mean_, const at::Tensor& mean_lo_,
     const at::Tensor& invstd_, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& bias, const Activation& act, const at::Tensor& residual) {
+  if (is_reduced_precision(input_)) {  // the float32 kernel (cpu_kernels.h)
+    return normalize_act_cpu(
+               as_float(input_), mean_, mean_lo_, invstd_, as_float(weight), as_float(bias), act,
+               as_float(residual))
+        .to(input_.scalar_type());
+  }
   const ElemtOperands o =
       elemt_operands(input_, at::Tensor(), mean_, mean_lo_, invstd_, weight, bias);
   if (o.input.numel() == 0) return o.output;
   const Geometry g = geometry_of(o.input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, o.input.scalar_type(), "normalize_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(o.input.scalar_type(), "normalize_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto coeff = normalize_coefficients<acc_t>(
         o.mean.const_data_ptr<acc_t>(), data_or_null<acc_t>(o.mean_lo),

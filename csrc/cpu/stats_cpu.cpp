@@ -297,8 +297,11 @@ namespace detail {
 
 void local_stats_into_cpu(
     const at::Tensor& input, Channels mean, Channels m2, const Channels* mean_lo) {
+  if (is_reduced_precision(input)) {  // the float32 kernel (cpu_kernels.h)
+    return local_stats_into_cpu(as_float(input), mean, m2, mean_lo);
+  }
   const Geometry g = geometry_of(input);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "local_stats_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "local_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const StatsOut<acc_t> out{
         mean.data<acc_t>(), m2.data<acc_t>(), mean_lo ? mean_lo->data<acc_t>() : nullptr};
@@ -319,6 +322,9 @@ void local_stats_into_cpu(
 
 void shifted_sums_into_cpu(
     const at::Tensor& input, const at::Tensor& shift64, double* s1, double* s2) {
+  if (is_reduced_precision(input)) {  // the float32 kernel (cpu_kernels.h)
+    return shifted_sums_into_cpu(as_float(input), shift64, s1, s2);
+  }
   const Geometry g = geometry_of(input);
   if (g.N * g.S == 0) {
     std::fill_n(s1, g.C, 0.0);
@@ -326,7 +332,7 @@ void shifted_sums_into_cpu(
     return;
   }
   const double* k = shift64.defined() ? shift64.const_data_ptr<double>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "reduce_sums_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "reduce_sums_cpu", [&] {
     const scalar_t* x = input.const_data_ptr<scalar_t>();
     if (g.layout == Layout::kChannelsFirst) {
       shifted_sums_channels_first<scalar_t>(x, g, k, s1, s2);

@@ -36,6 +36,7 @@ from .build_lock import (
     ExtensionBuildError,
     build_locked,
 )
+from .build_units import write_units
 from .fakes import register_fakes
 
 __all__ = [
@@ -252,10 +253,11 @@ def _build_and_import() -> ModuleType:
 
 
 def _build_from(spec: dict[str, Any]) -> ModuleType:
+    directory = build_dir(spec)
     build_locked(
         spec["name"],
-        build_dir(spec),
-        sources=spec["sources"],
+        directory,
+        sources=write_units([Path(s) for s in spec["sources"]], directory),
         include_paths=[spec["include"]],
         cflags=spec["cflags"],
         ldflags=["-fopenmp"],
