@@ -12,11 +12,13 @@ import re
 import sys
 from importlib import metadata
 
-__all__ = ["TORCH_FLOOR", "check_torch", "installed_torch", "release"]
+__all__ = ["FLOOR_RELEASE", "TORCH_FLOOR", "check_torch", "installed_torch", "release"]
 
 #: The oldest torch release the package supports (pyproject.toml's ``torch>=`` says the same;
 #: ``tests/test_packaging.py`` checks the two agree).
 TORCH_FLOOR = "2.4"
+#: The floor's release that CI's smoke installs (``.ci/run``) and ``docs/torch-versions.md`` lists.
+FLOOR_RELEASE = "2.4.1"
 
 
 def release(version: str) -> tuple[int, ...]:

@@ -70,6 +70,7 @@ def test_the_torch_floor_is_pyproject_s() -> None:
     from syncbn_lightning import _torch
 
     assert f"torch>={_torch.TORCH_FLOOR}" in PYPROJECT["project"]["dependencies"]
+    assert _torch.release(_torch.FLOOR_RELEASE)[:2] == _torch.release(_torch.TORCH_FLOOR)
 
 
 @pytest.mark.parametrize(
