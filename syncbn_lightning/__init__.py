@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __get
     )
     from .nn.data_parallel import SyncDataParallel, join_replicas
     from .nn.precise_bn import update_bn_stats
+    from .nn.recompute import RecomputeOrderError
 
 __all__ = [
     "SyncBatchNorm",
@@ -49,6 +50,7 @@ __all__ = [
     "revert_sync_batchnorm",
     "name_sync_layers",
     "CallOrderError",
+    "RecomputeOrderError",
     "check_call_order",
     "new_sync_group",
     "BatchNormXd",
@@ -71,6 +73,7 @@ _WHERE = {
     "name_sync_layers": "nn.convert",
     "BatchNormXd": "nn.convert",
     "CallOrderError": "distributed.call_order",
+    "RecomputeOrderError": "nn.recompute",
     "check_call_order": "distributed.call_order",
     "new_sync_group": "distributed.groups",
     "update_bn_stats": "nn.precise_bn",

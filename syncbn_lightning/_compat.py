@@ -19,19 +19,39 @@ release lacks it. Checked on torch 2.4.1, 2.8.0, 2.13.0 and 2.14.1 (``benchmarks
 * ``Store.clone`` (a store's own new connection, for the call-order watcher's thread; 2.8.0 on,
   not 2.4.1). Missing: the watcher shares the job's store object, whose every operation takes
   the store client's lock, so its checks may wait behind the main thread's.
+* ``torch._C._current_graph_task_id`` (all checked releases): whether autograd's engine is
+  running a backward on this thread (a layer's forward there is a checkpoint's recompute).
+  Missing: no forward is taken for a recompute, and a recompute exchanges and counts again.
+* ``torch._C._autograd._top_saved_tensors_default_hooks`` (2.8.0 on, not 2.4.1) and the layout of
+  ``torch.utils.checkpoint`` (its ``CheckpointFunction``'s ``forward(ctx, ...)`` and
+  ``backward(ctx, ...)``, the ``frame`` the non-reentrant checkpoint's pack and unpack hooks hold
+  in their closures; the same on every checked release): which checkpoint a forward or a
+  recompute belongs to (``nn/recompute.py``). Missing (or a layout this does not recognize): the
+  forward keeps nothing, and its recompute exchanges again without counting; on 2.4.1 that is
+  the non-reentrant checkpoint's case.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 
 __all__ = [
+    "NON_REENTRANT_KEEPS",
     "backward_stashes_context",
+    "checkpoint_forward_segment",
+    "checkpoint_recompute_segment",
+    "current_graph_task",
     "functorch_active",
+    "graph_task_id",
     "put_back_backward_context",
     "store_connection",
+    "top_saved_tensors_hooks",
     "take_backward_context",
     "torch_build_lock_is_flock",
     "use_count",
@@ -91,3 +111,103 @@ def torch_build_lock_is_flock() -> bool:
     from torch.utils import cpp_extension
 
     return getattr(cpp_extension, "FileLock", None) is not None
+
+
+#: ``current_graph_task()``: the backward (graph task) autograd's engine runs on this thread, -1
+#: outside one (always -1 where torch cannot say). Both stand-ins are C callables, like torch's
+#: own: a layer call checks them without a Python frame.
+current_graph_task: Any = getattr(torch._C, "_current_graph_task_id", None) or functools.partial(
+    int, -1
+)
+#: ``top_saved_tensors_hooks(False)``: the innermost saved-tensors hooks ``(pack, unpack)``, or
+#: ``None`` (always ``None`` where torch cannot say: 2.4).
+top_saved_tensors_hooks: Any = getattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks", None
+) or functools.partial(dict.get, {})
+
+
+#: Whether a non-reentrant checkpoint's forward can be found (:func:`checkpoint_forward_segment`):
+#: torch has ``_top_saved_tensors_default_hooks`` (not 2.4).
+NON_REENTRANT_KEEPS = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+
+
+def graph_task_id() -> int:
+    """:data:`current_graph_task`'s value, as an ``int``."""
+    return int(current_graph_task())
+
+
+def _hook_codes() -> tuple[Any, Any]:
+    """The code objects of the non-reentrant checkpoint's pack and unpack hooks (``None`` where
+    the layout is not the one recognized)."""
+    try:
+        probe = types.SimpleNamespace(unpack_error_cb=None, weak_holders=[], metadata_fn=None)
+        hooks = _checkpoint._checkpoint_hook(probe)  # type: ignore[attr-defined]
+        pack, unpack = hooks.pack_hook.__code__, hooks.unpack_hook.__code__
+    except (AttributeError, TypeError):
+        return None, None
+    if "frame" not in pack.co_freevars or "frame" not in unpack.co_freevars:
+        return None, None
+    return pack, unpack
+
+
+_PACK_CODE, _UNPACK_CODE = _hook_codes()
+_CK_FUNCTION: Any = getattr(_checkpoint, "CheckpointFunction", None)
+_CK_FORWARD = getattr(getattr(_CK_FUNCTION, "forward", None), "__code__", None)
+_CK_BACKWARD = getattr(getattr(_CK_FUNCTION, "backward", None), "__code__", None)
+_CK_CALL = getattr(
+    getattr(_checkpoint.checkpoint, "__wrapped__", _checkpoint.checkpoint), "__code__", None
+)
+
+
+def _closure_value(function: Any, name: str) -> Any:
+    code = function.__code__
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
+def _reentrant_forward_context() -> Any:
+    """The ``ctx`` of the reentrant checkpoint whose forward is running on this thread (the
+    nearest), else ``None``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code is _CK_FORWARD:
+            return frame.f_locals.get("ctx")
+        if code is _CK_BACKWARD or code is _UNPACK_CODE:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def checkpoint_forward_segment() -> Any:
+    """The checkpoint whose (first) forward runs this call: the reentrant checkpoint's autograd
+    context, or the non-reentrant checkpoint's frame; ``None`` outside one, or where torch's
+    layout is not recognized. Costs two calls into torch outside a checkpoint."""
+    if not torch.is_grad_enabled():  # the reentrant checkpoint's forward runs without grad
+        return _reentrant_forward_context() if _CK_FORWARD is not None else None
+    if _PACK_CODE is None:
+        return None
+    hooks = top_saved_tensors_hooks(False)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    if getattr(pack, "__code__", None) is not _PACK_CODE:
+        return None  # another saved-tensors hook (a user's, or a recompute's) is the innermost
+    return _closure_value(pack, "frame")
+
+
+def checkpoint_recompute_segment() -> Any:
+    """The checkpoint whose recompute runs this call (found by the same object
+    :func:`checkpoint_forward_segment` gave its forward), else ``None``: not in a recompute, a
+    checkpoint's forward nested in a recompute (that forward's own calls are recomputes of the
+    outer one, which kept nothing for them), or a layout not recognized."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code is _CK_BACKWARD:
+            return frame.f_locals.get("ctx")
+        if code is _UNPACK_CODE:
+            return frame.f_locals.get("frame")
+        if code is _CK_FORWARD or code is _CK_CALL:
+            return None
+        frame = frame.f_back
+    return None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from syncbn_lightning import SyncBatchNorm
@@ -122,6 +123,15 @@ class CompiledBNNet(BNNet):
     def configure_model(self) -> None:
         if self.net is None:
             self.net = torch.compile(make_net(), fullgraph=True)
+
+
+class CheckpointedBNNet(BNNet):
+    """BNNet whose forward runs its network under ``torch.utils.checkpoint`` (non-reentrant),
+    as memory-bound detection models do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None
+        return checkpoint(self.net, x, use_reentrant=False)
 
 
 class Probe(Callback):

@@ -257,3 +257,27 @@ def test_backward_call_order_mismatch_is_flagged_on_the_device(clean, batch) -> 
                 torch.ops.syncbn.grad_input(*args, gathered, *tail, 1)
         else:
             assert torch.ops.syncbn.grad_input(*args, gathered, *tail, 1)[1].item() == 1.0
+
+
+@pytest.mark.parametrize("act", [0, 1, 3])  # none, relu, silu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("residual", [False, True])
+def test_renormalize_is_the_merges_output_bitwise(clean, act, dtype, residual) -> None:
+    """A checkpoint's recompute (``renormalize``) from the statistics a merge returned gives the
+    merge's output bit for bit, both layouts, with a fused activation and residual."""
+    g = torch.Generator().manual_seed(act)
+    x = torch.randn(3, 5, 4, 6, generator=g).to(dtype) * 2 + 1
+    w, b = torch.rand(5, generator=g) + 0.5, torch.randn(5, generator=g)
+    if dtype == torch.float64:
+        w, b = w.double(), b.double()
+    r = torch.randn(3, 5, 4, 6, generator=g).to(dtype) if residual else None
+    for layout in (lambda t: t, lambda t: t.contiguous(memory_format=torch.channels_last)):
+        xs, rs = layout(x), None if r is None else layout(r)
+        calls = torch.zeros(1, dtype=torch.long)
+        rows = torch.cat([clean.stats_row(xs, 2, calls), clean.stats_row(xs * 0.5, 2, calls * 0)])
+        out, mean, mean_lo, invstd, *_ = clean.merge_normalize(
+            xs, rows, w, b, None, None, None, None, 0.1, 1e-5, True, act, 0.0, False, rs
+        )
+        again = clean.renormalize(xs, mean, mean_lo, invstd, w, b, act, 0.0, rs)
+        assert torch.equal(again, out)
+        assert again.stride() == out.stride()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from _dist import run_distributed
 from _errors_doc import clean_environment, expect_row
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from syncbn_lightning import (
     CallOrderError,
@@ -238,6 +239,26 @@ def test_bn_synchronized_inside_a_torch_func_transform() -> None:
 
     with expect_row():
         torch.func.grad(loss)(layer.weight.detach())
+
+
+def test_bn_recompute_calls_other_layers_than_its_checkpointed_forward() -> None:
+    model = nn.Sequential(SyncBatchNorm(3, force_sync=True), SyncBatchNorm(3, force_sync=True))
+    flips = iter([False, True])
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the recompute swaps the two layers
+        first, second = (model[1], model[0]) if next(flips) else (model[0], model[1])
+        return second(first(x).relu())
+
+    y = checkpoint(run, torch.randn(4, 3, 5, requires_grad=True), use_reentrant=True)
+    with expect_row():
+        y.sum().backward()
+
+
+def test_bn_recompute_setting_unknown(monkeypatch) -> None:
+    monkeypatch.setenv("SYNCBN_RECOMPUTE", "sometimes")
+    layer = SyncBatchNorm(3, force_sync=True)
+    with expect_row():
+        checkpoint(layer, torch.randn(4, 3, 5, requires_grad=True), use_reentrant=True)
 
 
 def test_jit_script_names_revert() -> None:

@@ -227,7 +227,7 @@ def test_the_operators_pass_opcheck() -> None:
         "num_features": 4,
     }
     args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None, 0, 0.0)
-    for name in ("sync_batch_norm", "sync_batch_norm_forward"):
+    for name in ("sync_batch_norm", "sync_batch_norm_forward", "sync_batch_norm_kept"):
         torch.library.opcheck(
             getattr(torch.ops.syncbn, name).default,
             args,
@@ -241,6 +241,20 @@ def test_the_operators_pass_opcheck() -> None:
         backward,
         {**group, "act": 0, "act_param": 0.0, "flight_call": -1, "input_grad": True},
         test_utils=("test_schema", "test_faketensor"),
+    )
+    # A checkpoint's recompute: the forward's statistics again (output, mean, var, info,
+    # mean_lo, invstd, grad_info, flight_call), and the normalize step it runs.
+    kept = (out[1], out[4], out[5], out[2], out[3], out[6], -1)
+    torch.library.opcheck(
+        torch.ops.syncbn.sync_batch_norm_again.default,
+        (x, weight, bias, None, *kept, 0, 0.0),
+        {**group, "num_features": 4},
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
+    torch.library.opcheck(
+        torch.ops.syncbn.renormalize.default,
+        (x, out[1], out[4], out[5], weight, bias),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 
 

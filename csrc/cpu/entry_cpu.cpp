@@ -263,6 +263,17 @@ MergedOutputs merge_normalize_cpu(const MergeArgs& args, const at::Tensor& rows)
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
+at::Tensor renormalize_cpu(
+    const MergeArgs& args, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd) {
+  const at::Tensor& input = args.input;
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);
+  const at::Tensor res = checked_residual(args.residual, input);
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CPU);
+  const at::Tensor lo = checked_mean_lo(mean_lo, input);
+  return normalize_act_cpu(input, mean, lo, invstd, args.weight, args.bias, activation, res);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cpu(const GradArgs& args) {
   const at::Tensor &grad_out_ = args.grad_out, &input_ = args.input, &mean = args.mean,
                    &invstd = args.invstd;

@@ -246,6 +246,18 @@ MergedOutputs merge_normalize_cuda(const MergeArgs& args, const at::Tensor& rows
   return {output, out.mean, out.mean_lo, out.invstd, out.var, out.info, out.grad_info};
 }
 
+at::Tensor renormalize_cuda(
+    const MergeArgs& args, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd) {
+  const at::Tensor& input = args.input;
+  const Activation activation = checked_activation(args.settings.act, args.settings.act_param);
+  const at::Tensor res = checked_residual(args.residual, input);
+  check_normalize_args(input, mean, invstd, c10::DeviceType::CUDA);
+  const at::Tensor lo = checked_mean_lo(mean_lo, input);
+  const c10::cuda::CUDAGuard guard(input.device());
+  return normalize_act_cuda(input, mean, lo, invstd, args.weight, args.bias, activation, res);
+}
+
 namespace {
 
 // grad_sums_cuda, and with `residual` (checked, or undefined) grad_sums_residual_cuda's four

@@ -167,6 +167,14 @@ using ReduceSumsFn = at::Tensor(
 using ReduceMergeNormalizeFn = MergedOutputs(
     const MergeArgs& args, const at::Tensor& total, const at::Tensor& sent, int64_t world_size);
 
+// The output of a merge again, from the statistics it returned (mean, mean_lo, invstd; acc dtype,
+// [C]): an activation checkpoint's recompute of a layer call. The same normalize as the merges',
+// so the output is bitwise theirs for the same input; `args.running` is ignored (nothing is
+// updated, nothing is counted).
+using RenormalizeFn = at::Tensor(
+    const MergeArgs& args, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd);
+
 // What the backward steps take (one struct, named fields). xmu = (x - mean) - mean_lo (mean_lo
 // optional: 0). With an activation (`act` != 0) the layer's output was act(z), z = xmu * invstd *
 // weight + bias: z is recomputed from `input` (so `bias` is needed) and dy * act'(z) stands for
@@ -213,6 +221,7 @@ StatsRowFn stats_row_cpu;
 MergeNormalizeFn merge_normalize_cpu;
 ReduceSumsFn reduce_sums_cpu;
 ReduceMergeNormalizeFn reduce_merge_normalize_cpu;
+RenormalizeFn renormalize_cpu;
 GradSumsFn grad_sums_cpu;
 GradSumsResidualFn grad_sums_residual_cpu;
 GradInputFn grad_input_cpu;
@@ -226,6 +235,7 @@ StatsRowFn stats_row_cuda;
 MergeNormalizeFn merge_normalize_cuda;
 ReduceSumsFn reduce_sums_cuda;
 ReduceMergeNormalizeFn reduce_merge_normalize_cuda;
+RenormalizeFn renormalize_cuda;
 GradSumsFn grad_sums_cuda;
 GradSumsResidualFn grad_sums_residual_cuda;
 GradInputFn grad_input_cuda;

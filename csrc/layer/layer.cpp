@@ -15,20 +15,14 @@
 // benchmarks/gpu_check.sh native passes).
 #include "layer.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
 #include "common.h"
+#include "layer_node.h"
 
 namespace syncbn::layer {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-using OptTensor = c10::optional<at::Tensor>;
 
 // What the forward returns and keeps for the backward.
 struct Forward {
@@ -110,76 +104,6 @@ Forward forward_steps(
   return f;
 }
 
-OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
-
-// Outputs of a backward run with create_graph=True: differentiating them again raises, as the
-// Python Function's once_differentiable does, instead of silently giving zero.
-variable_list refuse_double_backward(variable_list grads) {
-  bool any = false;
-  for (at::Tensor& g : grads) {
-    if (g.defined()) {
-      g = g.detach().requires_grad_(true);
-      any = true;
-    }
-  }
-  if (!any) return grads;
-  auto error = std::make_shared<torch::autograd::DelayedError>(
-      "trying to differentiate twice a function that was marked with @once_differentiable "
-      "(SyncBatchNorm's backward)",
-      static_cast<int>(grads.size()));
-  return error->apply(std::move(grads));
-}
-
-using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-// The forward operator's outputs: output, mean, var, info (the public four), then mean_lo, invstd,
-// grad_info for the backward, and the forward's flight-recorder call number.
-using ForwardOutputs = std::tuple<
-    at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
-
-// The settings every call of a layer shares (the group, its size, the layer's tag), with the
-// activation of this call; the forward's own fields are set by forward_settings.
-Settings group_settings(
-    const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
-    int64_t act, double act_param, bool queue_order_flags) {
-  TORCH_CHECK(world_size >= 1, "syncbn: sync_batch_norm: `world_size` must be >= 1");
-  Settings s;
-  if (group.has_value()) s.group = std::string(*group);
-  s.world_size = world_size;
-  s.layer_tag = layer_tag;
-  s.queue_order_flags = queue_order_flags;
-  s.merge.act = act;
-  s.merge.act_param = act_param;
-  return s;
-}
-
-// The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below): the
-// layer's tensors, then its settings, which Python builds by name once per plan and passes in
-// this order (nn/sync_plan.py); forward_settings gathers them into one Settings. A macro, not a
-// struct: the dispatcher's unboxed kernels take the schema's arguments one by one, and both
-// operators and the autograd kernel must list them alike.
-#define SYNCBN_LAYER_ARGS                                                                     \
-  const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
-      const OptTensor &running_mean, const OptTensor &running_var,                            \
-      const OptTensor &num_batches_tracked, const OptTensor &nonfinite,                       \
-      const at::Tensor &calls, const OptTensor &residual, int64_t act, double act_param,      \
-      const c10::optional<c10::string_view>&group, int64_t world_size, int64_t layer_tag,     \
-      bool reduce, c10::optional<double> momentum, double eps, bool unbiased,                 \
-      bool equal_rank_weights, bool queue_order_flags, int64_t num_features
-#define SYNCBN_LAYER_PASS                                                                   \
-  input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite, calls,    \
-      residual, act, act_param, group, world_size, layer_tag, reduce, momentum, eps,        \
-      unbiased, equal_rank_weights, queue_order_flags, num_features
-
-Settings forward_settings(SYNCBN_LAYER_ARGS) {
-  Settings s = group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
-  s.reduce = reduce;
-  s.merge.momentum = momentum;
-  s.merge.eps = eps;
-  s.merge.unbiased = unbiased;
-  s.merge.equal_rank_weights = equal_rank_weights;
-  return s;
-}
-
 // `syncbn::sync_batch_norm_forward` on one device's tensors: the forward's steps (no autograd).
 template <const StepKernels& K>
 ForwardOutputs forward_kernel(SYNCBN_LAYER_ARGS) {
@@ -243,84 +167,6 @@ Outputs backward_kernel(
   return {grad_input, affine ? grad_weight : at::Tensor(), affine ? grad_bias : at::Tensor(), grad};
 }
 
-// The two operators above, called through the dispatcher (dispatch modes, fake tensors and the
-// profiler see them), below autograd.
-const auto& forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("syncbn::sync_batch_norm_forward", "")
-                             .typed<ForwardOutputs(SYNCBN_LAYER_ARGS)>();
-  return op;
-}
-
-const auto& backward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("syncbn::sync_batch_norm_backward", "")
-          .typed<Outputs(
-              const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-              const OptTensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const c10::optional<c10::string_view>&, int64_t, int64_t,
-              bool, int64_t, double, int64_t, bool)>();
-  return op;
-}
-
-// What the backward needs besides the saved tensors (one capsule: the node's saved_data is a map
-// keyed by strings, and each entry costs host time): the call's settings, its flight number.
-struct SavedCall : torch::CustomClassHolder {
-  Settings settings;
-  int64_t flight_call = -1;
-};
-
-// The autograd node: the forward operator's call, and the backward operator's.
-class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
- public:
-  static variable_list forward(
-      AutogradContext* ctx, const at::Tensor& input, const OptTensor& weight,
-      const OptTensor& bias, const OptTensor& residual, const State& st,
-      const SavedCall& call, const std::function<ForwardOutputs()>& run) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->set_materialize_grads(false);
-    auto [output, mean, var, info, mean_lo, invstd, grad_info, flight_call] = run();
-    ctx->save_for_backward(
-        {input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-         residual.value_or(at::Tensor()), mean, mean_lo, invstd, grad_info});
-    auto saved = c10::make_intrusive<SavedCall>(call);
-    saved->flight_call = flight_call;
-    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(saved));
-    ctx->mark_non_differentiable({mean, var, info});
-    return {output, mean, var, info};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    variable_list grads(7);  // one per forward argument after ctx
-    const at::Tensor& dy = grad_outputs[0];
-    if (!dy.defined()) return grads;  // nothing flows back through the output
-    const variable_list saved = ctx->get_saved_variables();
-    const auto call =
-        c10::static_intrusive_pointer_cast<SavedCall>(ctx->saved_data["call"].toCapsule());
-    const OptTensor weight = optional(saved[1]), bias = optional(saved[2]);
-    const OptTensor residual = optional(saved[3]);
-    const Settings& s = call->settings;
-    const c10::optional<c10::string_view> group =
-        s.group ? c10::optional<c10::string_view>(*s.group) : c10::nullopt;
-    auto [grad_input, grad_weight, grad_bias, grad_residual] = backward_op().call(
-        dy, saved[0], weight, bias, residual, saved[4], saved[5], saved[6], saved[7], group,
-        s.world_size, s.layer_tag, s.queue_order_flags, s.merge.act, s.merge.act_param,
-        call->flight_call, ctx->needs_input_grad(0));
-    // needs_input_grad counts the tensors given (undefined optionals have no edge).
-    const size_t weight_edge = 1, bias_edge = weight_edge + (weight ? 1 : 0);
-    grads[0] = grad_input;
-    if (weight && ctx->needs_input_grad(weight_edge)) grads[1] = grad_weight;
-    if (bias && ctx->needs_input_grad(bias_edge)) grads[2] = grad_bias;
-    grads[3] = grad_residual;
-    if (at::GradMode::is_enabled()) {
-      variable_list refused = refuse_double_backward({grads[0], grads[1], grads[2], grads[3]});
-      std::copy(refused.begin(), refused.end(), grads.begin());
-    }
-    return grads;
-  }
-};
-
 // `syncbn::sync_batch_norm` with autograd: the node above around the forward operator.
 Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   // The input is checked once, by the forward operator's kernel.
@@ -343,16 +189,6 @@ Outputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
 
 }  // namespace
 }  // namespace syncbn::layer
-
-// The call's tensors and its fused activation, then the layer's settings (from `group` on: the
-// names Python's plan gives them, nn/sync_plan.py, which passes them in this order, read from
-// this schema).
-#define SYNCBN_LAYER_SCHEMA_ARGS                                                              \
-  "Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "                    \
-  "Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, "         \
-  "Tensor(e!) calls, Tensor? residual, int act, float act_param, str? group, int world_size, " \
-  "int layer_tag, bool reduce, float? momentum, float eps, bool unbiased, "                   \
-  "bool equal_rank_weights, bool queue_order_flags, int num_features"
 
 TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   // The layer call: (output, mean, var, info) as the Python Function returns them. `group` is

@@ -28,6 +28,10 @@ TORCH_LIBRARY(syncbn, m) {
       "bool unbiased, bool equal_rank_weights, int world_size, int act=0, float act_param=0., "
       "Tensor? residual=None) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The output of a merge again from its statistics (a checkpoint's recompute; syncbn.h).
+  m.def(
+      "renormalize(Tensor input, Tensor mean, Tensor mean_lo, Tensor invstd, Tensor? weight, "
+      "Tensor? bias, int act=0, float act_param=0., Tensor? residual=None) -> Tensor");
   // `act` (activation.h; 0 = none) and `act_param` are the activation fused after the affine
   // step; its backward recomputes the pre-activation from the input, so it needs the bias.
   // `mean_lo`: the low part of the split group mean (both merges return it).
@@ -54,8 +58,8 @@ TORCH_LIBRARY(syncbn, m) {
 namespace {
 // Every operator, and those that mutate an argument (the call counter, the running statistics).
 constexpr const char* kOperators[] = {
-    "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "grad_sums",
-    "grad_sums_residual", "grad_input"};
+    "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize", "renormalize",
+    "grad_sums", "grad_sums_residual", "grad_input"};
 constexpr const char* kMutating[] = {
     "stats_row", "merge_normalize", "reduce_sums", "reduce_merge_normalize"};
 
@@ -88,6 +92,17 @@ syncbn::MergedOutputs reduce_merge_normalize(
       {input, weight, bias, {running_mean, running_var, num_batches_tracked, nonfinite},
        {momentum, eps, unbiased, equal_rank_weights, act, act_param}, residual},
       total, sent, world_size);
+}
+
+template <syncbn::RenormalizeFn* Fn>
+at::Tensor renormalize(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd, const OptTensor& weight, const OptTensor& bias, int64_t act,
+    double act_param, const OptTensor& residual) {
+  syncbn::MergeArgs args{input, weight, bias, {}, {}, residual};
+  args.settings.act = act;
+  args.settings.act_param = act_param;
+  return Fn(args, mean, mean_lo, invstd);
 }
 
 template <syncbn::GradSumsFn* Fn>
@@ -124,6 +139,7 @@ TORCH_LIBRARY_IMPL(syncbn, CPU, m) {
   m.impl("merge_normalize", &merge_normalize<syncbn::merge_normalize_cpu>);
   m.impl("reduce_sums", &syncbn::reduce_sums_cpu);
   m.impl("reduce_merge_normalize", &reduce_merge_normalize<syncbn::reduce_merge_normalize_cpu>);
+  m.impl("renormalize", &renormalize<syncbn::renormalize_cpu>);
   m.impl("grad_sums", &grad_sums<syncbn::grad_sums_cpu>);
   m.impl("grad_sums_residual", &grad_sums_residual<syncbn::grad_sums_residual_cpu>);
   m.impl("grad_input", &grad_input<syncbn::grad_input_cpu>);
@@ -151,6 +167,7 @@ TORCH_LIBRARY_IMPL(syncbn, CUDA, m) {
   m.impl("merge_normalize", &merge_normalize<syncbn::merge_normalize_cuda>);
   m.impl("reduce_sums", &syncbn::reduce_sums_cuda);
   m.impl("reduce_merge_normalize", &reduce_merge_normalize<syncbn::reduce_merge_normalize_cuda>);
+  m.impl("renormalize", &renormalize<syncbn::renormalize_cuda>);
   m.impl("grad_sums", &grad_sums<syncbn::grad_sums_cuda>);
   m.impl("grad_sums_residual", &grad_sums_residual<syncbn::grad_sums_residual_cuda>);
   m.impl("grad_input", &grad_input<syncbn::grad_input_cuda>);

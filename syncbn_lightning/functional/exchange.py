@@ -93,6 +93,13 @@ class SyncCall(NamedTuple):
     #: the activation fused after the normalization (``ops.activations``; 0: none).
     act: int = 0
     act_param: float = 0.0
+    #: a checkpoint's recompute of a call whose forward kept its statistics
+    #: (:class:`~syncbn_lightning.nn.recompute.Kept`): the call is :meth:`Exchange.again`, no
+    #: collective.
+    kept: Any = None
+    #: a checkpointed forward's list, which the Function extends with what the strategy keeps
+    #: (:meth:`Exchange.kept_stats`) and the call's flight-recorder number.
+    keep: list[Any] | None = None
 
 
 class Inputs(NamedTuple):
@@ -158,6 +165,24 @@ class Exchange(ABC):
     #: Layers of strategies without it add the residual after the synchronized call.
     fuses_residual: ClassVar[bool] = False
 
+    #: whether a checkpoint's recompute rebuilds a call from what its forward kept
+    #: (:meth:`kept_stats`, :meth:`again`) instead of exchanging again.
+    keeps: ClassVar[bool] = False
+
+    def kept_stats(self, merged: Merged) -> tuple[torch.Tensor, ...]:
+        """What a checkpointed forward keeps for its recompute: ``(mean, mean_lo, invstd,
+        grad_info)``, the group statistics as the strategy's backward takes them (only for
+        strategies that :attr:`keeps`)."""
+        raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
+
+    def again(
+        self, inputs: Inputs, kept: Any, call: SyncCall, residual: torch.Tensor | None = None
+    ) -> Merged:
+        """A checkpoint's recompute of a call from what its forward kept (``kept``:
+        :class:`~syncbn_lightning.nn.recompute.Kept`): the same output, the same saved tensors,
+        no collective, nothing updated (only for strategies that :attr:`keeps`)."""
+        raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
+
     @abstractmethod
     def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
         """This rank's 1-D payload for the forward collective; advances ``inputs.state.calls``."""
@@ -204,6 +229,37 @@ class SplitMeanBackward(Exchange):
     without an activation."""
 
     fuses_residual = True
+    keeps = True
+
+    def kept_stats(self, merged: Merged) -> tuple[torch.Tensor, ...]:
+        return merged.saved[2:6]  # mean, mean_lo, invstd, grad_info
+
+    def again(
+        self, inputs: Inputs, kept: Any, call: SyncCall, residual: torch.Tensor | None = None
+    ) -> Merged:
+        input, weight, bias, _state = inputs
+        output = kernels(call).renormalize(
+            input,
+            kept.mean,
+            kept.mean_lo,
+            kept.invstd,
+            weight,
+            bias,
+            call.act,
+            call.act_param,
+            residual,
+        )
+        saved = (
+            input,
+            weight,
+            kept.mean,
+            kept.mean_lo,
+            kept.invstd,
+            kept.grad_info,
+            bias,
+            residual,
+        )
+        return Merged(output, kept.mean, kept.var, kept.info, saved)
 
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
         input, weight, mean, mean_lo, invstd, grad_info, bias, residual = saved

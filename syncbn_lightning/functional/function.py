@@ -76,16 +76,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.set_materialize_grads(False)
         inputs, exchange = Inputs(input, weight, bias, state), call.exchange
-        sent = exchange.payload(inputs, call)
-        note = (flight.FORWARD, call.layer_tag, flight.next_call(call.layer_tag))
-        if exchange.gathers:
-            received = all_gather(sent, call.group, call.world_size, note)
-        else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
-            received = sum_over_group(sent, call.group, call.world_size, note)
-        if residual is None:
-            merged = exchange.merge(inputs, sent, received, call)
+        if call.kept is not None:  # a checkpoint's recompute: the forward's statistics
+            merged = exchange.again(inputs, call.kept, call, residual)
+            note = (flight.FORWARD, call.layer_tag, call.kept.flight_call)
         else:
-            merged = exchange.merge(inputs, sent, received, call, residual=residual)
+            sent = exchange.payload(inputs, call)
+            note = (flight.FORWARD, call.layer_tag, flight.next_call(call.layer_tag))
+            if exchange.gathers:
+                received = all_gather(sent, call.group, call.world_size, note)
+            else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
+                received = sum_over_group(sent, call.group, call.world_size, note)
+            if residual is None:
+                merged = exchange.merge(inputs, sent, received, call)
+            else:
+                merged = exchange.merge(inputs, sent, received, call, residual=residual)
+            if call.keep is not None:  # a checkpoint's forward: what its recompute takes
+                call.keep.extend((*exchange.kept_stats(merged), note[2]))
         if state.order is None:
             ctx.save_for_backward(*merged.saved)
         else:  # compiled: the backward notes its order flag there (a graph input it may mutate)

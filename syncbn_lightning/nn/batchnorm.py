@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._compat import current_graph_task
 from ..distributed.groups import check_process_group, sync_group_size, watch_sync_group
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
@@ -36,6 +37,7 @@ from .checks import check_dims, check_input, check_num_features, refuse_scriptin
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
 from .layer_state import option_property as _option
+from .recompute import plain_again, recompute_task
 from .sync_plan import SyncPlan, affine_of, forward_function, forward_native, plan_of
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class", "traced_call"]
@@ -296,6 +298,14 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             world_size = sync_group_size(self.process_group)
         if world_size == 1 and not (training and self.sync_options.force_sync):
             if training:
+                if (
+                    replicas is None
+                    and not torch.compiler.is_compiling()
+                    and current_graph_task() != -1  # (a C function: no Python frame)
+                    and recompute_task() != -1
+                ):
+                    # a checkpoint's recompute (nn/recompute.py): nothing updated or counted
+                    return plain_again(self, input, weight, affine_of(self)[1]), False
                 self.last_batch = BatchRecord(int(input.shape[0]))
             return super().forward(input), False
         return forward_function(self, input, world_size, activation, residual)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import functorch_active
+from .._compat import current_graph_task, functorch_active, top_saved_tensors_hooks
 from ..distributed import flight, group_abort
 from ..distributed.call_order import mark_status_used, poll_order_checks
 from ..distributed.groups import group_name_of, sync_group_size
@@ -45,6 +45,7 @@ from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
 from ..ops.reference import queues_order_flag, queues_order_flags_on
 from .checks import functorch_error
 from .layer_state import BatchRecord
+from .recompute import Kept, find_kept, keep, keeping, recompute_task
 
 __all__ = [
     "SyncPlan",
@@ -248,12 +249,67 @@ def forward_native(
     act, act_param = activation or _NO_ACT
     if plan.watched is not None and plan.watched != group_abort.watch_epoch:
         plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
-    output, mean, var, info = plan.op(
-        input, weight, bias, *running, calls, residual, act, act_param, *plan.args
-    )
+    # A checkpoint's recompute, or forward (nn/recompute.py); torch's C functions tell, without
+    # a Python frame on other calls.
+    backward = recompute_task() if current_graph_task() != -1 else -1
+    if backward != -1:
+        kept = find_kept(layer, input, backward)
+        if kept is not None:
+            return _native_again(plan, input, weight, bias, residual, act, act_param, kept)
+        running, calls = (None, None, None, None), calls.clone()  # exchanged again, not counted
+        args = (residual, act, act_param, *plan.args)
+        return plan.op(input, weight, bias, *running, calls, *args)[0]
+    segment = None
+    if not torch.is_grad_enabled() or top_saved_tensors_hooks(False) is not None:
+        segment = keeping()
+    if segment is None:
+        output, mean, var, info = plan.op(
+            input, weight, bias, *running, calls, residual, act, act_param, *plan.args
+        )
+    else:  # a checkpoint's forward: the op also returns what its recompute takes
+        output, mean, var, info, *extra = torch.ops.syncbn.sync_batch_norm_kept.default(
+            input, weight, bias, *running, calls, residual, act, act_param, *plan.args
+        )
+        mean_lo, invstd, grad_info, flight_call = extra
+        keep(segment, layer, input, mean, mean_lo, invstd, var, info, grad_info, flight_call)
     # Module.__setattr__ costs ~2 us of host time per call; last_batch is a plain attribute.
     state["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
     return output
+
+
+def _native_again(
+    plan: SyncPlan,
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    act: int,
+    act_param: float,
+    kept: Kept,
+) -> torch.Tensor:
+    """The C++ path's recompute of a checkpointed call from what its forward kept
+    (``syncbn::sync_batch_norm_again``: the same node, no collective, nothing updated)."""
+    s = plan.settings
+    return torch.ops.syncbn.sync_batch_norm_again.default(
+        input,
+        weight,
+        bias,
+        residual,
+        kept.mean,
+        kept.mean_lo,
+        kept.invstd,
+        kept.var,
+        kept.info,
+        kept.grad_info,
+        kept.flight_call,
+        act,
+        act_param,
+        s["group"],
+        s["world_size"],
+        s["layer_tag"],
+        s["queue_order_flags"],
+        s["num_features"],
+    )
 
 
 def forward_function(
@@ -275,11 +331,22 @@ def forward_function(
     (weight, bias), running_mean = affine_of(layer), buffers["running_mean"]
     calls, nonfinite = layer._counters(input.device)
     track = layer.track_running_stats and running_mean is not None
+    compiling = torch.compiler.is_compiling()
+    # A checkpoint's recompute (nn/recompute.py): what the forward kept, else exchanged again
+    # (and neither updates nor counts); a checkpoint's forward keeps for it.
+    backward = segment = kept = None
+    if not compiling and layer.replica_group is None:
+        backward = recompute_task() if current_graph_task() != -1 else -1
+        if backward != -1:
+            kept = find_kept(layer, input, backward)
+            track, calls = False, calls.clone()
+        elif not torch.is_grad_enabled() or top_saved_tensors_hooks(False) is not None:
+            segment = keeping()
     options = layer.sync_options
     group = layer.replica_group or group_name_of(layer.process_group)
     # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
     # (made where the layer was placed; a layer without one keeps the forward's queued flags).
-    order = layer._order if torch.compiler.is_compiling() and queues_order_flag(input) else None
+    order = layer._order if compiling and queues_order_flag(input) else None
     if order is not None:
         mark_status_used()
     state = LayerState(
@@ -295,12 +362,19 @@ def forward_function(
     if residual is not None and not exchange.fuses_residual:
         activation = residual = None  # the caller adds and activates
     act = activation or (0, 0.0)
-    call = SyncCall(group, world_size, layer.layer_tag, exchange, options, fused, *act)
+    kept_list = [] if segment is not None and exchange.keeps else None
+    call = SyncCall(
+        group, world_size, layer.layer_tag, exchange, options, fused, *act, kept, kept_list
+    )
     if residual is None:
         output, mean, var, info = SyncBatchNormFunction.apply(input, weight, bias, state, call)
     else:
         output, mean, var, info = SyncBatchNormFunction.apply(
             input, weight, bias, state, call, residual
         )
-    layer.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
+    if backward in (None, -1):
+        if kept_list:
+            mean_lo, invstd, grad_info, flight_call = kept_list[1:]
+            keep(segment, layer, input, mean, mean_lo, invstd, var, info, grad_info, flight_call)
+        layer.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
     return output, activation is not None

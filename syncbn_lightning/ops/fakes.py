@@ -1,6 +1,6 @@
 """The ``syncbn::`` operators' fake (meta) kernels, registered when the extension is loaded.
 
-The extension (``csrc/ops/ops.cpp``) registers seven operators, one per step of a synchronized layer
+The extension (``csrc/ops/ops.cpp``) registers eight operators, one per step of a synchronized layer
 call, with CPU and CUDA kernels:
 
 * the gather exchange: ``syncbn::stats_row(input, layer_tag, calls!) -> row`` and
@@ -12,6 +12,9 @@ call, with CPU and CUDA kernels:
   equal_rank_weights) -> sums`` and ``syncbn::reduce_merge_normalize(input, total, sent, weight,
   bias, running_mean!, running_var!, num_batches_tracked!, nonfinite!, momentum, eps, unbiased,
   equal_rank_weights, world_size, act=0, act_param=0., residual=None)`` with the same outputs;
+* a checkpoint's recompute: ``syncbn::renormalize(input, mean, mean_lo, invstd, weight, bias,
+  act=0, act_param=0., residual=None) -> output`` (the merges' output again, from their
+  statistics);
 * the backward of both: ``syncbn::grad_sums(grad_out, input, mean, invstd, weight, bias=None,
   act=0, act_param=0., mean_lo=None, info=None) -> (sums, grad_weight, grad_bias)``, with a
   fused residual ``syncbn::grad_sums_residual(grad_out, input, mean, invstd, weight, bias,
@@ -25,8 +28,10 @@ added before it (``act(z + residual)``, a residual block's tail).
 
 The C++ path of a layer call (``csrc/layer/layer.cpp``) adds three: ``syncbn::sync_batch_norm`` (the
 whole call, with its autograd node in C++) and its two steps below autograd,
-``syncbn::sync_batch_norm_forward`` and ``syncbn::sync_batch_norm_backward``; fakes below too,
-so that fake tensors and dispatch modes can run them.
+``syncbn::sync_batch_norm_forward`` and ``syncbn::sync_batch_norm_backward``; and two for
+activation checkpointing (``csrc/layer/recompute.cpp``): ``syncbn::sync_batch_norm_kept`` (the
+forward, with what its recompute takes) and ``syncbn::sync_batch_norm_again`` (the recompute);
+fakes below too, so that fake tensors and dispatch modes can run them.
 
 Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
@@ -90,6 +95,11 @@ def _reduce_merge_normalize_fake(input: torch.Tensor, *_rest: Any) -> tuple[torc
     return _merged(input, input)
 
 
+def _renormalize_fake(input: torch.Tensor, *_rest: Any) -> torch.Tensor:
+    """The merges' output: the input's shape and layout."""
+    return _dense_like(input)
+
+
 def _grad_sums_fake(
     grad_out: torch.Tensor,
     input: torch.Tensor,
@@ -143,6 +153,16 @@ def _layer_fake(input: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
     return _layer_forward_fake(input, *rest)[:4]
 
 
+def _layer_kept_fake(input: torch.Tensor, *rest: Any) -> tuple[Any, ...]:
+    """``syncbn::sync_batch_norm_kept``: the forward operator's outputs."""
+    return _layer_forward_fake(input, *rest)
+
+
+def _layer_again_fake(input: torch.Tensor, *_rest: Any) -> torch.Tensor:
+    """``syncbn::sync_batch_norm_again``: the output."""
+    return _dense_like(input)
+
+
 def _layer_backward_fake(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -163,10 +183,13 @@ _FAKES = {
     "syncbn::sync_batch_norm": _layer_fake,
     "syncbn::sync_batch_norm_forward": _layer_forward_fake,
     "syncbn::sync_batch_norm_backward": _layer_backward_fake,
+    "syncbn::sync_batch_norm_kept": _layer_kept_fake,
+    "syncbn::sync_batch_norm_again": _layer_again_fake,
     "syncbn::stats_row": _stats_row_fake,
     "syncbn::merge_normalize": _merge_normalize_fake,
     "syncbn::reduce_sums": _reduce_sums_fake,
     "syncbn::reduce_merge_normalize": _reduce_merge_normalize_fake,
+    "syncbn::renormalize": _renormalize_fake,
     "syncbn::grad_sums": _grad_sums_fake,
     "syncbn::grad_sums_residual": _grad_sums_residual_fake,
     "syncbn::grad_input": _grad_input_fake,

@@ -318,11 +318,28 @@ def finish_merge(
     acc = acc_dtype(input.dtype)
     mean, mean_lo = split_mean(mean64, acc)
     invstd = invstd64.to(acc)
+    output = finish_output(input, mean, mean_lo, invstd, weight, bias, act, act_param, residual)
+    return output, mean, mean_lo, invstd, var64.to(acc)
+
+
+def finish_output(
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    mean_lo: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    act: int,
+    act_param: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(z + residual)`` (``residual`` optional) of the group statistics in the acc dtype
+    (``mean + mean_lo``, ``invstd``), rounded once to the input's dtype."""
     z = affine(centered(input, mean, mean_lo), input, scale(input, invstd, weight), bias)
     if residual is not None:
         check_residual(residual, input)
-        z = z + residual.to(acc)
-    return activate(z, act, act_param).to(input.dtype), mean, mean_lo, invstd, var64.to(acc)
+        z = z + residual.to(mean.dtype)
+    return activate(z, act, act_param).to(input.dtype)
 
 
 def check_residual(residual: torch.Tensor, input: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from .reference import (
     acc_dtype,
     check_group_count,
     finish_merge,
+    finish_output,
     local_count,
     merge_infos,
     per_channel,
@@ -52,6 +53,7 @@ __all__ = [
     "own_tags",
     "reduce_merge_normalize",
     "reduce_sums",
+    "renormalize",
     "row_width",
     "stats_row",
     "tag_header",
@@ -313,6 +315,24 @@ def reduce_merge_normalize(
     tags = sent[3:11:4] * float(1 << _CHUNK_BITS) + sent[5:11:4]  # (layer, call), on the device
     infos = merge_infos(n, total[1], order_ok & shift_ok, finite, grad_count, acc, tags)
     return (output, *stats_out, *infos)
+
+
+def renormalize(
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    mean_lo: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    act: int = 0,
+    act_param: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The output of a merge again from the statistics it returned (``mean``, ``mean_lo``,
+    ``invstd``): an activation checkpoint's recompute of a layer call. The merges' own
+    normalize, so the output is bitwise theirs for the same input; nothing is updated."""
+    check_activation(act, act_param)
+    return finish_output(input, mean, mean_lo, invstd, weight, bias, act, act_param, residual)
 
 
 def own_tags(sent: torch.Tensor) -> tuple[float, float]:

@@ -91,6 +91,18 @@ syncbn::MergedOutputs merge_normalize(
       rows);
 }
 
+at::Tensor renormalize(
+    const at::Tensor& input, const at::Tensor& mean, const at::Tensor& mean_lo,
+    const at::Tensor& invstd, const c10::optional<at::Tensor>& weight,
+    const c10::optional<at::Tensor>& bias, int64_t act, double act_param,
+    const c10::optional<at::Tensor>& residual) {
+  const PoisonScope poison;
+  syncbn::MergeArgs args{input, weight, bias, {}, {}, residual};
+  args.settings.act = act;
+  args.settings.act_param = act_param;
+  return syncbn::renormalize_cuda(args, mean, mean_lo, invstd);
+}
+
 at::Tensor reduce_sums(
     const at::Tensor& input, const c10::optional<at::Tensor>& shift, int64_t layer_tag,
     const at::Tensor& calls, bool equal_rank_weights) {
@@ -218,6 +230,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_batches_tracked"), py::arg("nonfinite"), py::arg("momentum"),
         py::arg("eps"), py::arg("unbiased"), py::arg("act") = 0, py::arg("act_param") = 0.0,
         py::arg("equal_rank_weights") = false, py::arg("residual") = py::none());
+  m.def("renormalize", &renormalize, py::arg("input"), py::arg("mean"), py::arg("mean_lo"),
+        py::arg("invstd"), py::arg("weight"), py::arg("bias"), py::arg("act") = 0,
+        py::arg("act_param") = 0.0, py::arg("residual") = py::none());
   m.def("reduce_sums", &reduce_sums, py::arg("input"), py::arg("shift"), py::arg("layer_tag"),
         py::arg("calls"), py::arg("equal_rank_weights"));
   m.def("reduce_merge_normalize", &reduce_merge_normalize, py::arg("input"), py::arg("total"),
