@@ -159,20 +159,33 @@ _CK_CALL = getattr(
 )
 
 
+# The frames that name a checkpoint (code -> the local holding its object), and those that end
+# the search: a forward's, and a recompute's.
+_FORWARD_FRAMES = {code: "ctx" for code in (_CK_FORWARD,) if code is not None}
+_RECOMPUTE_STOPS = tuple(code for code in (_CK_BACKWARD, _UNPACK_CODE) if code is not None)
+_RECOMPUTE_FRAMES = {
+    code: local
+    for code, local in ((_CK_BACKWARD, "ctx"), (_UNPACK_CODE, "frame"))
+    if code is not None
+}
+_FORWARD_STOPS = tuple(code for code in (_CK_FORWARD, _CK_CALL) if code is not None)
+
+
 def _closure_value(function: Any, name: str) -> Any:
     code = function.__code__
     return function.__closure__[code.co_freevars.index(name)].cell_contents
 
 
-def _reentrant_forward_context() -> Any:
-    """The ``ctx`` of the reentrant checkpoint whose forward is running on this thread (the
-    nearest), else ``None``."""
+def _nearest(found: dict[Any, str], stops: tuple[Any, ...]) -> Any:
+    """Walk this thread's Python stack outward from the caller's caller: the local ``found``
+    names in the first frame whose code is a key of ``found``, or ``None`` where a frame whose
+    code is in ``stops`` (or the stack's end) comes first."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code is _CK_FORWARD:
-            return frame.f_locals.get("ctx")
-        if code is _CK_BACKWARD or code is _UNPACK_CODE:
+        if code in found:
+            return frame.f_locals.get(found[code])
+        if code in stops:
             return None
         frame = frame.f_back
     return None
@@ -183,7 +196,7 @@ def checkpoint_forward_segment() -> Any:
     context, or the non-reentrant checkpoint's frame; ``None`` outside one, or where torch's
     layout is not recognized. Costs two calls into torch outside a checkpoint."""
     if not torch.is_grad_enabled():  # the reentrant checkpoint's forward runs without grad
-        return _reentrant_forward_context() if _CK_FORWARD is not None else None
+        return _nearest(_FORWARD_FRAMES, _RECOMPUTE_STOPS)
     if _PACK_CODE is None:
         return None
     hooks = top_saved_tensors_hooks(False)
@@ -200,14 +213,4 @@ def checkpoint_recompute_segment() -> Any:
     :func:`checkpoint_forward_segment` gave its forward), else ``None``: not in a recompute, a
     checkpoint's forward nested in a recompute (that forward's own calls are recomputes of the
     outer one, which kept nothing for them), or a layout not recognized."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code is _CK_BACKWARD:
-            return frame.f_locals.get("ctx")
-        if code is _UNPACK_CODE:
-            return frame.f_locals.get("frame")
-        if code is _CK_FORWARD or code is _CK_CALL:
-            return None
-        frame = frame.f_back
-    return None
+    return _nearest(_RECOMPUTE_FRAMES, _FORWARD_STOPS)
