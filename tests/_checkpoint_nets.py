@@ -20,17 +20,18 @@ MODES = ("plain", "reentrant", "non_reentrant", "sequential", "wrapper", "wrappe
 class ResidualTail(nn.Module):
     """conv -> SyncBatchNorm with the shortcut added and ReLU fused (``add_act``)."""
 
-    def __init__(self, channels: int, exchange: str) -> None:
+    def __init__(self, channels: int, exchange: str, force_sync: bool = False) -> None:
         super().__init__()
         self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn = SyncBatchNorm(channels, exchange=exchange)
+        self.bn = SyncBatchNorm(channels, exchange=exchange, force_sync=force_sync)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn.add_act(self.conv(x), x, nn.ReLU())
 
 
-def net(exchange: str = "auto", seed: int = 0) -> nn.Sequential:
-    """conv-BN-ReLU, conv-BN-ReLU, a residual tail (fused add and ReLU): float64, converted."""
+def net(exchange: str = "auto", seed: int = 0, force_sync: bool = False) -> nn.Sequential:
+    """conv-BN-ReLU, conv-BN-ReLU, a residual tail (fused add and ReLU): float64, converted
+    (``force_sync``: synchronized in a one-rank group too)."""
     torch.manual_seed(seed)
     body = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),
@@ -40,9 +41,8 @@ def net(exchange: str = "auto", seed: int = 0) -> nn.Sequential:
         nn.BatchNorm2d(4),
         nn.ReLU(),
     )
-    model = nn.Sequential(
-        *convert_sync_batchnorm(body, exchange=exchange), ResidualTail(4, exchange)
-    )
+    converted = convert_sync_batchnorm(body, exchange=exchange, force_sync=force_sync)
+    model = nn.Sequential(*converted, ResidualTail(4, exchange, force_sync))
     for layer in model.modules():
         if isinstance(layer, SyncBatchNorm):
             layer.reset_parameters()

@@ -293,3 +293,42 @@ def test_a_skipped_layer_is_found_before_the_step_s_last_call() -> None:
         assert "'mid'" in text and "'tail'" in text, (rank, text)
         last = (1, 2 if rank == 0 else 1)
         assert step >= 0 and (step, number) < last, (rank, step, number)
+
+
+@pytest.mark.parametrize("native", ["0", "1"], ids=["python_path", "cpp_path"])
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_a_checkpoint_recompute_repeats_nothing_on_the_gpu(one_rank_nccl, native, exchange):
+    """Activation checkpointing on CUDA (``nn/recompute.py``): 3 steps of a float32
+    channels-last net, reentrant and non-reentrant, equal the unchecked steps (outputs bitwise,
+    the same running statistics, gradients within 1e-5; cuDNN deterministic) and count each step
+    once."""
+    from _checkpoint_nets import forward, net
+
+    os.environ["SYNCBN_NATIVE_CUDA"] = native
+    try:
+        g = torch.Generator().manual_seed(3)
+        inputs = [torch.randn(4, 3, 6, 6, generator=g) for _ in range(3)]
+
+        def run(mode: str) -> list[torch.Tensor]:
+            model = net(exchange, force_sync=True).float().cuda()
+            model = model.to(memory_format=torch.channels_last)
+            got = []
+            for x in inputs:
+                x = x.cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+                y = forward(model, x, mode)
+                (y * y).sum().backward()
+                got += [y.detach(), x.grad]
+            assert int(model[1].num_batches_tracked) == 3, mode
+            return got + [p.grad for p in model.parameters()] + list(model.buffers())
+
+        with torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False):
+            plain = run("plain")
+            checked_runs = {mode: run(mode) for mode in ("reentrant", "non_reentrant")}
+        for mode, checked in checked_runs.items():
+            for i, (a, b) in enumerate(zip(checked, plain, strict=True)):
+                if i < 6 and i % 2 == 0:  # the outputs
+                    assert torch.equal(a, b), (mode, i)
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        os.environ.pop("SYNCBN_NATIVE_CUDA", None)
