@@ -4,7 +4,9 @@ one of them holds the same value (it should import it from ``_shared``)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import re
 import struct
 import subprocess
@@ -131,8 +133,8 @@ def test_no_csrc_file_defines_a_shared_value_again() -> None:
     assert literal == []
 
 
-# Each Python module's own copy of a shared value, against _shared's. A module that imports the
-# value from _shared passes by construction; a copy that drifts fails here.
+# The names Python modules re-export for shared values: each must be bound to _shared's value (an
+# import from _shared, or an assignment of its name), never a literal of its own that could drift.
 PYTHON_COPIES = [
     ("syncbn_lightning.ops.reference", "CALL_ORDER_MARK", "CALL_ORDER_MARK"),
     ("syncbn_lightning.ops.reference", "TAG_LIMIT", "TAG_LIMIT"),
@@ -149,12 +151,50 @@ PYTHON_COPIES = [
 ]
 
 
+def _binding(module: str, name: str) -> ast.AST | None:
+    """What binds ``name`` at the top level of ``module``'s source: the ``from ... import`` or
+    the assignment's value (``None``: nothing there)."""
+    source = Path(importlib.import_module(module).__file__).read_text()
+    found = None
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and any(
+            (alias.asname or alias.name) == name for alias in node.names
+        ):
+            found = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign) and name in [
+            t.id
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Name)
+        ]:
+            found = node.value
+    return found
+
+
 @pytest.mark.parametrize(
     ("module", "name", "shared"), PYTHON_COPIES, ids=[f"{m}.{n}" for m, n, _ in PYTHON_COPIES]
 )
-def test_every_python_copy_equals_the_shared_value(module: str, name: str, shared: str) -> None:
-    imported = importlib.import_module(module)
-    assert getattr(imported, name) == getattr(_shared, shared)
+def test_every_python_name_of_a_shared_value_is_bound_to_it(
+    module: str, name: str, shared: str
+) -> None:
+    where, binding = module, _binding(module, name)
+    while isinstance(binding, ast.ImportFrom) and not (binding.module or "").endswith("_shared"):
+        # re-exported from another module of the package: follow it there
+        package = importlib.import_module(where).__package__
+        where = importlib.util.resolve_name("." * binding.level + (binding.module or ""), package)
+        binding = _binding(where, name)
+    if isinstance(binding, ast.ImportFrom):
+        assert any(alias.name == shared for alias in binding.names), (where, name)
+    else:
+        assert isinstance(binding, ast.Name) and binding.id == shared, (where, name)
+    assert getattr(importlib.import_module(module), name) is getattr(_shared, shared)
+
+
+def test_a_literal_copy_of_a_shared_value_is_caught(tmp_path: Path, monkeypatch) -> None:
+    """The check above fails for a module that spells the value out."""
+    (tmp_path / "drifted.py").write_text("ROW_HEADER = 4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    binding = _binding("drifted", "ROW_HEADER")
+    assert isinstance(binding, ast.Constant)
 
 
 def test_the_flight_file_formats_are_the_shared_layout() -> None:

@@ -1,5 +1,5 @@
-// The flight recorder's state and writer in C++ (see flight.h); the `syncbn::flight_*` operators
-// through which Python attaches its ring and records into it are registered in layer.cpp.
+// The flight recorder's state and writer in C++ (see flight.h), and the `syncbn::flight_*`
+// operators through which Python attaches its ring and records into it (registered below).
 //
 // The ring's layout is shared_constants.h's (generated from syncbn_lightning/_shared.py, which
 // Python's recorder and reader use too): a kHeaderSize-byte header (the record count `written`,

@@ -3,8 +3,8 @@ direction (``csrc/layer/layer.cpp``).
 
 The built-in exchanges (gather, reduce) run the same steps as :class:`~.function
 .SyncBatchNormFunction`, with the same kernels, collectives and flight records, from C++: the
-forward is one call from Python, and its backward is an autograd node in C++, so a backward
-runs no Python at all. Which layer calls take it is the layer's plan's choice
+forward is one call from Python, and its backward is an autograd node in C++, which runs Python
+only through the hand-off operators below. Which layer calls take it is the layer's plan's choice
 (:mod:`syncbn_lightning.nn.sync_plan`): eager CPU tensors with the extension's kernels.
 
 Python runs during such a call only through five operators whose schemas the extension
