@@ -29,9 +29,11 @@ from _lightning import BNNet, trainer
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
 from syncbn_lightning.distributed import flight
 from syncbn_lightning.distributed.flight_file import (
+    HEADER,
     in_use,
     jobs_in,
     node_folder,
+    prune_jobs,
     read_flight_dir,
 )
 
@@ -323,3 +325,65 @@ def test_syncbn_flight_and_the_failure_report_read_only_the_job_they_report(
     read.clear()
     assert sorted(flight.read_flight_dir(folder, latest.job)) == [0]
     assert read == [latest.path], read
+
+
+def _ring_of(path: Path, job: str, pid: int | None = None) -> Path:
+    """A closed ring file of ``job`` whose header names ``pid`` (default: the process that wrote
+    it, this one)."""
+    recorder = flight.FlightRecorder(capacity=4, path=path, job=job)
+    recorder.close()
+    if pid is not None:
+        data = bytearray(path.read_bytes())
+        magic, rank, world, _pid, *rest = HEADER.unpack_from(data, 0)
+        HEADER.pack_into(data, 0, magic, rank, world, pid, *rest)
+        path.write_bytes(bytes(data))
+    return path
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("lock", ["no fcntl", "flock fails"])
+def test_without_flock_a_file_whose_writer_lives_is_kept(tmp_path: Path, monkeypatch, lock) -> None:
+    """Where flock cannot be asked (Lustre without -o flock, some NFS), a ring file counts as in
+    use while the process its header names lives: a live job's file stays, a dead one's goes."""
+    from syncbn_lightning.distributed import flight_file
+
+    folder = tmp_path / "node"
+    folder.mkdir()
+    live = _ring_of(folder / "flight_livejob_rank0.bin", "livejob")  # this process: alive
+    dead = _ring_of(folder / "flight_deadjob_rank0.bin", "deadjob", _dead_pid())
+    old = time.time() - 3600
+    for path in (live, dead):
+        os.utime(path, (old, old))
+    if lock == "no fcntl":
+        monkeypatch.setattr(flight_file, "fcntl", None)
+    else:
+
+        def no_lock(fd: int, operation: int) -> None:
+            raise OSError(37, "No locks available")  # ENOLCK
+
+        monkeypatch.setattr(flight_file.fcntl, "flock", no_lock)
+    assert in_use(live) and not in_use(dead)
+    removed = prune_jobs(folder, 1, "newjob")
+    assert dead in removed and live.exists() and not dead.exists()
+
+
+def test_only_the_nodes_first_process_prunes(tmp_path: Path, monkeypatch) -> None:
+    """Every rank of a node opens its recorder in the same folder; one prunes it."""
+    folder = tmp_path / "node"
+    folder.mkdir()
+    old = _ring_of(folder / "flight_oldjob_rank0.bin", "oldjob", _dead_pid())
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert prune_jobs(folder, 1, "newjob", rank=1) == [] and old.exists()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert prune_jobs(folder, 1, "newjob", rank=0) == [] and old.exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert old in prune_jobs(folder, 1, "newjob", rank=4) and not old.exists()

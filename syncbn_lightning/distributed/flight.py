@@ -334,7 +334,7 @@ def _open_recorder() -> FlightRecorder:
                     recorder = FlightRecorder(path=path, rank=rank, world=world, job=job)
                 except FileExistsError:
                     continue  # another recorder's file (an earlier recorder of this process)
-                prune_jobs(folder, keep, job)
+                prune_jobs(folder, keep, job, rank)
                 return recorder
             raise FileExistsError(f"flight_{safe}_rank{rank}-1..99.bin all exist")
         except OSError as exc:

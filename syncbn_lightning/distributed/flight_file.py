@@ -247,32 +247,58 @@ def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) 
 
 
 def in_use(path: Path) -> bool:
-    """Whether a live recorder (of any process on this machine) holds the ring file ``path``:
-    it keeps a shared ``flock`` on it while mapped. ``False`` where locks are not available."""
-    if fcntl is None:
-        return False
+    """Whether a live recorder (of any process on this machine) may hold the ring file ``path``:
+    it keeps a shared ``flock`` on it while mapped; where that lock cannot be asked (no
+    ``fcntl``; a file system without working ``flock``, such as Lustre without ``-o flock`` or
+    some NFS mounts), the file counts as in use while the process its header names is alive (a
+    reused pid keeps an old file a while longer, never the reverse)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        return False  # gone, or not ours to read: nothing to prune either
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return False  # nobody holds it (closing the descriptor releases this lock)
+            except BlockingIOError:
+                return True
+            except OSError:
+                pass  # no working flock here: ask the header's process
+        return _writer_alive(os.read(fd, HEADER.size))
     finally:
-        os.close(fd)  # also releases the lock just taken
-    return False
+        os.close(fd)
 
 
-def prune_jobs(folder: str | os.PathLike[str], keep: int, current: str) -> list[Path]:
+def _writer_alive(header: bytes) -> bool:
+    """Whether the process a ring file's ``header`` names (its pid) is alive on this machine;
+    ``True`` for a header too short or foreign to read (never remove what cannot be told)."""
+    try:
+        magic, _rank, _world, pid, *_rest = HEADER.unpack_from(header, 0)
+    except struct.error:
+        return True
+    if magic != MAGIC:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's (EPERM)
+        return True
+    return True
+
+
+def prune_jobs(
+    folder: str | os.PathLike[str], keep: int, current: str, rank: int | None = None
+) -> list[Path]:
     """Remove the ring and names files of all but the ``keep`` most recently written jobs in
     ``folder`` (``current``, the job opening its recorder, always among them; ``keep`` 0: remove
     nothing). A job still running keeps writing its files, so it stays among the newest, and a
-    file a live recorder holds (:func:`in_use`) is never removed, however old. Returns the files
-    removed; files another process removed first are skipped."""
-    if keep < 1:
+    file a live recorder may hold (:func:`in_use`) is never removed, however old. With ``rank``
+    (the caller's global rank), only the node's first process prunes: ``LOCAL_RANK`` 0, or rank 0
+    where the launcher set no ``LOCAL_RANK``. Returns the files removed; files another process
+    removed first are skipped."""
+    if keep < 1 or (rank is not None and int(os.environ.get("LOCAL_RANK", rank)) != 0):
         return []
     jobs = [job for job in jobs_in(folder) if job != current]
     old = set(jobs[: max(len(jobs) - (keep - 1), 0)])
