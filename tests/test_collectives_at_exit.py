@@ -167,3 +167,27 @@ def test_the_python_path_returns_once_gloo_let_go_of_its_tensors(tmp_path: Path)
         assert held == 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("config", "device", "waits"),
+    [
+        ("gloo", "cpu", True),
+        ("nccl", "cuda", False),
+        ("cpu:gloo,cuda:nccl", "cpu", True),  # a group whose name() reads "nccl"
+        ("cpu:gloo,cuda:nccl", "cuda", False),
+    ],
+)
+def test_the_wait_follows_the_backend_of_the_tensors_device(config, device, waits) -> None:
+    assert collectives._on_gloo(config, device) is waits
+
+
+def test_a_wait_that_gives_up_says_so(monkeypatch, caplog) -> None:
+    """A worker that holds the tensors past the wait's limit gets one warning, not silence."""
+    monkeypatch.setattr(collectives, "_RELEASE_WAIT_S", 0.05)
+    monkeypatch.setattr(collectives, "use_count", lambda tensor: 5)
+    with caplog.at_level("WARNING", logger=collectives.log.name):
+        collectives._until_released([torch.zeros(1)], [1])
+    assert "still held a collective's tensors 0.1 s after it finished (5 holders, 1 expected)" in (
+        caplog.text
+    )

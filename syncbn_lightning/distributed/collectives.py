@@ -24,6 +24,8 @@ run outside any compiled graph.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from typing import Any
 
@@ -64,6 +66,8 @@ _RELEASE_WAIT_S = 1.0
 # long it sleeps between looks (the worker may be off the CPU on a busy machine).
 _RELEASE_SPIN_S = 2e-5
 _RELEASE_POLL_S = 5e-5
+
+log = logging.getLogger(__name__)
 # The options of the eager calls, made once: ProcessGroup methods take them as they are.
 _GATHER_OPTIONS: Any = None
 _SUM_OPTIONS: Any = None
@@ -153,8 +157,19 @@ def _run(process_group: Any, method: Any, args: tuple[Any, ...]) -> None:
         put_back_backward_context(aside)
     work.wait()
     del work
-    if process_group.name() == "gloo":
+    if tensors and _on_gloo(dist.get_backend_config(process_group), tensors[0].device.type):
         _until_released(tensors, holders)
+
+
+@functools.lru_cache(maxsize=64)
+def _on_gloo(config: str, device: str) -> bool:
+    """Whether a group whose ``get_backend_config`` is ``config`` (``"gloo"``, ``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``) runs ``device``'s collectives on gloo (a ``name()`` of ``"nccl"``
+    may still send CPU tensors to gloo)."""
+    if ":" not in config:
+        return config == "gloo"
+    backends = dict(part.split(":", 1) for part in config.split(","))
+    return backends.get(device) == "gloo"
 
 
 def _flat(args: tuple[Any, ...]) -> list[Any]:
@@ -176,6 +191,14 @@ def _until_released(tensors: list[torch.Tensor], holders: list[int]) -> None:
                 while use_count(tensor) > count and time.monotonic() < spin_until:
                     pass
             elif now > deadline:
+                log.warning(
+                    "SyncBN: gloo's worker still held a collective's tensors %.1f s after it "
+                    "finished (%d holders, %d expected); going on. If the process exits now, "
+                    "the worker may release them after Python finalized (docs/reliability.md)",
+                    _RELEASE_WAIT_S,
+                    use_count(tensor),
+                    count,
+                )
                 return
             else:
                 time.sleep(_RELEASE_POLL_S)
