@@ -48,7 +48,6 @@ __all__ = [
     "checkpoint_recompute_segment",
     "current_graph_task",
     "functorch_active",
-    "graph_task_id",
     "put_back_backward_context",
     "store_connection",
     "top_saved_tensors_hooks",
@@ -121,19 +120,11 @@ current_graph_task: Any = getattr(torch._C, "_current_graph_task_id", None) or f
 )
 #: ``top_saved_tensors_hooks(False)``: the innermost saved-tensors hooks ``(pack, unpack)``, or
 #: ``None`` (always ``None`` where torch cannot say: 2.4).
-top_saved_tensors_hooks: Any = getattr(
-    torch._C._autograd, "_top_saved_tensors_default_hooks", None
-) or functools.partial(dict.get, {})
-
-
+_TOP_HOOKS: Any = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+top_saved_tensors_hooks: Any = _TOP_HOOKS or functools.partial(dict.get, {})
 #: Whether a non-reentrant checkpoint's forward can be found (:func:`checkpoint_forward_segment`):
 #: torch has ``_top_saved_tensors_default_hooks`` (not 2.4).
-NON_REENTRANT_KEEPS = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
-
-
-def graph_task_id() -> int:
-    """:data:`current_graph_task`'s value, as an ``int``."""
-    return int(current_graph_task())
+NON_REENTRANT_KEEPS = _TOP_HOOKS is not None
 
 
 def _hook_codes() -> tuple[Any, Any]:

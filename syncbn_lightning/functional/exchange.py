@@ -170,9 +170,9 @@ class Exchange(ABC):
     keeps: ClassVar[bool] = False
 
     def kept_stats(self, merged: Merged) -> tuple[torch.Tensor, ...]:
-        """What a checkpointed forward keeps for its recompute: ``(mean, mean_lo, invstd,
-        grad_info)``, the group statistics as the strategy's backward takes them (only for
-        strategies that :attr:`keeps`)."""
+        """What a checkpointed forward keeps for its recompute besides ``merged``'s mean, var
+        and info: ``(mean_lo, invstd, grad_info)``, as the strategy's backward takes them (only
+        for strategies that :attr:`keeps`)."""
         raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
 
     def again(
@@ -232,7 +232,7 @@ class SplitMeanBackward(Exchange):
     keeps = True
 
     def kept_stats(self, merged: Merged) -> tuple[torch.Tensor, ...]:
-        return merged.saved[2:6]  # mean, mean_lo, invstd, grad_info
+        return merged.saved[3:6]  # mean_lo, invstd, grad_info
 
     def again(
         self, inputs: Inputs, kept: Any, call: SyncCall, residual: torch.Tensor | None = None

@@ -37,7 +37,7 @@ from .checks import check_dims, check_input, check_num_features, refuse_scriptin
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
 from .layer_state import option_property as _option
-from .recompute import plain_again, recompute_task
+from .recompute import plain_again, reuse_enabled
 from .sync_plan import SyncPlan, affine_of, forward_function, forward_native, plan_of
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class", "traced_call"]
@@ -302,7 +302,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
                     replicas is None
                     and not torch.compiler.is_compiling()
                     and current_graph_task() != -1  # (a C function: no Python frame)
-                    and recompute_task() != -1
+                    and reuse_enabled()
                 ):
                     # a checkpoint's recompute (nn/recompute.py): nothing updated or counted
                     return plain_again(self, input, weight, affine_of(self)[1]), False

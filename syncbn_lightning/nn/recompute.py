@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .._compat import checkpoint_forward_segment, checkpoint_recompute_segment, graph_task_id
+from .._compat import checkpoint_forward_segment, checkpoint_recompute_segment
 
 __all__ = [
     "RECOMPUTE_ENV",
@@ -100,11 +100,12 @@ def reuse_enabled() -> bool:
     )
 
 
-def recompute_task() -> int:
-    """The backward (its graph task) whose checkpoint recomputes this training call, ``-1`` when
-    the call is not a recompute or ``SYNCBN_RECOMPUTE=repeat``."""
-    task = graph_task_id()
-    return task if task != -1 and reuse_enabled() else -1
+def recompute_task(task: int) -> int:
+    """The backward whose checkpoint recomputes this training call: ``task``, the graph task
+    ``_compat.current_graph_task()`` read (-1: none, the call is not a recompute), or ``-1``
+    where ``SYNCBN_RECOMPUTE=repeat``. Callers on the per-call path read the task themselves
+    and call this only when it is not -1 (no Python frame otherwise)."""
+    return task if task != -1 and reuse_enabled() else -1  # (-1 stays -1 either way)
 
 
 def keeping() -> Any:

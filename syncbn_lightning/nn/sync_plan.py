@@ -251,7 +251,8 @@ def forward_native(
         plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
     # A checkpoint's recompute, or forward (nn/recompute.py); torch's C functions tell, without
     # a Python frame on other calls.
-    backward = recompute_task() if current_graph_task() != -1 else -1
+    task = current_graph_task()
+    backward = recompute_task(task) if task != -1 else -1
     if backward != -1:
         kept = find_kept(layer, input, backward)
         if kept is not None:
@@ -334,9 +335,10 @@ def forward_function(
     compiling = torch.compiler.is_compiling()
     # A checkpoint's recompute (nn/recompute.py): what the forward kept, else exchanged again
     # (and neither updates nor counts); a checkpoint's forward keeps for it.
-    backward = segment = kept = None
+    backward, segment, kept = -1, None, None
     if not compiling and layer.replica_group is None:
-        backward = recompute_task() if current_graph_task() != -1 else -1
+        task = current_graph_task()
+        backward = recompute_task(task) if task != -1 else -1
         if backward != -1:
             kept = find_kept(layer, input, backward)
             track, calls = False, calls.clone()
@@ -372,9 +374,9 @@ def forward_function(
         output, mean, var, info = SyncBatchNormFunction.apply(
             input, weight, bias, state, call, residual
         )
-    if backward in (None, -1):
+    if backward == -1:
         if kept_list:
-            mean_lo, invstd, grad_info, flight_call = kept_list[1:]
+            mean_lo, invstd, grad_info, flight_call = kept_list
             keep(segment, layer, input, mean, mean_lo, invstd, var, info, grad_info, flight_call)
         layer.last_batch = BatchRecord(int(input.shape[0]), mean, var, info)
     return output, activation is not None
