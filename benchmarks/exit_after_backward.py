@@ -10,7 +10,10 @@ Each job is ``torchrun --nproc-per-node 2`` of a script that trains 3 steps of c
 
 * ``--job syncbn`` (default): the model converted with ``convert_sync_batchnorm`` (the C++ path
   on CPU), no DDP; ``--job syncbn-ref``: the same on the Python path (``SYNCBN_IMPL=ref``);
-* ``--job ddp``: plain ``BatchNorm2d`` in DDP, no syncbn_lightning (torch's own behaviour).
+* ``--job ddp``: plain ``BatchNorm2d`` in DDP, no syncbn_lightning (torch's own behaviour);
+* ``--job ddp-syncbn``: the converted model in DDP, the wrapper still held at exit as a Lightning
+  trainer holds it (DDP's bucket all-reduces carry the backward's Python object; the exit drain,
+  ``distributed/exit_drain.py``, is what stands between them and finalization).
 
 This is where torch 2.13 on gloo can end a rank with SIGABRT, "terminate called without an
 active exception": a gloo worker thread releasing a finished collective of the backward after the
@@ -43,11 +46,11 @@ os.chdir(os.path.join(folder, f"rank{os.environ['RANK']}"))  # a core dump per r
 dist.init_process_group("gloo")
 torch.manual_seed(dist.get_rank())
 model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
-if kind == "ddp":
-    model = nn.parallel.DistributedDataParallel(model)
-else:
+if kind != "ddp":
     from syncbn_lightning import convert_sync_batchnorm
     model = convert_sync_batchnorm(model)
+if kind.startswith("ddp"):
+    model = nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(3):
     loss = model(torch.randn(2, 3, 16, 16)).square().mean()
@@ -72,7 +75,7 @@ def run_job(kind: str, folder: Path, library: Path) -> tuple[int, bool]:
         env["SYNCBN_IMPL"] = "ref"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(folder.parent / "job.py"),
-               "ddp" if kind == "ddp" else "syncbn", str(folder)]  # fmt: skip
+               "syncbn" if kind == "syncbn-ref" else kind, str(folder)]  # fmt: skip
     with open(folder / "output.txt", "w") as log:
         try:
             code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -85,7 +88,9 @@ def run_job(kind: str, folder: Path, library: Path) -> tuple[int, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=200, help="jobs per side")
-    parser.add_argument("--job", choices=["syncbn", "syncbn-ref", "ddp"], default="syncbn")
+    parser.add_argument(
+        "--job", choices=["syncbn", "syncbn-ref", "ddp", "ddp-syncbn"], default="syncbn"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--compare", type=Path, help="another checkout, alternated with this one")
     args = parser.parse_args(argv)

@@ -19,6 +19,10 @@ release lacks it. Checked on torch 2.4.1, 2.8.0, 2.13.0 and 2.14.1 (``benchmarks
 * ``Store.clone`` (a store's own new connection, for the call-order watcher's thread; 2.8.0 on,
   not 2.4.1). Missing: the watcher shares the job's store object, whose every operation takes
   the store client's lock, so its checks may wait behind the main thread's.
+* ``torch.distributed.distributed_c10d._world.group_count`` (all checked releases): how many
+  process groups this process made, destroyed ones too (whether the exit drain looks for gloo
+  worker threads on a torch that does not name them, ``distributed/exit_drain.py``). Missing:
+  only a live default group counts.
 * ``torch._C._current_graph_task_id`` (all checked releases): whether autograd's engine is
   running a backward on this thread (a layer's forward there is a checkpoint's recompute).
   Missing: no forward is taken for a recompute, and a recompute exchanges and counts again.
@@ -48,6 +52,7 @@ __all__ = [
     "checkpoint_recompute_segment",
     "current_graph_task",
     "functorch_active",
+    "made_process_group",
     "put_back_backward_context",
     "store_connection",
     "top_saved_tensors_hooks",
@@ -102,6 +107,16 @@ def store_connection(store: Any) -> Any:
     cannot clone one."""
     clone = getattr(store, "clone", None)
     return store if clone is None else clone()
+
+
+def made_process_group() -> bool:
+    """Whether this process made a torch.distributed process group (one destroyed since too)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return bool(getattr(world, "group_count", 0)) or dist.is_initialized()
 
 
 def torch_build_lock_is_flock() -> bool:
