@@ -2,9 +2,8 @@
 thread is runnable, so a worker that still has to drop a finished collective holding a Python
 object does so while the interpreter runs (docs/reliability.md, "A clean exit under torchrun").
 
-The real case starves a gloo worker: pinned to one CPU beside a busy process, at the idle
-scheduling class, it wakes its caller and is preempted before it drops the work, which still
-holds a tensor whose Python object the caller dropped (releasing it needs the GIL).
+The real case starves a gloo worker: pinned with its caller to one CPU beside a busy process, at
+the idle scheduling class, it wakes its caller and is preempted before it drops the work.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from syncbn_lightning import _compat
 from syncbn_lightning.distributed import exit_drain
 
 _WORKER = "pt_gloo_runloop"
@@ -72,12 +70,17 @@ def test_no_worker_no_wait() -> None:
 
 
 def _starve(tids: list[int], cpu: int) -> None:
+    """Pin ``tids`` and the calling thread to ``cpu``, ``tids`` at the idle scheduling class: a
+    woken caller preempts a worker at once, which then runs only in the gaps a busy process on
+    the same CPU leaves."""
     for tid in tids:
         os.sched_setaffinity(tid, {cpu})
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    os.sched_setaffinity(0, {cpu})
 
 
 def _restore(tids: list[int], cpus: set[int]) -> None:
+    os.sched_setaffinity(0, cpus)
     for tid in tids:
         try:
             os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
@@ -91,7 +94,11 @@ def _restore(tids: list[int], cpus: set[int]) -> None:
     not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
     reason="needs Linux scheduling classes and /proc",
 )
-def test_the_drain_lets_a_starved_worker_drop_its_tensor(tmp_path: Path) -> None:
+@pytest.mark.skipif(_compat.use_count(torch.ones(1)) is None, reason="torch cannot count holders")
+def test_the_drain_lets_a_starved_worker_let_go_of_its_work(tmp_path: Path) -> None:
+    """Right after an all-reduce returns, the starved worker still holds the work (the tensor's
+    holders say so); :func:`drain` returns only once it let go. With the drain a no-op the
+    second assertion fails."""
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
     )
@@ -107,20 +114,18 @@ def test_the_drain_lets_a_starved_worker_drop_its_tensor(tmp_path: Path) -> None
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         os.sched_setaffinity(hog.pid, {cpu})
         _starve(workers, cpu)
-        time.sleep(0.1)
         held = 0
-        for _attempt in range(5):
+        for _round in range(10):
             tensor = torch.ones(4)
-            tensor_alive = weakref.ref(tensor)
+            alone = _compat.use_count(tensor)
             dist.all_reduce(tensor)
-            del tensor  # the worker may still hold it: then its Python object is kept for it
-            if tensor_alive() is None:
-                continue  # the worker got the CPU and let go first: nothing to drain
+            if _compat.use_count(tensor) == alone:
+                continue  # it let go in the instant before its caller woke: nothing to drain
             held += 1
             assert exit_drain.drain(10.0)
-            assert tensor_alive() is None, "the drain returned before the worker let go"
-        # The starved worker must have been seen holding at least once, or the test showed nothing.
-        assert held >= 1
+            assert _compat.use_count(tensor) == alone, "the drain returned before the worker let go"
+        if not held:  # the scheduler woke the caller elsewhere each time: nothing was shown
+            pytest.skip("the gloo worker could not be starved here (10 rounds)")
     finally:
         if hog is not None:
             hog.kill()
