@@ -159,3 +159,26 @@ def test_a_flag_queued_while_the_queue_is_read_waits_for_the_next_read(
     assert len(queue) == 1 and queue[0][0] is failed
     with pytest.raises(call_order.CallOrderError, match="the late flag"):
         check_call_order()
+
+
+def test_a_watcher_that_outlasts_its_stop_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watcher still in a store request when the join gives up is not left silently (at exit it
+    would come back to a finalizing interpreter)."""
+    import threading
+
+    release = threading.Event()
+    watcher = group_abort._Watcher(("job", "stuck-group"), nn.Module())
+    watcher.thread = threading.Thread(target=release.wait, name="syncbn-abort-watch-stuck")
+    watcher.thread.start()
+    monkeypatch.setitem(group_abort._watchers, watcher.key, watcher)
+    monkeypatch.setattr(group_abort, "_JOIN_S", 0.05)
+    try:
+        with caplog.at_level("WARNING", logger=group_abort.__name__):
+            group_abort.stop_watchers()
+    finally:
+        release.set()
+        watcher.thread.join()
+    assert watcher.stop.is_set()
+    assert "stuck-group" in caplog.text and "did not end" in caplog.text

@@ -220,6 +220,13 @@ def stop_watchers(keep: Collection[str] = ()) -> None:
     for watcher in watchers:
         if watcher.thread is not None and watcher.thread is not threading.current_thread():
             watcher.thread.join(_JOIN_S)
+            if watcher.thread.is_alive():  # in a store request that outlasts the join
+                _log.warning(
+                    "SyncBN: the call-order watcher of group %s did not end within %.0f s of "
+                    "its stop (a store request still runs); going on without it",
+                    watcher.key[1],
+                    _JOIN_S,
+                )
 
 
 def watcher_threads() -> list[threading.Thread]:
