@@ -70,10 +70,10 @@ def _one_layer_each_report_silenced(rank: int, world: int) -> tuple[str, str]:
 
 @pytest.mark.distributed
 def test_the_kernels_error_stands_when_the_report_returns() -> None:
-    """The C++ layer rethrows the kernel's own error, as thrown, if the report does not raise
-    (it always does; a report that returned used to leave a copy of the error, sliced to its
-    ``c10::Error`` base: the same Python error for today's kernels, whose checks are all
-    ``TORCH_CHECK``). What must hold either way: the call fails, with the kernel's message."""
+    """If the report does not raise (it always does), ``call_order_failed`` returns and the C++
+    layer's handler rethrows the kernel's own error with ``throw;`` (the object as thrown, its
+    type kept: nothing copies it to its ``c10::Error`` base). The call fails with the kernel's
+    message."""
     for kind, message in run_distributed(
         _one_layer_each_report_silenced, 2, timeout=60, pg_timeout_s=30
     ):

@@ -85,8 +85,9 @@ enum class Mismatch : int64_t { kGatheredRows = 0, kReduceSums = 1, kBackwardSum
 bool is_call_order_error(const c10::Error& error);
 // Raises the CallOrderError naming every rank's layer, through Python (an error path every rank
 // of the group takes at the same call; it may gather the ranks' tags). Called in the handler of
-// the kernel's error, which it rethrows as it was (its own type kept) if Python does not raise.
-[[noreturn]] void call_order_failed(
+// the kernel's error; returns only if Python did not raise, and then the caller rethrows the
+// kernel's error (`throw;`, its own type kept).
+void call_order_failed(
     Mismatch kind, const at::Tensor& data, const at::Tensor& aux, int64_t width,
     const Settings& settings);
 // Before a collective of a call whose flags are queued (Settings::queue_order_flags): reads the

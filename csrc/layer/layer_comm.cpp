@@ -142,9 +142,6 @@ void call_order_failed(
   call_python(
       handoff, {static_cast<int64_t>(kind), data, aux.defined() ? aux : data, width,
                 group_value(s.group), s.world_size, s.layer_tag});
-  // The Python report always raises; if it did not, the kernel's error stands, as thrown (a
-  // `throw original;` would slice a derived error to its c10::Error base).
-  std::rethrow_exception(std::current_exception());
 }
 
 void queued_order_failed(const FlagReport& r) {
