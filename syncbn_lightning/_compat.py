@@ -46,6 +46,7 @@ import torch
 import torch.utils.checkpoint as _checkpoint
 
 __all__ = [
+    "GLOO_THREADS_NAMED",
     "NON_REENTRANT_KEEPS",
     "backward_stashes_context",
     "checkpoint_forward_segment",
@@ -107,6 +108,11 @@ def store_connection(store: Any) -> Any:
     cannot clone one."""
     clone = getattr(store, "clone", None)
     return store if clone is None else clone()
+
+
+#: Whether torch names gloo's threads (``pt_gloo_runloop``, ``gloo_tcp_loop``): 2.13.0 and 2.14.1
+#: do, 2.4.1 and 2.8.0 do not (the exit drain finds them by elimination there).
+GLOO_THREADS_NAMED = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def made_process_group() -> bool:

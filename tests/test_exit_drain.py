@@ -28,16 +28,17 @@ _WORKER = "pt_gloo_runloop"
 
 def test_gloo_workers_are_found_by_name() -> None:
     found = {1: ("python", "S"), 2: (_WORKER, "S"), 3: ("gloo_tcp_loop", "S"), 4: (_WORKER, "R")}
-    assert exit_drain.gloo_worker_threads(found, {1}, made_group=True) == [2, 4]
+    assert exit_drain.gloo_worker_threads(found, {1}, by_elimination=True) == [2, 4]
     assert exit_drain.runnable(found, [2, 4, 9]) == [4]  # 9 ended: not runnable
 
 
 def test_without_names_every_native_thread_python_does_not_know_counts() -> None:
-    """torch before 2.13 names no gloo thread: after a group was made, every thread Python does
-    not know counts (intra-op threads too: they sleep once idle); before, none does."""
+    """torch before 2.13 names no gloo thread: there, after a group was made, every thread Python
+    does not know counts (intra-op threads too: they sleep once idle); otherwise none does (an
+    NCCL job on a torch that names gloo's threads waits for nothing)."""
     found = {1: ("python", "S"), 2: ("python", "R"), 3: ("python", "S")}
-    assert exit_drain.gloo_worker_threads(found, {1}, made_group=True) == [2, 3]
-    assert exit_drain.gloo_worker_threads(found, {1}, made_group=False) == []
+    assert exit_drain.gloo_worker_threads(found, {1}, by_elimination=True) == [2, 3]
+    assert exit_drain.gloo_worker_threads(found, {1}, by_elimination=False) == []
 
 
 def _looks(*states: str) -> Iterator[dict[int, tuple[str, str]]]:

@@ -18,8 +18,9 @@ milliseconds; it gives up after :data:`LIMIT_S` with a warning. A collective sti
 exit (an ``async_op`` work never waited for) is not waited for: its worker sleeps on the network.
 
 The worker threads are found in ``/proc/self/task``: by name (``pt_gloo_runloop``, torch 2.13
-on), or, on releases that do not name them, as the native threads Python does not know (only
-in a process that made a process group). Without ``/proc`` (not Linux) nothing is waited for.
+on), or, on releases before 2.13 (which do not name them), as the native threads Python does not
+know, in a process that made a process group. From 2.13 a process without a named gloo thread
+(an NCCL job) waits for nothing. Without ``/proc`` (not Linux) nothing is waited for.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .._compat import made_process_group
+from .._compat import GLOO_THREADS_NAMED, made_process_group
 
-__all__ = ["LIMIT_S", "drain", "gloo_worker_threads", "runnable"]
+__all__ = ["LIMIT_S", "drain", "gloo_worker_threads", "runnable", "threads"]
 
 _log = logging.getLogger(__name__)
 
@@ -73,12 +74,15 @@ def threads() -> dict[int, tuple[str, str]]:
     return found
 
 
-def gloo_worker_threads(found: Threads, python_threads: set[int], made_group: bool) -> list[int]:
+def gloo_worker_threads(
+    found: Threads, python_threads: set[int], by_elimination: bool
+) -> list[int]:
     """The native ids in ``found`` that may be gloo worker threads: those named
-    ``pt_gloo_runloop``; where no thread carries a gloo name (a torch that does not name them)
-    and ``made_group``, every thread not in ``python_threads`` (Python's own threads)."""
+    ``pt_gloo_runloop``; where none carries a gloo name and ``by_elimination`` (a torch that does
+    not name them, in a process that made a group), every thread not in ``python_threads``
+    (Python's own threads)."""
     named = [tid for tid, (name, _state) in found.items() if name == _WORKER_NAME]
-    if named or any(name in _GLOO_NAMES for name, _state in found.values()) or not made_group:
+    if named or any(name in _GLOO_NAMES for name, _state in found.values()) or not by_elimination:
         return named
     return [tid for tid in found if tid not in python_threads]
 
@@ -106,7 +110,8 @@ def drain(
         return True
     python_threads = {t.native_id for t in threading.enumerate() if t.native_id is not None}
     python_threads.add(threading.get_native_id())
-    workers = gloo_worker_threads(look(), python_threads, made_process_group())
+    by_elimination = not GLOO_THREADS_NAMED and made_process_group()
+    workers = gloo_worker_threads(look(), python_threads, by_elimination)
     if not workers:
         return True
     deadline = time.monotonic() + limit_s
