@@ -281,9 +281,10 @@ def test_three_jobs_in_one_process_leave_no_syncbn_thread(tmp_path: Path, queued
     assert len(set(jobs)) == 3
 
 
-def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path) -> None:
+def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path, queued_flags) -> None:
     """A layer whose calls are all compiled queues nothing in Python: its group's watcher
-    starts when the model is converted onto the group, and revert_sync_batchnorm ends it."""
+    starts when the model is converted onto a group whose calls queue their flags (CUDA's
+    way, here on CPU), and revert_sync_batchnorm ends it."""
     import torch.distributed as dist
 
     from syncbn_lightning import revert_sync_batchnorm

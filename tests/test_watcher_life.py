@@ -53,12 +53,49 @@ def one_rank_job(tmp_path: Path) -> Iterator[None]:
     assert not _threads(), "a watcher outlived its job"
 
 
-def test_a_layer_built_on_a_group_starts_its_watcher(one_rank_job: None) -> None:
+def test_a_layer_built_on_a_group_starts_its_watcher(
+    one_rank_job: None, queued_flags: None
+) -> None:
+    """Where calls queue their flags (CUDA's way, here on CPU)."""
     group = dist.new_group([0])
     layer = SyncBatchNorm(4, process_group=group)
     (thread,) = _threads(want=1)
     assert thread.name == f"syncbn-abort-watch-{group.group_name}"
     assert layer.process_group is group
+
+
+def test_a_cpu_job_runs_no_watcher(one_rank_job: None) -> None:
+    """On gloo, CPU calls check at once (every rank of the group fails at the same call): no
+    flag is left for later, nothing is published, and no watcher thread polls the store."""
+    from syncbn_lightning import new_sync_group
+    from syncbn_lightning.distributed.groups import sync_world_group
+
+    group = dist.new_group([0])
+    layer = SyncBatchNorm(4, process_group=group, force_sync=True)
+    layer(torch.randn(3, 4)).sum().backward()
+    model = convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm1d(4)), process_group=new_sync_group(1)
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    sync_world_group()
+    check_call_order()
+    assert not group_abort.watcher_threads() and not group_abort._watchers
+
+
+@pytest.mark.parametrize(
+    ("config", "carries"),
+    [("gloo", False), ("nccl", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", True)],
+)
+def test_a_group_carries_device_tensors_by_its_backends(
+    one_rank_job: None, monkeypatch: pytest.MonkeyPatch, config: str, carries: bool
+) -> None:
+    from syncbn_lightning.distributed import groups
+
+    group = dist.new_group([0])
+    assert not groups.carries_device_tensors(group)  # this job's own: gloo
+    monkeypatch.setattr(dist, "get_backend_config", lambda _group: config)
+    assert groups.carries_device_tensors(group) is carries
+    assert groups.carries_device_tensors(group.group_name) is carries
 
 
 def test_reverting_one_model_keeps_the_watcher_another_model_needs(
@@ -90,11 +127,18 @@ class _Watching(Callback):
         self.seen.append(len(group_abort.watcher_threads()))
 
 
-def test_the_callbacks_teardown_ends_the_fits_watchers(tmp_path: Path, queued_flags: None) -> None:
+def test_the_callbacks_teardown_ends_the_fits_watchers(
+    tmp_path: Path, queued_flags: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A one-process DDP fit (the layers converted to be monitored, their calls synchronized):
     their watcher runs during the fit and is gone when ``fit``
     returns, the default group still alive (Lightning keeps it)."""
     assert not _threads(), "a watcher of an earlier test is still running"
+    # Lightning writes its rendezvous into os.environ, and a later test's launcher would reuse
+    # the port: recorded as unset here, so that the test's end removes them.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     watching = _Watching()
     trainer = quiet_trainer(
         strategy="ddp",

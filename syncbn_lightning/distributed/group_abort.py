@@ -8,10 +8,12 @@ timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
 
 * it writes the error message under a key of the job's store (``syncbn/abort/<group name>``) and
   aborts its own member of SyncBN's group;
-* every rank runs one watcher thread per SyncBN group of its job, started when SyncBN makes the
-  group (:mod:`.groups`), converts a model onto it, makes a layer's plan that queues flags on it
-  (the C++ path), or first queues a flag on it (eager or compiled code alike: groups are made and
-  converted onto eagerly). On its own connection to the
+* every rank runs one watcher thread per SyncBN group of its job whose calls may queue flags (its
+  backends carry device tensors, :func:`.groups.carries_device_tensors`, or CPU calls queue them
+  under the tests' switch; a CPU job on gloo runs none: its calls check at once, on every rank),
+  started when SyncBN makes the group (:mod:`.groups`), converts a model onto it, makes a layer's
+  plan that queues flags on it (the C++ path), or first queues a flag on it (eager or compiled
+  code alike: groups are made and converted onto eagerly). On its own connection to the
   store (:meth:`torch.distributed.Store.clone`) it checks for that key every
   :data:`POLL_S` seconds. When the key appears, the watcher logs the message, aborts this rank's
   member of the group (on NCCL its pending collectives fail at once) and remembers the message:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import group_abort
+from .collectives import process_group as group_named
 from .group_sizes import (
     DEFAULT_TARGET_NORM_BATCH,
     GroupSize,
@@ -40,6 +41,7 @@ from .group_sizes import (
 __all__ = [
     "DEFAULT_TARGET_NORM_BATCH",
     "GroupSize",
+    "carries_device_tensors",
     "check_process_group",
     "group_name_of",
     "is_group",
@@ -109,7 +111,8 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         if rank in ranks:
             mine = group
     _note_groups_made(timeout)
-    group_abort.watch_group(mine.group_name)
+    if carries_device_tensors(mine):
+        group_abort.watch_group(mine.group_name)
     return mine
 
 
@@ -171,18 +174,34 @@ def sync_world_group() -> dist.ProcessGroup:
         twin = dist.new_group(timeout=timeout, group_desc="syncbn_world")
         _world_twin = (world, twin)
         _note_groups_made(timeout)
-        group_abort.watch_group(twin.group_name)
+        if carries_device_tensors(twin):
+            group_abort.watch_group(twin.group_name)
     return _world_twin[1]
 
 
-def watch_sync_group(process_group: Any) -> None:
+def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
     """Start the call-order watcher (:mod:`.group_abort`) of the group a layer with
-    ``process_group`` synchronizes through, in a running job: a group of the caller's, or the
-    world's twin once made (this never makes a group). The converter calls it, so that a job
-    whose layers run only compiled code has its watchers too."""
+    ``process_group`` synchronizes through, in a running job (a group of the caller's, or the
+    world's twin once made: this never makes a group), where its calls may queue their flags:
+    the group carries device tensors (:func:`carries_device_tensors`), or ``cpu_queues`` (CPU
+    calls queue them: the tests' switch, ``ops/reference.py``). The converter and the layer's
+    constructor call it, so that a job whose layers run only compiled code has its watchers
+    too."""
     name = made_group_name(process_group)
-    if name is not None:
+    if name is not None and (cpu_queues or carries_device_tensors(name)):
         group_abort.watch_group(name)
+
+
+def carries_device_tensors(group: Any) -> bool:
+    """Whether ``group`` (a ProcessGroup or its name) has a backend for other devices than the
+    CPU (``nccl``, ``cpu:gloo,cuda:nccl``; not ``gloo``): only calls on device tensors leave
+    their call-order flags to be read later, and a mismatch found late is what the watchers
+    are for. On CPU every rank of the group fails at the call itself, from the gathered rows."""
+    if isinstance(group, str):
+        group = group_named(group)
+    config = str(dist.get_backend_config(group))
+    backends = [part.split(":")[-1] for part in config.split(",")]
+    return any(backend != "gloo" for backend in backends)
 
 
 def made_group_name(process_group: Any) -> str | None:

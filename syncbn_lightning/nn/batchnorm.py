@@ -33,6 +33,7 @@ from .._compat import current_graph_task
 from ..distributed.groups import check_process_group, sync_group_size, watch_sync_group
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
+from ..ops.reference import cpu_queues_order_flags
 from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
@@ -179,7 +180,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         self.process_group = process_group
         self._number_layer()
         match_torch_class(self)
-        watch_sync_group(process_group)  # a job running only compiled calls has its watcher too
+        watch_sync_group(process_group, cpu_queues_order_flags())  # compiled-only jobs too
 
     def _apply(self, fn: Any, recurse: bool = True) -> SyncBatchNorm:
         super()._apply(fn, recurse)

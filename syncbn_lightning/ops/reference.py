@@ -25,6 +25,7 @@ __all__ = [
     "TAG_LIMIT",
     "acc_dtype",
     "check_residual",
+    "cpu_queues_order_flags",
     "finish_merge",
     "local_count",
     "merge_infos",
@@ -64,6 +65,12 @@ def queues_order_flag(input: torch.Tensor) -> bool:
 def queues_order_flags_on(device: torch.device) -> bool:
     """:func:`queues_order_flag` for calls on ``device``."""
     return device.type != "cpu" or _QUEUE_ON_CPU
+
+
+def cpu_queues_order_flags() -> bool:
+    """Whether CPU calls leave their call-order flags for later (only while
+    :func:`set_queue_order_flags_on_cpu` is on)."""
+    return _QUEUE_ON_CPU
 
 
 def set_queue_order_flags_on_cpu(enabled: bool) -> None:
