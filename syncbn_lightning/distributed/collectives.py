@@ -48,6 +48,7 @@ __all__ = [
     "all_gather_single",
     "all_reduce",
     "all_reduce_",
+    "backend_for_device",
     "gather_rows",
     "group_ranks",
     "process_group",
@@ -166,13 +167,18 @@ def _run(process_group: Any, method: Any, args: tuple[Any, ...]) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _on_gloo(config: str, device: str) -> bool:
-    """Whether a group whose ``get_backend_config`` is ``config`` (``"gloo"``, ``"nccl"``,
-    ``"cpu:gloo,cuda:nccl"``) runs ``device``'s collectives on gloo (a ``name()`` of ``"nccl"``
-    may still send CPU tensors to gloo)."""
+    """Whether a group whose ``get_backend_config`` is ``config`` runs ``device``'s collectives
+    on gloo (a ``name()`` of ``"nccl"`` may still send CPU tensors to gloo)."""
+    return backend_for_device(config, device) == "gloo"
+
+
+def backend_for_device(config: str, device: str) -> str | None:
+    """The backend a group whose ``get_backend_config`` is ``config`` (``"gloo"``, ``"nccl"``,
+    ``"cpu:gloo,cuda:nccl"``) runs ``device``'s (a device type) collectives on; ``None`` where
+    it has none for that device."""
     if ":" not in config:
-        return config == "gloo"
-    backends = dict(part.split(":", 1) for part in config.split(","))
-    return backends.get(device) == "gloo"
+        return config
+    return dict(part.split(":", 1) for part in config.split(",")).get(device)
 
 
 def _flat(args: tuple[Any, ...]) -> list[Any]:

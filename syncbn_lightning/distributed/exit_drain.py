@@ -69,8 +69,8 @@ def threads() -> dict[int, tuple[str, str]]:
         except OSError:  # the thread ended meanwhile
             continue
         # "tid (name) S ...": the name may hold spaces and parentheses; the state follows the last.
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        found[int(tid)] = (name, stat[stat.rfind(")") + 2 : stat.rfind(")") + 3])
+        close = stat.rfind(")")
+        found[int(tid)] = (stat[stat.find("(") + 1 : close], stat[close + 2 : close + 3])
     return found
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import group_abort
+from .collectives import backend_for_device
 from .collectives import process_group as group_named
 from .group_sizes import (
     DEFAULT_TARGET_NORM_BATCH,
@@ -199,9 +200,7 @@ def carries_device_tensors(group: Any) -> bool:
     are for. On CPU every rank of the group fails at the call itself, from the gathered rows."""
     if isinstance(group, str):
         group = group_named(group)
-    config = str(dist.get_backend_config(group))
-    backends = [part.split(":")[-1] for part in config.split(",")]
-    return any(backend != "gloo" for backend in backends)
+    return backend_for_device(str(dist.get_backend_config(group)), "cuda") not in (None, "gloo")
 
 
 def made_group_name(process_group: Any) -> str | None:
