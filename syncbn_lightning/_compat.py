@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -103,11 +104,17 @@ def put_back_backward_context(context: Any) -> None:
         _TLS[3](_BACKWARD_CONTEXT, context)
 
 
-def store_connection(store: Any) -> Any:
-    """A connection to ``store`` of its own (``store.clone()``), or ``store`` itself where torch
-    cannot clone one."""
+def store_connection(store: Any, timeout: timedelta | None = None) -> Any:
+    """A connection to ``store`` of its own (``store.clone()``) whose requests time out after
+    ``timeout`` (``None``: the store's), or ``store`` itself, its timeout untouched, where torch
+    cannot clone one (2.4: the job's store object is shared)."""
     clone = getattr(store, "clone", None)
-    return store if clone is None else clone()
+    if clone is None:
+        return store
+    connection = clone()
+    if timeout is not None:
+        connection.set_timeout(timeout)
+    return connection
 
 
 #: Whether torch names gloo's threads (``pt_gloo_runloop``, ``gloo_tcp_loop``): 2.13.0 and 2.14.1

@@ -88,7 +88,7 @@ ACC_DTYPES = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# The flight recorder's ring (distributed/flight.py makes it and writes it from Python,
+# The flight recorder's ring (distributed/flight_writer.py makes it and writes it from Python,
 # csrc/layer/flight.cpp from C++, distributed/flight_file.py reads it): little-endian.
 
 #: The ring's header: magic, rank, world size, pid, capacity, records written, job id.

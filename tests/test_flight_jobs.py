@@ -27,7 +27,7 @@ from _dist import run_distributed
 from _lightning import BNNet, trainer
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed import flight, flight_writer
 from syncbn_lightning.distributed.flight_file import (
     HEADER,
     in_use,
@@ -102,7 +102,7 @@ def test_a_file_that_cannot_be_mapped_is_removed(tmp_path: Path, monkeypatch) ->
     def refuse(*args, **kwargs):
         raise OSError("no map for you")
 
-    monkeypatch.setattr(flight.mmap, "mmap", refuse)
+    monkeypatch.setattr(flight_writer.mmap, "mmap", refuse)
     path = tmp_path / "flight_job_rank0.bin"
     with pytest.raises(OSError, match="no map for you"):
         flight.FlightRecorder(path=path)
@@ -118,8 +118,8 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(flight.os, "posix_fallocate", full)
-    monkeypatch.setattr(flight, "_warned", set())
+    monkeypatch.setattr(flight_writer.os, "posix_fallocate", full)
+    monkeypatch.setattr(flight_writer, "_warned", set())
     flight.set_flight_dir(tmp_path / "records")
     with caplog.at_level(logging.WARNING, logger=flight.log.name):
         for name in ("a", "b"):
@@ -129,22 +129,26 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
     assert not _ring_files(tmp_path / "records")
     warnings = [r for r in caplog.records if "cannot keep a file" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
-    # A recorder whose names file fails later: converting a model still works.
+    # A job's recorder whose names file fails later: converting a model still works.
     monkeypatch.undo()
     flight.set_flight_dir(tmp_path / "records")
-    _job(tmp_path, "c")
-    monkeypatch.setattr(flight, "_warned", set())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store-c", rank=0, world_size=1)
+    try:
+        assert flight.flight_recorder().path is not None
+        monkeypatch.setattr(flight_writer, "_warned", set())
 
-    def no_names(*args, **kwargs):
-        raise OSError(30, "Read-only file system")
+        def no_names(*args, **kwargs):
+            raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr("builtins.open", no_names)
-    with caplog.at_level(logging.WARNING, logger=flight.log.name):
-        # New names (a name this process registered before is not written again).
-        for name in ("unwritable_first", "unwritable_second"):
-            model = torch.nn.ModuleDict({name: torch.nn.BatchNorm1d(3)})
-            model = convert_sync_batchnorm(model)
-    monkeypatch.undo()
+        monkeypatch.setattr("builtins.open", no_names)
+        with caplog.at_level(logging.WARNING, logger=flight.log.name):
+            # New names (a name this process registered before is not written again).
+            for name in ("unwritable_first", "unwritable_second"):
+                model = torch.nn.ModuleDict({name: torch.nn.BatchNorm1d(3)})
+                model = convert_sync_batchnorm(model)
+        monkeypatch.undo()
+    finally:
+        dist.destroy_process_group()
     assert isinstance(model["unwritable_second"], SyncBatchNorm)
     assert sum("cannot write the layers' names" in r.getMessage() for r in caplog.records) == 1
 
@@ -291,7 +295,7 @@ def test_running_out_of_file_names_warns_once_and_records_in_memory(
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", taken)
-    monkeypatch.setattr(flight, "_warned", set())
+    monkeypatch.setattr(flight_writer, "_warned", set())
     flight.set_flight_dir(tmp_path / "records")
     with caplog.at_level(logging.WARNING, logger=flight.log.name):
         for name in ("a", "b"):

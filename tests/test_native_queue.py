@@ -24,6 +24,7 @@ from _package_calls import PLAN_CALLS, package_calls
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
 from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.job import current_job
 from syncbn_lightning.functional import native
 from syncbn_lightning.nn import sync_plan
 from syncbn_lightning.ops.reference_steps import ROW_HEADER
@@ -144,27 +145,25 @@ def test_a_published_mismatch_is_raised_before_the_next_collective(one_rank, que
     before joining a collective (the documented CallOrderError, not the collective's error)."""
     layer = SyncBatchNorm(4, force_sync=True)
     layer(torch.randn(3, 4, 5))
-    job = group_abort._job_id()
-    group_abort._signalled[(job, "g")] = "global rank 1 found: a mismatch"
-    group_abort._notify(True)
+    job = current_job()
+    group_abort._signal(job, "g", "global rank 1 found: a mismatch")
     try:
         with pytest.raises(CallOrderError, match="global rank 1 found: a mismatch"):
             layer(torch.randn(3, 4, 5) + 5)
         assert torch.equal(layer.num_batches_tracked, torch.tensor(1))
     finally:
-        group_abort._signalled.clear()
-        group_abort._notify(False)
+        job.signalled.clear()
+        group_abort._set_signalled(False)
     layer(torch.randn(3, 4, 5))  # cleared: the calls go on
     assert torch.equal(layer.num_batches_tracked, torch.tensor(2))
 
 
 def test_a_stale_signal_is_cleared_by_the_first_check(one_rank, queued_flags) -> None:
-    """A message of an earlier job: the first check drops it and tells the C++ path, whose
-    later calls ask Python nothing more."""
+    """A signal whose message the running job does not hold (an earlier job's): the first check
+    drops it and tells the C++ path, whose later calls ask Python nothing more."""
     layer = SyncBatchNorm(4, force_sync=True)
     layer(torch.randn(3, 4, 5))
-    group_abort._signalled[("an earlier job", "g")] = "old"
-    group_abort._notify(True)
+    group_abort._set_signalled(True)
     first = package_calls(lambda: layer(torch.randn(3, 4, 5)))
     assert "call_order.py:raise_if_published" in first and not group_abort.signalled()
     later = package_calls(lambda: layer(torch.randn(3, 4, 5)))

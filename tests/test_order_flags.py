@@ -25,6 +25,7 @@ from torch import nn
 
 from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
 from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.job import current_job
 from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
 
 _REFERENCE = {"SYNCBN_IMPL": "reference"}  # the C++ CPU kernels always check at once
@@ -70,8 +71,10 @@ def test_queued_flags_are_read_within_the_step_on_every_rank() -> None:
 
 def _finder_and_waiter(rank: int, world: int) -> tuple[str, float]:
     """Rank 0 finds the mismatch at its 3rd call; rank 1 makes no further SyncBN call (as if
-    its device were stuck in a collective) and learns of it from the store."""
+    its device were stuck in a collective) and learns of it from the store (its watcher asks
+    every second here, every CHECK_S = 10 s by default)."""
     set_queue_order_flags_on_cpu(True)
+    group_abort.CHECK_S = 1.0
     net = _three_layers()
     for name in _calls(rank):
         try:
@@ -96,7 +99,7 @@ def test_the_rank_that_finds_a_mismatch_ends_the_others() -> None:
         _finder_and_waiter, 2, timeout=90, pg_timeout_s=60, env=_REFERENCE
     )
     assert "'mid'" in found and "'tail'" in found
-    assert waited < 10, waited  # the watcher's store wait, not a timeout
+    assert waited < 10, waited  # the watcher's next check (1 s here), not a timeout
     assert told.startswith("Another rank of this rank's SyncBatchNorm sync group")
     assert "global rank 0 found" in told and "'mid'" in told and "'tail'" in told
 
@@ -272,8 +275,8 @@ def test_three_jobs_in_one_process_leave_no_syncbn_thread(tmp_path: Path, queued
                 net(torch.randn(3, 4)).sum().backward()
             check_call_order()
             job = flight.job_id()
-            running = group_abort.watcher_threads()
-            assert len(running) == 1 and [key[0] for key in group_abort._watchers] == [job]
+            (running,) = group_abort.watcher_threads()
+            assert running.name == f"syncbn-abort-watch-{job}" and current_job().id == job
             jobs.append(job)
         finally:
             dist.destroy_process_group()
@@ -293,8 +296,8 @@ def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path, queue
     try:
         group = dist.new_group([0])
         net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
-        (thread,) = group_abort.watcher_threads()
-        assert thread.name == f"syncbn-abort-watch-{group.group_name}"
+        assert len(group_abort.watcher_threads()) == 1
+        assert current_job().watcher.groups == {group.group_name}
         revert_sync_batchnorm(net)
         assert not group_abort.watcher_threads()  # joined before revert returns
     finally:

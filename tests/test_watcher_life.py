@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from syncbn_lightning import (
     revert_sync_batchnorm,
 )
 from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.job import current_job
 
 
 def _threads(within_s: float = 2.0, want: int = 0) -> list[Any]:
@@ -60,7 +62,9 @@ def test_a_layer_built_on_a_group_starts_its_watcher(
     group = dist.new_group([0])
     layer = SyncBatchNorm(4, process_group=group)
     (thread,) = _threads(want=1)
-    assert thread.name == f"syncbn-abort-watch-{group.group_name}"
+    job = current_job()
+    assert thread.name == f"syncbn-abort-watch-{job.id}"
+    assert job.watcher.groups == {group.group_name}
     assert layer.process_group is group
 
 
@@ -79,7 +83,7 @@ def test_a_cpu_job_runs_no_watcher(one_rank_job: None) -> None:
     model(torch.randn(3, 4)).sum().backward()
     sync_world_group()
     check_call_order()
-    assert not group_abort.watcher_threads() and not group_abort._watchers
+    assert not group_abort.watcher_threads() and current_job().watcher is None
 
 
 @pytest.mark.parametrize(
@@ -158,15 +162,74 @@ def test_the_callbacks_teardown_ends_the_fits_watchers(
             dist.destroy_process_group()
 
 
-def test_a_message_of_an_earlier_job_is_not_read_in_a_later_one(one_rank_job: None) -> None:
-    group = dist.new_group([0])
-    group_abort._signalled[("an earlier job", group.group_name)] = "an old mismatch"
+def test_a_message_of_an_earlier_job_is_not_read_in_a_later_one(tmp_path: Path) -> None:
+    """A mismatch another rank published in one job goes with that job: the next job of the
+    process (a new default group) neither raises it nor tells the C++ path of it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s1", rank=0, world_size=1)
     try:
-        assert group_abort.published_message() is None
-        check_call_order()  # would raise CallOrderError with the old message
-        assert not group_abort._signalled
+        first = current_job()
+        group_abort._signal(first, dist.new_group([0]).group_name, "an old mismatch")
+        assert group_abort.signalled() and group_abort.published_message() == "an old mismatch"
     finally:
-        group_abort._signalled.clear()
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s2", rank=0, world_size=1)
+    try:
+        assert current_job() is not first and first.ended and not first.signalled
+        assert not group_abort.signalled() and group_abort.published_message() is None
+        check_call_order()  # would raise CallOrderError with the old message
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_watcher_reads_a_mismatch_another_rank_published(
+    one_rank_job: None, queued_flags: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store keys another rank writes (publish_mismatch's) reach this rank's watcher within a
+    check period: it keeps the message on the job and the next check raises it."""
+    monkeypatch.setattr(group_abort, "CHECK_S", 0.05)
+    monkeypatch.setattr(group_abort, "LIVE_S", 0.01)
+    group = dist.new_group([0])
+    SyncBatchNorm(4, process_group=group)
+    job = current_job()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(group_abort._KEY + group.group_name, "global rank 1 found: a mismatch")
+    store.set(group_abort._ANY_KEY, group.group_name)
+    try:
+        deadline = time.monotonic() + 5
+        while not group_abort.signalled() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.signalled == {group.group_name: "global rank 1 found: a mismatch"}
+        assert not _threads(want=0)  # it ended with its finding
+        with pytest.raises(call_order.CallOrderError, match="global rank 1 found: a mismatch"):
+            check_call_order()
+    finally:
+        job.signalled.clear()
+        group_abort._set_signalled(False)
+
+
+def test_one_watcher_watches_every_group_of_a_job(one_rank_job: None, queued_flags: None) -> None:
+    """Four groups, one thread: the job's watcher, whose store load does not grow with them."""
+    groups = [dist.new_group([0]) for _ in range(4)]
+    layers = [SyncBatchNorm(4, process_group=group) for group in groups]
+    assert len(_threads(want=1)) == 1
+    assert current_job().watcher.groups == {group.group_name for group in groups}
+    revert_sync_batchnorm(nn.Sequential(*layers[:3]))
+    assert current_job().watcher.groups == {groups[3].group_name} and len(_threads()) == 1
+    revert_sync_batchnorm(nn.Sequential(layers[3]))
+    assert not group_abort.watcher_threads() and current_job().watcher is None
+
+
+def test_a_watcher_ends_within_a_second_of_destroy_process_group(
+    tmp_path: Path, queued_flags: None
+) -> None:
+    """No hook tells SyncBN of ``destroy_process_group``: the watcher looks every LIVE_S, without
+    asking the store."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
+    SyncBatchNorm(4, process_group=dist.new_group([0]))
+    (thread,) = _threads(want=1)
+    dist.destroy_process_group()
+    thread.join(1.0)
+    assert not thread.is_alive()
 
 
 class _AppendedWhileCopied(list):
@@ -213,16 +276,15 @@ def test_a_watcher_that_outlasts_its_stop_is_named(
     import threading
 
     release = threading.Event()
-    watcher = group_abort._Watcher(("job", "stuck-group"), nn.Module())
+    watcher = group_abort._Watcher(SimpleNamespace(id="stuck-job"), None)
     watcher.thread = threading.Thread(target=release.wait, name="syncbn-abort-watch-stuck")
     watcher.thread.start()
-    monkeypatch.setitem(group_abort._watchers, watcher.key, watcher)
     monkeypatch.setattr(group_abort, "_JOIN_S", 0.05)
     try:
         with caplog.at_level("WARNING", logger=group_abort.__name__):
-            group_abort.stop_watchers()
+            watcher.stop()
     finally:
         release.set()
         watcher.thread.join()
-    assert watcher.stop.is_set()
-    assert "stuck-group" in caplog.text and "did not end" in caplog.text
+    assert watcher.stop_event.is_set()
+    assert "stuck-job" in caplog.text and "did not end" in caplog.text

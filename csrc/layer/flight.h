@@ -1,8 +1,8 @@
-// The flight recorder's writer in C++ (syncbn_lightning/distributed/flight.py owns the ring and
-// its file; this writes into the same memory). The synchronized layer's C++ path (layer.cpp)
-// records its collectives here, without Python; the Python path records through the same state
-// (the `syncbn::flight_*` operators, flight.cpp) once the ring is attached, so both keep one
-// sequence number per process group and one call number per layer tag.
+// The flight recorder's writer in C++ (syncbn_lightning/distributed/flight_writer.py owns the
+// ring and its file; this writes into the same memory). The synchronized layer's C++ path
+// (layer.cpp) records its collectives here, without Python; the Python path records through the
+// same state (the `syncbn::flight_*` operators, flight.cpp) once the ring is attached, so both
+// keep one sequence number per process group and one call number per layer tag.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from .._compat import put_back_backward_context, take_backward_context, use_count
 from .._shared import GATHER_SUM_MAX_RANKS
 from . import (
-    exit_drain,  # noqa: F401  (importing it registers the exit drain)
     flight,
+    job,  # noqa: F401  (importing it registers the exit handler: the job ends, then the drain)
 )
 from .replicas import ReplicaGroup
 

@@ -10,7 +10,8 @@ whose Python object its caller dropped while the work still held it (Lightning's
 torchmetrics' metric syncs, any ``dist.all_reduce`` of a temporary). SyncBN's own collectives
 leave neither (:mod:`.collectives`, ``csrc/layer/layer_comm.cpp``); the others of a job may.
 
-So at interpreter exit (an ``atexit`` handler: the interpreter still runs) :func:`drain` waits,
+So at interpreter exit (the ``atexit`` handler of :mod:`.job`, after the running job ended: the
+interpreter still runs) :func:`drain` waits,
 with the GIL released, until no gloo worker thread is runnable: a worker that still has to drop
 a work is runnable (or takes the GIL, which is free while this sleeps, and drops it at once); an
 idle one sleeps on its queue. Three quiet looks in a row end the wait, normally within a few
@@ -25,7 +26,6 @@ know, in a process that made a process group. From 2.13 a process without a name
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .._compat import GLOO_THREADS_NAMED, made_process_group
 
-__all__ = ["LIMIT_S", "drain", "gloo_worker_threads", "runnable", "threads"]
+__all__ = ["LIMIT_S", "drain", "drain_at_exit", "gloo_worker_threads", "runnable", "threads"]
 
 _log = logging.getLogger(__name__)
 
@@ -134,11 +134,10 @@ def drain(
     return True
 
 
-def _at_exit() -> None:
+def drain_at_exit() -> None:
+    """:func:`drain`, never raising: the last step of the interpreter's exit handler of
+    :mod:`.job`, after the running job ended."""
     try:
         drain()
     except Exception as exc:  # never let the exit path raise
         _log.debug("syncbn_lightning: the exit drain failed: %s", exc)
-
-
-atexit.register(_at_exit)

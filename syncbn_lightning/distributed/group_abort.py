@@ -6,27 +6,31 @@ not, so some rank's device may wait in a collective that no other rank will join
 rank that read the flag is not enough: NCCL would keep the others waiting until the collective
 timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
 
-* it writes the error message under a key of the job's store (``syncbn/abort/<group name>``) and
-  aborts its own member of SyncBN's group;
-* every rank runs one watcher thread per SyncBN group of its job whose calls may queue flags (its
-  backends carry device tensors, :func:`.groups.carries_device_tensors`, or CPU calls queue them
-  under the tests' switch; a CPU job on gloo runs none: its calls check at once, on every rank),
-  started when SyncBN makes the group (:mod:`.groups`), converts a model onto it, makes a layer's
-  plan that queues flags on it (the C++ path), or first queues a flag on it (eager or compiled
-  code alike: groups are made and converted onto eagerly). On its own connection to the
-  store (:meth:`torch.distributed.Store.clone`) it checks for that key every
-  :data:`POLL_S` seconds. When the key appears, the watcher logs the message, aborts this rank's
-  member of the group (on NCCL its pending collectives fail at once) and remembers the message:
-  the rank's next synchronized call or :func:`~syncbn_lightning.check_call_order` raises
+* it writes the error message under a key of the job's store (``syncbn/abort/<group name>``, and
+  the group's name under ``syncbn/abort``, the one key every watcher asks for) and aborts its own
+  member of SyncBN's group;
+* every rank runs **one watcher per job** (:class:`_Watcher`: one thread, one connection to the
+  store of its own, :meth:`torch.distributed.Store.clone`, whose requests time out after
+  :data:`REQUEST_TIMEOUT_S`), which watches every group of the job whose calls may queue flags
+  (its backends carry device tensors, :func:`.groups.carries_device_tensors`, or CPU calls queue
+  them under the tests' switch; a CPU job on gloo runs none: its calls check at once, on every
+  rank). A group is added when SyncBN makes it (:mod:`.groups`), converts a model onto it, makes
+  a layer's plan that queues flags on it (the C++ path), or first queues a flag on it (eager or
+  compiled code alike: groups are made and converted onto eagerly). Every :data:`CHECK_S`
+  seconds the watcher asks the store for ``syncbn/abort``: one request, whatever the number of
+  groups; between requests it only looks, every :data:`LIVE_S` seconds, whether it was stopped
+  and whether its job still runs, which costs the store nothing. When the key appears, it reads
+  the keys of its groups; for one of them it logs the message, aborts this rank's member of the
+  group (on NCCL its pending collectives fail at once) and keeps the message on the job: the
+  rank's next synchronized call or :func:`~syncbn_lightning.check_call_order` raises
   :class:`~.call_order.CallOrderError` with it. The C++ path learns of it through the hooks of
   :func:`on_signal` (it checks before each collective without calling Python).
 
-**A watcher lives as long as its job.** It is keyed by the job's id (the one the default store
-holds, :func:`.flight.job_id`) and the group's name, and ends, closing its connection, when its
-job's default group is destroyed (``destroy_process_group``: seen within :data:`POLL_S`), when
-:func:`stop_watchers` is called (``SyncBNCallback``'s teardown; ``revert_sync_batchnorm``, for
-the groups no other live layer queues flags on), when the store goes away, and at interpreter exit
-(joined before the interpreter finalizes).
+**The watcher belongs to its job** (:class:`~.job.SyncJob`, which holds it and its messages): it
+ends, closing its connection, within :data:`LIVE_S` of its job's ``destroy_process_group``, when
+the job ends (at the next use of SyncBN after that, and at interpreter exit, joined before the
+interpreter finalizes), and when :func:`stop_watchers` leaves it no group (``SyncBNCallback``'s
+teardown; ``revert_sync_batchnorm``, for the groups no other live layer queues flags on).
 
 On gloo an abort does not end a collective already waiting on the host; those end when the
 publishing rank's process exits and its connections close (it raised). Only SyncBN's own groups
@@ -36,21 +40,23 @@ own).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
-import weakref
+import time
 from collections.abc import Callable, Collection
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from .._compat import store_connection
-from . import flight
 from .collectives import process_group
+from .job import SyncJob, current_job, on_job_end
 
 __all__ = [
-    "POLL_S",
+    "CHECK_S",
+    "LIVE_S",
+    "REQUEST_TIMEOUT_S",
     "abort_group",
     "on_signal",
     "publish_mismatch",
@@ -65,43 +71,65 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 _KEY = "syncbn/abort/"
-#: How often a watcher checks its group's key and whether its job still runs (seconds).
-POLL_S = 0.2
-# How long stop_watchers waits for each watcher to end (it ends within POLL_S).
+# Set with every published mismatch (to the group's name): the one key a watcher asks for.
+_ANY_KEY = "syncbn/abort"
+#: How often a watcher asks the store whether a mismatch was published (seconds): its job's
+#: whole load on the store, one request per rank per period.
+CHECK_S = 10.0
+#: How often a watcher looks whether it was stopped and whether its job still runs (seconds; no
+#: request).
+LIVE_S = 0.5
+#: The timeout of a watcher's store requests (seconds): shorter than the stop's join, so that a
+#: stopped watcher always ends before its stopper goes on (at exit: before the interpreter
+#: finalizes).
+REQUEST_TIMEOUT_S = 1.5
+# How long a stop waits for its watcher to end.
 _JOIN_S = 2.0
+_THREAD_NAME = "syncbn-abort-watch"
 
-# Keys are (the job's id, group name): group names repeat from job to job.
-# Mismatches published by another rank of a group this process watches: key -> message.
-_signalled: dict[tuple[str, str], str] = {}
-# Groups whose mismatch this rank published (its watcher stays quiet).
-_published: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+# Whether a job of this process holds a mismatch another rank published (read at every
+# synchronized call: a module global and nothing more).
+_signalled = False
 # Called with whether a mismatch may be signalled, each time that changes (functional/native.py
 # tells the C++ path).
 _signal_hooks: list[Callable[[bool], None]] = []
-#: How many times :func:`stop_watchers` ran: whoever started a watcher at one value starts it
-#: again once this differs (a C++ layer plan, ``nn/sync_plan.py``; read as an attribute, per call).
+#: How many times :func:`stop_watchers` ran: whoever added a group at one value adds it again
+#: once this differs (a C++ layer plan, ``nn/sync_plan.py``; read as an attribute, per call).
 watch_epoch = 0
 
 
 class _Watcher:
-    """One group's watcher: its thread, its stop event and the default group of its job."""
+    """A job's watcher: its thread, its connection, its stop event and the groups it watches
+    (a frozenset, replaced whole: the thread reads it without the lock)."""
 
-    __slots__ = ("key", "stop", "thread", "world")
-
-    def __init__(self, key: tuple[str, str], world: Any) -> None:
-        self.key, self.stop, self.world = key, threading.Event(), weakref.ref(world)
+    def __init__(self, job: SyncJob, connection: Any) -> None:
+        self.job, self.connection = job, connection
+        self.groups: frozenset[str] = frozenset()
+        self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def job_running(self) -> bool:
-        """Whether the default group this watcher started in is still the process's."""
-        world = self.world()
-        return world is not None and dist.is_initialized() and dist.GroupMember.WORLD is world
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=_watch, args=(self,), name=f"{_THREAD_NAME}-{self.job.id}", daemon=True
+        )
+        self.thread.start()
 
-
-_watchers: dict[tuple[str, str], _Watcher] = {}
-# (the default group, as a weak reference, and its job's id): the id asked of the store once.
-_job: tuple[Any, str] | None = None
+    def stop(self) -> None:
+        """Stop the thread and wait for it (it ends within :data:`LIVE_S`, or its store
+        request's :data:`REQUEST_TIMEOUT_S`); one warning if it still runs after the join."""
+        self.stop_event.set()
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(_JOIN_S)
+        if thread.is_alive():  # in a store request that outlasts the join
+            _log.warning(
+                "SyncBN: the call-order watcher of job %s did not end within %.0f s of its stop "
+                "(a store request still runs); going on without it",
+                self.job.id,
+                _JOIN_S,
+            )
 
 
 def _store() -> Any:
@@ -114,33 +142,46 @@ def _store() -> Any:
         return None
 
 
-def _job_id() -> str | None:
-    """The running job's id (``None`` outside a job), asked of the store once per job."""
-    global _job
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.GroupMember.WORLD
-    if _job is None or _job[0]() is not world:
-        _job = (weakref.ref(world), flight.job_id())
-    return _job[1]
-
-
 def signalled() -> bool:
     """Whether another rank published a mismatch of a group this process watches (any job):
-    read at each synchronized call, so a dict's truth value and nothing more."""
-    return bool(_signalled)
+    read at each synchronized call, so a module global and nothing more."""
+    return _signalled
+
+
+def _set_signalled(value: bool) -> None:
+    global _signalled
+    if _signalled != value:
+        _signalled = value
+        for hook in _signal_hooks:
+            try:
+                hook(value)
+            except Exception as exc:  # the watcher thread must not die of a hook
+                _log.debug("syncbn_lightning: a signal hook failed: %s", exc)
+
+
+def _signal(job: SyncJob, group: str, message: str) -> None:
+    """Keep ``message``, published by another rank for ``group``, on ``job`` and say so."""
+    job.signalled[group] = message
+    _set_signalled(True)
+
+
+def _job_ended(job: SyncJob, had_signal: bool) -> None:
+    if had_signal:  # its messages went with it: never read in a later job
+        _set_signalled(False)
+
+
+on_job_end(_job_ended)
 
 
 def published_message() -> str | None:
-    """The message another rank of this job published for a group this process watches, or
-    ``None``; drops messages of earlier jobs of this process."""
-    job = _job_id() if _signalled else None
-    for key in list(_signalled):
-        if key[0] == job:
-            return _signalled[key]
-        del _signalled[key]
-        if not _signalled:
-            _notify(False)
+    """The message another rank of the running job published for a group this process watches,
+    or ``None`` (an ended job's messages went with it)."""
+    if not _signalled:
+        return None
+    job = current_job(create=False)  # ends a job whose default group was destroyed
+    if job is not None and job.signalled:
+        return next(iter(job.signalled.values()))
+    _set_signalled(False)
     return None
 
 
@@ -149,14 +190,6 @@ def on_signal(hook: Callable[[bool], None]) -> None:
     if hook not in _signal_hooks:
         _signal_hooks.append(hook)
         hook(signalled())
-
-
-def _notify(signalled_now: bool) -> None:
-    for hook in _signal_hooks:
-        try:
-            hook(signalled_now)
-        except Exception as exc:  # the watcher thread must not die of a hook
-            _log.debug("syncbn_lightning: a signal hook failed: %s", exc)
 
 
 def abort_group(group: str) -> None:
@@ -172,97 +205,110 @@ def publish_mismatch(group: str, message: str) -> None:
     """Tell every rank watching ``group`` that this rank found a call-order mismatch
     (``message``, the error it raises), then abort this rank's member of the group. Never
     raises: the caller raises the error itself."""
-    store, job = _store(), _job_id()
+    store, job = _store(), current_job()
     if store is not None and job is not None:
-        _published.add((job, group))
+        job.published.add(group)
         try:
             rank = dist.get_rank()
             store.set(_KEY + group, f"global rank {rank} found: {message}")
+            store.set(_ANY_KEY, group)  # after the group's key: a watcher that sees it reads it
         except Exception as exc:  # the store is gone: the job is ending anyway
             _log.debug("syncbn_lightning: could not publish the mismatch: %s", exc)
     abort_group(group)
 
 
 def watch_group(group: str) -> None:
-    """Start this process's watcher of ``group`` (once per group and job; see the module
-    docstring). Cheap when already started: a dict lookup."""
-    job = _job_id()
-    if job is None or (job, group) in _watchers:
+    """Have the running job's watcher watch ``group`` (started with the job's first group; see
+    the module docstring). Cheap when it watches it already: a set lookup."""
+    job = current_job()
+    if job is None:
+        return
+    watcher = job.watcher
+    if isinstance(watcher, _Watcher) and group in watcher.groups:
         return
     with _lock:
-        if (job, group) in _watchers:
-            return
-        watcher = _Watcher((job, group), dist.GroupMember.WORLD)
-        _watchers[watcher.key] = watcher  # also when no watcher runs: asked once per job
-        try:
-            connection = store_connection(_store())
-        except Exception as exc:  # a store that cannot be cloned: the error still ends this rank
-            _log.debug("syncbn_lightning: no watcher for group %s: %s", group, exc)
-            return
-        name = f"syncbn-abort-watch-{group}"
-        watcher.thread = threading.Thread(
-            target=_watch, args=(connection, watcher), name=name, daemon=True
-        )
-        watcher.thread.start()
+        if not isinstance(job.watcher, _Watcher):
+            job.watcher = _new_watcher(job)
+        watcher = job.watcher
+        watcher.groups = watcher.groups | {group}
+
+
+def _new_watcher(job: SyncJob) -> _Watcher:
+    """The job's watcher, its thread started; without a store connection (a store that cannot
+    be cloned, none at all) one that runs no thread: the error still ends this rank, and the
+    job asks once."""
+    try:
+        connection = store_connection(_store(), timedelta(seconds=REQUEST_TIMEOUT_S))
+    except Exception as exc:
+        _log.debug("syncbn_lightning: no call-order watcher for job %s: %s", job.id, exc)
+        return _Watcher(job, None)
+    watcher = _Watcher(job, connection)
+    watcher.start()
+    return watcher
 
 
 def stop_watchers(keep: Collection[str] = ()) -> None:
-    """End every watcher of this process but those of the groups named in ``keep``, and close
-    their connections (they end by themselves when their job's default group is destroyed): the
-    callback's teardown and interpreter exit stop them all, ``revert_sync_batchnorm`` those no
-    other live layer needs. A later SyncBN group, conversion or queued flag starts them again."""
+    """Stop watching every group but those named in ``keep``; a watcher left with no group ends
+    and closes its connection (it ends by itself when its job's default group is destroyed):
+    the callback's teardown stops it, ``revert_sync_batchnorm`` leaves the groups other live
+    layers need. A later SyncBN group, conversion or queued flag starts a watcher again."""
     global watch_epoch
+    job = current_job(create=False)  # a destroyed job ends here, its watcher with it
     with _lock:
-        watchers = [w for w in _watchers.values() if w.key[1] not in keep]
-        for watcher in watchers:
-            del _watchers[watcher.key]
         watch_epoch += 1
-    for watcher in watchers:
-        watcher.stop.set()
-    for watcher in watchers:
-        if watcher.thread is not None and watcher.thread is not threading.current_thread():
-            watcher.thread.join(_JOIN_S)
-            if watcher.thread.is_alive():  # in a store request that outlasts the join
-                _log.warning(
-                    "SyncBN: the call-order watcher of group %s did not end within %.0f s of "
-                    "its stop (a store request still runs); going on without it",
-                    watcher.key[1],
-                    _JOIN_S,
-                )
+        watcher = job.watcher if job is not None else None
+        if not isinstance(watcher, _Watcher):
+            return
+        watcher.groups = watcher.groups & frozenset(keep)
+        if watcher.groups:
+            return
+        job.watcher = None  # type: ignore[union-attr]
+    watcher.stop()
 
 
 def watcher_threads() -> list[threading.Thread]:
     """The watcher threads of this process still running."""
-    return [t for t in threading.enumerate() if t.name.startswith("syncbn-abort-watch-")]
+    return [t for t in threading.enumerate() if t.name.startswith(_THREAD_NAME)]
 
 
-def _watch(connection: Any, watcher: _Watcher) -> None:
-    """The watcher thread: check the group's key until it appears, the job ends or it is
-    stopped; on the key, log, remember and abort. Its connection is closed as it ends."""
-    _job, group = watcher.key
-    message = None
+def _published_group(connection: Any, groups: frozenset[str]) -> tuple[str, str] | None:
+    """``(group, message)`` of a mismatch published for one of ``groups``, else ``None``: one
+    request while nothing was published for any group of the job."""
+    if not connection.check([_ANY_KEY]):
+        return None
+    for group in groups:
+        if connection.check([_KEY + group]):
+            return group, bytes(connection.get(_KEY + group)).decode()
+    return None
+
+
+def _watch(watcher: _Watcher) -> None:
+    """The watcher thread: ask for a published mismatch every :data:`CHECK_S` (at once first),
+    look whether to go on every :data:`LIVE_S`; on a mismatch of a watched group, keep it on the
+    job, log and abort. Its connection is closed as it ends."""
+    job, connection = watcher.job, watcher.connection
+    found = None
+    next_check = time.monotonic()
     try:
-        while not watcher.stop.wait(POLL_S) and watcher.job_running():
-            if connection.check([_KEY + group]):
-                message = bytes(connection.get(_KEY + group)).decode()
-                break
-    except Exception:  # the store went away with the job
-        pass
+        while job.is_current() and not watcher.stop_event.is_set():
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CHECK_S
+                try:
+                    found = _published_group(connection, watcher.groups)
+                except Exception as exc:  # a request timed out, or the store is going away
+                    _log.debug("syncbn_lightning: a call-order watcher's request failed: %s", exc)
+                if found is not None:
+                    break
+            watcher.stop_event.wait(LIVE_S)
     finally:
-        del connection  # the clone's socket (or file handle) closes here
-        with _lock:
-            if _watchers.get(watcher.key) is watcher and message is None:
-                del _watchers[watcher.key]  # ended with its job: a new job starts anew
-    if message is None or watcher.key in _published:
+        watcher.connection = connection = None  # the clone's socket (or file handle) closes
+    if found is None or found[0] in job.published:
         return  # nothing published, or this rank found it, raised, and aborted the group
-    _signalled[watcher.key] = message
-    _notify(True)
+    group, message = found
+    _signal(job, group, message)
     _log.error(
         "syncbn_lightning: a SyncBatchNorm call-order mismatch in sync group %s ended it: %s",
         group,
         message,
     )
     abort_group(group)
-
-
-atexit.register(stop_watchers)

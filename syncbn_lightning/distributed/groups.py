@@ -22,7 +22,6 @@ minutes).
 
 from __future__ import annotations
 
-import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +37,7 @@ from .group_sizes import (
     resolve_group_size,
     validate_group_size,
 )
+from .job import current_job
 
 __all__ = [
     "DEFAULT_TARGET_NORM_BATCH",
@@ -147,37 +147,33 @@ def group_name_of(process_group: dist.ProcessGroup | None) -> str | None:
     return process_group.group_name
 
 
-_world_twin: tuple[Any, dist.ProcessGroup] | None = None  # (default group, SyncBN's twin of it)
-
-
 def sync_world_group() -> dist.ProcessGroup:
     """The process group of SyncBN layers that synchronize over the whole world: every rank of
     the default group, in a group that only SyncBN's collectives use (see the module docstring).
 
-    Made on first use and kept while the default group lives (a new default group gets a new
-    twin). Making it is collective: every rank must get here in the same order relative to other
-    group creations. The converter, the callback and the plugin make it where they convert after
-    ``init_process_group``; otherwise a layer's first synchronized call does (every rank of the
-    world makes that call, as it joins the layer's collective with all of them).
+    Made on first use and kept by the job (:class:`~.job.SyncJob`: a new default group, a new job,
+    gets a new twin). Making it is collective: every rank must get here in the same order relative
+    to other group creations. The converter, the callback and the plugin make it where they convert
+    after ``init_process_group``; otherwise a layer's first synchronized call does (every rank of
+    the world makes that call, as it joins the layer's collective with all of them).
 
     Raises:
         RuntimeError: when torch.distributed is not initialized.
     """
-    global _world_twin
-    if not (dist.is_available() and dist.is_initialized()):
+    job = current_job()
+    if job is None:
         raise RuntimeError(
             "sync_world_group() needs an initialized default process group: call "
             "torch.distributed.init_process_group(...) first"
         )
-    world = dist.group.WORLD
-    if _world_twin is None or _world_twin[0] is not world:
+    if job.world_twin is None:
         timeout = sync_timeout()
         twin = dist.new_group(timeout=timeout, group_desc="syncbn_world")
-        _world_twin = (world, twin)
+        job.world_twin = twin
         _note_groups_made(timeout)
         if carries_device_tensors(twin):
             group_abort.watch_group(twin.group_name)
-    return _world_twin[1]
+    return job.world_twin
 
 
 def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
@@ -211,9 +207,9 @@ def made_group_name(process_group: Any) -> str | None:
         return None
     if isinstance(process_group, dist.ProcessGroup) and process_group is not dist.group.WORLD:
         return process_group.group_name
-    if _world_twin is not None and _world_twin[0] is dist.group.WORLD:
-        return _world_twin[1].group_name
-    return None
+    job = current_job(create=False)
+    twin = job.world_twin if job is not None else None
+    return twin.group_name if twin is not None else None
 
 
 def _world_group_name() -> str:
@@ -229,13 +225,13 @@ _world_group_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _sync_timeout: timedelta | None = None
-# (the default group SyncBN last made groups in, as a weak reference, and their timeout).
-_groups_made: tuple[Any, timedelta | None] | None = None
 
 
 def _note_groups_made(timeout: timedelta | None) -> None:
-    global _groups_made
-    _groups_made = (weakref.ref(dist.group.WORLD), timeout)
+    """Keep on the job the timeout SyncBN made its groups with (:func:`set_sync_timeout`)."""
+    job = current_job()
+    if job is not None:
+        job.groups_timeout = (timeout,)
 
 
 def set_sync_timeout(timeout: timedelta | float | None) -> None:
@@ -257,15 +253,15 @@ def set_sync_timeout(timeout: timedelta | float | None) -> None:
         timeout = timedelta(seconds=float(timeout))
     if timeout is not None and timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be > 0 seconds (or None), got {timeout}")
-    made = _groups_made
-    if made is not None and dist.is_available() and dist.is_initialized():
-        if made[0]() is dist.group.WORLD and made[1] != (timeout or _default_timeout()):
-            raise RuntimeError(
-                f"set_sync_timeout({timeout}) came after SyncBN made this job's process groups "
-                f"(with timeout {made[1]}), which keep the timeout they were made with: call it "
-                f"on every rank before new_sync_group(), SyncBNCallback's setup and the layers' "
-                f"first synchronized call (right after init_process_group)"
-            )
+    job = current_job(create=False)
+    made = job.groups_timeout if job is not None else None
+    if made is not None and made[0] != (timeout or _default_timeout()):
+        raise RuntimeError(
+            f"set_sync_timeout({timeout}) came after SyncBN made this job's process groups "
+            f"(with timeout {made[0]}), which keep the timeout they were made with: call it "
+            f"on every rank before new_sync_group(), SyncBNCallback's setup and the layers' "
+            f"first synchronized call (right after init_process_group)"
+        )
     _sync_timeout = timeout
 
 
