@@ -1,5 +1,5 @@
-"""SyncBN's collectives leave nothing that needs the GIL to the threads that finish them (issue
-55, item 2).
+"""What SyncBN's collectives leave to the threads that finish them (issue 55, item 2; issue 63,
+item 3): none of the Python objects plain eager training puts in the thread's state.
 
 A gloo worker thread releases a finished work after the waiting caller has moved on. When that
 happens after the interpreter began to finalize, releasing a Python object cannot take the GIL,
@@ -14,9 +14,10 @@ CPython ends the thread inside the work's noexcept destructor, and the rank dies
   the C++ path's tensors have none): on gloo, the Python path returns only once the worker has
   let go of its tensors.
 
-The context tests replace c10d's CPU kernels for the two collectives with probes (one rank: the
-gather is a copy) that note whether the issuing thread holds the backward's Python object. Both
-paths call the process group's methods, which dispatch to these operators.
+Nor does a Python dispatch mode (FlopCounterMode) reach them; saved-tensor hooks do, and are left to
+the exit drain. The context tests replace c10d's CPU kernels for the two collectives with probes
+(one rank: the gather is a copy) that note whether the issuing thread holds the backward's Python
+object. Both paths call the process group's methods, which dispatch to these operators.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ class _Probe:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool]] = []
+        # Per call: the issuing thread's Python modes (dispatch + torch-function) and whether it
+        # held saved-tensor hooks: state a gloo work copies too.
+        self.modes: list[int] = []
+        self.hooks: list[bool] = []
+
+    def _note_state(self) -> None:
+        self.modes.append(
+            torch._C._len_torch_dispatch_stack() + torch._C._len_torch_function_stack()
+        )
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self.hooks.append(top is not None and top(True) is not None)
 
     @staticmethod
     def _done(result: Any) -> Any:
@@ -58,11 +70,13 @@ class _Probe:
 
     def gather(self, output: torch.Tensor, input: torch.Tensor, *_: Any) -> Any:
         self.calls.append(("all_gather", torch._C._is_key_in_tls(_CONTEXT)))
+        self._note_state()
         output.copy_(input.reshape(-1))
         return output, self._done([output])
 
     def reduce(self, tensors: list[torch.Tensor], *_: Any) -> Any:
         self.calls.append(("all_reduce", torch._C._is_key_in_tls(_CONTEXT)))
+        self._note_state()
         return tensors, self._done(tensors)
 
 
@@ -148,6 +162,43 @@ def test_the_probe_sees_the_context_a_plain_call_holds(probe: _Probe) -> None:
 
     Gathered.apply(torch.ones(3, requires_grad=True)).sum().backward()
     assert probe.calls == [("all_gather", True)]
+
+
+def _train_step(impl: str) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), SyncBatchNorm(4, force_sync=True, impl=impl))
+    model(torch.randn(2, 3, 8, 8, requires_grad=True)).square().mean().backward()
+
+
+@pytest.mark.parametrize("impl", ["ext", "reference"])
+def test_a_step_under_flop_counter_mode_hands_the_worker_no_python_object(
+    probe: _Probe, impl: str
+) -> None:
+    """FlopCounterMode, a Python dispatch mode, is active for the whole step; at each collective
+    no Python mode is on the issuing thread's stack (torch runs a mode's handler with the mode
+    popped) and no backward context either: the works copy nothing that needs the GIL."""
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        _train_step(impl)
+    assert counter.get_total_flops() > 0
+    assert probe.calls == [("all_gather", False), ("all_gather", False)]
+    assert probe.modes == [0, 0] and probe.hooks == [False, False]
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
+    reason=f"torch {torch.__version__} cannot show the saved-tensor hooks' stack",
+)
+@pytest.mark.parametrize("impl", ["ext", "reference"])
+def test_saved_tensor_hooks_are_copied_and_left_to_the_exit_drain(probe: _Probe, impl: str) -> None:
+    """What is not set aside (docs/reliability.md): saved-tensor hooks (a non-reentrant
+    checkpoint's, a user's offloading hooks) are Python callables in the thread's state while
+    the forward and backward run, and the works of both collectives copy them. At exit the exit
+    drain (``distributed/exit_drain.py``) is what lets the workers drop them in time."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        _train_step(impl)
+    assert probe.hooks == [True, True] and probe.modes == [0, 0]
 
 
 def test_the_python_path_returns_once_gloo_let_go_of_its_tensors(tmp_path: Path) -> None:
