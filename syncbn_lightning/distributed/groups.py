@@ -177,12 +177,12 @@ def sync_world_group() -> dist.ProcessGroup:
 
 
 def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
-    """Start the call-order watcher (:mod:`.group_abort`) of the group a layer with
+    """Have the job's call-order watcher (:mod:`.group_abort`) watch the group a layer with
     ``process_group`` synchronizes through, in a running job (a group of the caller's, or the
     world's twin once made: this never makes a group), where its calls may queue their flags:
     the group carries device tensors (:func:`carries_device_tensors`), or ``cpu_queues`` (CPU
     calls queue them: the tests' switch, ``ops/reference.py``). The converter and the layer's
-    constructor call it, so that a job whose layers run only compiled code has its watchers
+    constructor call it, so that a job whose layers run only compiled code has its watcher
     too."""
     name = made_group_name(process_group)
     if name is not None and (cpu_queues or carries_device_tensors(name)):
@@ -192,8 +192,8 @@ def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
 def carries_device_tensors(group: Any) -> bool:
     """Whether ``group`` (a ProcessGroup or its name) has a backend for other devices than the
     CPU (``nccl``, ``cpu:gloo,cuda:nccl``; not ``gloo``): only calls on device tensors leave
-    their call-order flags to be read later, and a mismatch found late is what the watchers
-    are for. On CPU every rank of the group fails at the call itself, from the gathered rows."""
+    their call-order flags to be read later, and a mismatch found late is what the watcher
+    is for. On CPU every rank of the group fails at the call itself, from the gathered rows."""
     if isinstance(group, str):
         group = group_named(group)
     return backend_for_device(str(dist.get_backend_config(group)), "cuda") not in (None, "gloo")

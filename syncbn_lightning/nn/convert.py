@@ -305,8 +305,9 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     current Parameter and buffer objects and keeping ``training`` and the hyper-parameters as they
     are now. A :class:`SyncBatchNorm` constructed directly becomes :class:`BatchNormXd` (a
     :class:`SyncBatchNormAct`: :class:`BatchNormActXd`, with its ``act`` and ``drop``). The
-    process's call-order watcher threads end, except those of groups another live layer that
-    queues order flags still uses (a later conversion starts them again).
+    job's call-order watcher stops watching the groups of the reverted layers, except those another
+    live layer that queues order flags still uses, and ends when it has none left (a later
+    conversion starts it again).
 
     Args:
         module: the model, or a single layer.

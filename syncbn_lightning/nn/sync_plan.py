@@ -119,8 +119,9 @@ class SyncPlan:
             Python binding ~4 us less per call than the same by keyword
             (``benchmarks/bench_op_args.py``).
         watched: for a C++ plan whose calls queue their call-order flags in a group, the
-            :data:`~syncbn_lightning.distributed.group_abort.watch_epoch` at which it started the
-            group's watcher (started again when watchers were stopped since); else ``None``.
+            :data:`~syncbn_lightning.distributed.group_abort.watch_epoch` at which it had the
+            job's watcher watch the group (again when the watcher was stopped since); else
+            ``None``.
     """
 
     __slots__ = (
@@ -179,9 +180,9 @@ class SyncPlan:
             self.watch()
 
     def watch(self) -> None:
-        """Start the watcher of the plan's group (a queued flag that reads 0 on another rank is
-        published there, :mod:`~syncbn_lightning.distributed.group_abort`): the C++ path queues
-        its flags without Python, so the plan starts it."""
+        """Have the job's watcher watch the plan's group (a queued flag that reads 0 on another
+        rank is published there, :mod:`~syncbn_lightning.distributed.group_abort`): the C++ path
+        queues its flags without Python, so the plan asks for it."""
         self.watched = group_abort.watch_epoch
         group_abort.watch_group(self.settings["group"])
 
