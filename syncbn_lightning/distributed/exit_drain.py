@@ -11,12 +11,12 @@ torchmetrics' metric syncs, any ``dist.all_reduce`` of a temporary). SyncBN's ow
 leave neither (:mod:`.collectives`, ``csrc/layer/layer_comm.cpp``); the others of a job may.
 
 So at interpreter exit (the ``atexit`` handler of :mod:`.job`, after the running job ended: the
-interpreter still runs) :func:`drain` waits,
-with the GIL released, until no gloo worker thread is runnable: a worker that still has to drop
-a work is runnable (or takes the GIL, which is free while this sleeps, and drops it at once); an
-idle one sleeps on its queue. Three quiet looks in a row end the wait, normally within a few
-milliseconds; it gives up after :data:`LIMIT_S` with a warning. A collective still running at
-exit (an ``async_op`` work never waited for) is not waited for: its worker sleeps on the network.
+interpreter still runs) :func:`drain` waits, with the GIL released, until no gloo worker thread is
+runnable: a worker that still has to drop a work is runnable (or takes the GIL, which is free while
+this sleeps, and drops it at once); an idle one sleeps on its queue. Three quiet looks in a row end
+the wait, normally within a few milliseconds; it gives up after :data:`LIMIT_S` with a warning. A
+collective still running at exit (an ``async_op`` work never waited for) is not waited for: its
+worker sleeps on the network.
 
 The worker threads are found in ``/proc/self/task``: by name (``pt_gloo_runloop``, torch 2.13
 on), or, on releases before 2.13 (which do not name them), as the native threads Python does not

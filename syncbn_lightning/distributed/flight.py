@@ -94,10 +94,9 @@ def register_layer_name(tag: int, name: str) -> None:
     if _layer_names.get(tag) == name:
         return
     _layer_names[tag] = name
-    job = current_job(create=False)
-    recorder = job.recorder if job is not None and job.recorder is not None else _recorder
+    recorder = _live_recorder()
     if recorder is not None:
-        recorder.write_names({tag: name})  # type: ignore[union-attr]
+        recorder.write_names({tag: name})
 
 
 def layer_text(tag: float, names: Mapping[int, str] | None = None) -> str:
@@ -207,13 +206,20 @@ def _open_recorder(job: str) -> FlightRecorder:
     return FlightRecorder(rank=rank, world=world, job=job)
 
 
-def current_recorder() -> FlightRecorder | None:
-    """This process's recorder if one was made (no collective recorded yet: ``None``): the
-    running job's, else the one outside a job, else the last ended job's (closed, readable)."""
+def _live_recorder() -> FlightRecorder | None:
+    """The recorder being written: the running job's, else the one outside a job (``None`` when
+    neither was made)."""
     job = current_job(create=False)
     if job is not None and job.recorder is not None:
         return job.recorder  # type: ignore[return-value]
-    return _recorder if _recorder is not None else _last_job_recorder
+    return _recorder
+
+
+def current_recorder() -> FlightRecorder | None:
+    """This process's recorder if one was made (no collective recorded yet: ``None``): the
+    running job's, else the one outside a job, else the last ended job's (closed, readable)."""
+    recorder = _live_recorder()
+    return recorder if recorder is not None else _last_job_recorder
 
 
 def reset_flight_recorder() -> None:

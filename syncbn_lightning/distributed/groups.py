@@ -112,8 +112,7 @@ def new_sync_group(group_size: int | None) -> dist.ProcessGroup | None:
         if rank in ranks:
             mine = group
     _note_groups_made(timeout)
-    if carries_device_tensors(mine):
-        group_abort.watch_group(mine.group_name)
+    watch_sync_group(mine)
     return mine
 
 
@@ -171,8 +170,7 @@ def sync_world_group() -> dist.ProcessGroup:
         twin = dist.new_group(timeout=timeout, group_desc="syncbn_world")
         job.world_twin = twin
         _note_groups_made(timeout)
-        if carries_device_tensors(twin):
-            group_abort.watch_group(twin.group_name)
+        watch_sync_group(twin)
     return job.world_twin
 
 

@@ -129,9 +129,9 @@ def current_job(create: bool = True) -> SyncJob | None:
     and the next job is a new object. Per call: a weak reference and an identity check."""
     global _current
     job = _current
-    initialized = dist.is_available() and dist.is_initialized()
-    if job is not None and initialized and job._world() is dist.GroupMember.WORLD:
+    if job is not None and job.is_current():  # a job exists only where torch.distributed does
         return job
+    initialized = dist.is_available() and dist.is_initialized()
     if job is None and not (initialized and create):
         return None
     with _lock:
