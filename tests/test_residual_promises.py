@@ -10,8 +10,11 @@ proves the path it names. Two ranks: the ``distributed`` tests at the end.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +30,7 @@ from torch.nn.utils import parametrize, prune
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
 from syncbn_lightning.nn.residual import FUSED_FROM
+from syncbn_lightning.nn.residual_fx import global_hooks_set
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -103,6 +107,66 @@ class _NoGradDecorated(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.bn(self.conv(x)) + x)
+
+
+class _Projected(nn.Module):
+    """conv → BN → + projected shortcut → ReLU: the base of the cases below, whose shortcut
+    projection ``proj`` runs under a state fx would not record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.proj = nn.Conv2d(4, 4, 1, bias=False)
+
+    def tail(self, x: torch.Tensor, shortcut: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)) + shortcut)
+
+
+class _NoGradHelper(_Projected):
+    """``no_grad`` in a helper method the forward calls (its own code has no ``with``)."""
+
+    def _shortcut(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(x, self._shortcut(x))
+
+
+class _SetGradCall(_Projected):
+    """``torch.set_grad_enabled(False)`` as a call, then back on."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.set_grad_enabled(False)
+        shortcut = self.proj(x)
+        torch.set_grad_enabled(True)
+        return self.tail(x, shortcut)
+
+
+class _ExitStackShortcut(_Projected):
+    """``no_grad`` entered through an ``ExitStack``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            shortcut = self.proj(x)
+        return self.tail(x, shortcut)
+
+
+class _ReadsGradMode(_Projected):
+    """A path chosen by grad mode: the trace would fix the one it saw."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(x, self.proj(x) if torch.is_grad_enabled() else x)
+
+
+class _ProfiledHead(_Projected):
+    """A ``with`` that changes neither grad mode nor autocast: fused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("head"):
+            shortcut = self.proj(x)
+        return self.tail(x, shortcut)
 
 
 # Each block: (build, fuse_residual, tail BatchNorm's name, its activation's name, input shape).
@@ -322,41 +386,117 @@ def test_a_parametrized_tail_batchnorm_keeps_the_fused_path_and_its_results(one_
 
 
 # ------------------------------------------------------------------------------------------------
-# `with` blocks in a named class's forward
+# Grad mode and autocast changed or read by a named class's forward
 # ------------------------------------------------------------------------------------------------
 
-WITH_CLASSES = (_NoGradDecorated, _NoGradShortcut, _AutocastHead, _EnableGradInside)
+# Each class the conversion refuses, and what its WARNING names.
+STATE_CLASSES: dict[type, str] = {
+    _NoGradDecorated: "its forward changes grad mode",
+    _NoGradShortcut: "its forward changes grad mode",
+    _AutocastHead: "its forward changes cpu autocast",
+    _EnableGradInside: "its forward changes grad mode",
+    _NoGradHelper: "its forward changes grad mode",
+    _SetGradCall: "its forward changes grad mode",
+    _ExitStackShortcut: "its forward changes grad mode",
+    _ReadsGradMode: "its forward reads grad mode or autocast",
+}
 
 
-def test_a_named_class_whose_forward_has_a_with_block_is_not_fused(one_rank, caplog) -> None:
-    """fx records no context manager: such a class is left as it was, with one WARNING per
-    class naming it and the reason, and computes what the unfused model computes (the
-    ``no_grad`` shortcut's projection gets no gradient)."""
+def test_a_named_class_whose_forward_changes_grad_mode_or_autocast_is_not_fused(
+    one_rank, caplog
+) -> None:
+    """fx records no context manager and no state a call sets: a class whose forward changes
+    grad mode or autocast (a ``with``, a decorator, a helper method, a call, an ``ExitStack``)
+    or chooses its path by them is left as it was, with one WARNING per class naming it and the
+    reason, and computes what the unfused model computes (a ``no_grad`` shortcut's projection
+    gets no gradient). A ``with`` that changes neither (``record_function``) is fused."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(cls() for cls in WITH_CLASSES for _ in range(2)), _UserBlock())
-    # 0-1 _NoGradDecorated (no gradient reaches x), 2-3 _NoGradShortcut, 4-5 _AutocastHead,
-    # 6-7 _EnableGradInside, 8 _UserBlock (fused)
+    refused = list(STATE_CLASSES)
+    model = nn.Sequential(
+        *(cls() for cls in refused for _ in range(2)), _ProfiledHead(), _UserBlock()
+    )
     unfused = convert_sync_batchnorm(copy.deepcopy(model).double(), force_sync=True)
     with caplog.at_level(logging.DEBUG, logger="syncbn_lightning"):
         fused = convert_sync_batchnorm(
             copy.deepcopy(model).double(),
             force_sync=True,
-            fuse_residual=[*WITH_CLASSES, _UserBlock],
+            fuse_residual=[*refused, _ProfiledHead, _UserBlock],
         )
-    assert [hasattr(type(m), FUSED_FROM) for m in fused] == [False] * 8 + [True]
+    n = 2 * len(refused)
+    assert [hasattr(type(m), FUSED_FROM) for m in fused] == [False] * n + [True, True]
     lines = [r for r in caplog.records if "fuse_residual" in r.getMessage()]
-    assert [r.levelno for r in lines] == [logging.WARNING] * len(WITH_CLASSES)
-    for record, cls in zip(lines, WITH_CLASSES, strict=True):
+    assert [r.levelno for r in lines] == [logging.WARNING] * len(refused)
+    for index, (record, cls) in enumerate(zip(lines, refused, strict=True)):
         text = record.getMessage()
-        assert f"left every {cls.__name__} block as it was" in text, text
-        assert "its forward has a `with` block" in text, text
+        assert f"left every {cls.__name__} block as it was ({2 * index}, {2 * index + 1})" in text
+        assert STATE_CLASSES[cls] in text, text
     x = _input((3, 4, 5, 5))
     got, want = _step(fused, x), _step(unfused, x)
     _assert_same(got, want, skip=("fused",))
-    assert "grad:2.proj.weight" not in got and "grad:3.proj.weight" not in got
-    assert "grad:0.conv.weight" not in got and "grad:x" not in got
-    assert "grad:2.conv.weight" in got and "grad:6.conv.weight" in got
-    assert got["fused"] and not want["fused"]  # the last block, _UserBlock, is fused
+    for i, cls in enumerate(refused):  # the projections run under no_grad get no gradient
+        if cls in (_NoGradShortcut, _NoGradHelper, _SetGradCall, _ExitStackShortcut):
+            assert (
+                f"grad:{2 * i}.proj.weight" not in got
+                and f"grad:{2 * i + 1}.proj.weight" not in got
+            )
+    assert "grad:0.conv.weight" not in got and "grad:x" not in got  # _NoGradDecorated is first
+    assert f"grad:{n}.proj.weight" in got and f"grad:{n - 1}.proj.weight" in got
+    assert got["fused"] and not want["fused"]  # the last two blocks are fused
+
+
+def test_a_trace_leaves_grad_mode_and_autocast_as_it_found_them(one_rank) -> None:
+    """A forward that sets a state and leaves it (``set_grad_enabled(False)`` as its last call)
+    is refused, and the conversion restores the caller's grad mode and autocast."""
+
+    class _Leaves(_Projected):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.tail(x, x)
+            torch.set_grad_enabled(False)
+            return out
+
+    before = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))
+    fused = convert_sync_batchnorm(_Leaves().double(), force_sync=True, fuse_residual=[_Leaves])
+    assert not hasattr(type(fused), FUSED_FROM)
+    assert (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")) == before
+
+
+# What ``Module._call_impl`` reads beside the four dicts ``global_hooks_set`` checks: subsets of
+# ``_global_forward_hooks`` (a hook registered with ``always_call`` or ``with_kwargs`` is in it).
+_GLOBAL_SUBSETS = {"_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs"}
+
+
+def test_the_global_hooks_checked_are_the_ones_module_call_reads() -> None:
+    """Pins ``global_hooks_set`` against torch: every ``_global_*`` dict ``Module._call_impl``
+    reads makes it true when not empty (the subsets through the dict that holds them), and
+    every public ``register_module_*`` hook makes it true until removed."""
+    module = nn.modules.module
+    read = set(re.findall(r"\b_global_\w+", inspect.getsource(nn.Module._call_impl)))
+    assert read >= {"_global_forward_hooks", "_global_forward_pre_hooks"}, read
+    assert not global_hooks_set()
+    for name in sorted(read - _GLOBAL_SUBSETS):
+        hooks = getattr(module, name)
+        hooks[-1] = lambda *args: None
+        try:
+            assert global_hooks_set(), name
+        finally:
+            del hooks[-1]
+    register = [
+        lambda hook: module.register_module_forward_pre_hook(hook),
+        lambda hook: module.register_module_forward_hook(hook),
+        lambda hook: module.register_module_forward_hook(hook, always_call=True),
+        lambda hook: module.register_module_full_backward_hook(hook),
+    ]
+    if hasattr(module, "register_module_full_backward_pre_hook"):
+        register.append(lambda hook: module.register_module_full_backward_pre_hook(hook))
+    if "with_kwargs" in inspect.signature(module.register_module_forward_hook).parameters:
+        register.append(lambda hook: module.register_module_forward_hook(hook, with_kwargs=True))
+    for index, make in enumerate(register):
+        handle = make(lambda *args, **kwargs: None)
+        try:
+            assert global_hooks_set(), index
+        finally:
+            handle.remove()
+        assert not global_hooks_set(), index
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,11 +28,12 @@ through them.
 
 A block that cannot be fused is left exactly as it was, with a log line of the
 ``syncbn_lightning`` logger naming it and the reason (DEBUG for the known classes, WARNING for a
-named class; one WARNING per class for a named class whose forward has a ``with`` block, which
-fx would drop). The fused forward computes what the unfused one computes, with the synchronized
-calls in the same order on every rank (the shortcut's own BatchNorm, in a ``downsample``, runs
-before the block's last one, as it must feed it). Pickles, ``torch.save``/``torch.load`` and
-``copy.deepcopy`` of a fused block record its own class and fuse it again when loaded.
+named class; one WARNING per class for a named class whose forward changes or reads grad mode
+or autocast, which fx would drop). The fused forward computes what the unfused one computes,
+with the synchronized calls in the same order on every rank (the shortcut's own BatchNorm, in a
+``downsample``, runs before the block's last one, as it must feed it). Pickles,
+``torch.save``/``torch.load`` and ``copy.deepcopy`` of a fused block record its own class and
+fuse it again when loaded.
 :func:`~syncbn_lightning.revert_sync_batchnorm` (or :func:`unfuse_residual_blocks`) restores the
 original classes.
 """
@@ -51,8 +52,8 @@ from ..ops.activations import fused_activation
 from .batchnorm import SyncBatchNorm
 from .convert import register_residual_hooks
 from .residual_fx import (
+    Refusal,
     TracedForward,
-    forward_refusal,
     fused_tail,
     global_hooks_set,
     plain_batchnorm,
@@ -175,10 +176,12 @@ def _finish_restore(self: Any, state: Any) -> None:
     original = type(self).__bases__[0]
     self.__class__ = original
     self.__setstate__(state)
-    reason = _fuse_one(self, _rule_of(original) is None)
-    if reason is not None:
+    refusal = _fuse_one(self, _rule_of(original) is None)
+    if refusal is not None:
         log.warning(
-            "fuse_residual: a loaded %s block runs unfused: %s", original.__qualname__, reason
+            "fuse_residual: a loaded %s block runs unfused: %s",
+            original.__qualname__,
+            refusal.reason,
         )
 
 
@@ -215,7 +218,7 @@ def _refusal(block: nn.Module, rule: _Block) -> str | None:
     return rule.refuse(block)
 
 
-def _fuse_one(block: nn.Module, traced: bool) -> str | None:
+def _fuse_one(block: nn.Module, traced: bool) -> Refusal | None:
     """Fuse ``block`` (of a known class, or ``traced`` through fx); returns why not, or
     ``None`` when it was fused."""
     cls = type(block)
@@ -223,13 +226,14 @@ def _fuse_one(block: nn.Module, traced: bool) -> str | None:
         rule = _rule_of(cls)
         assert rule is not None, cls
         reason = _refusal(block, rule)
-        if reason is None:
-            block.__class__ = _fused_class(cls, None)
-        return reason
+        if reason is not None:
+            return Refusal(reason)
+        block.__class__ = _fused_class(cls, None)
+        return None
     if not any(isinstance(child, SyncBatchNorm) for child in block.children()):
-        return "it has no SyncBatchNorm child (not converted)"
+        return Refusal("it has no SyncBatchNorm child (not converted)")
     result = trace_block(block)
-    if isinstance(result, str):
+    if isinstance(result, Refusal):
         return result
     block.__class__ = _fused_class(cls, result)
     return None
@@ -246,8 +250,7 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
     named = set(classes)
     fused: list[str] = []
     seen: set[type] = set()
-    # Named classes refused whatever the block (forward_refusal): one line each, after the loop.
-    verdicts: dict[type, str | None] = {}
+    # Named classes refused for their code (Refusal.whole_class): one line each, after the loop.
     refused: dict[type, tuple[str, list[str]]] = {}
     for name, block in list(model.named_modules()):
         cls = type(block)
@@ -257,20 +260,19 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
         if not known and cls not in named:
             continue
         seen.add(cls)
-        if not known:
-            if cls not in verdicts:
-                verdicts[cls] = forward_refusal(cls)
-            class_reason = verdicts[cls]
-            if class_reason is not None:
-                refused.setdefault(cls, (class_reason, []))[1].append(name or "<model>")
-                continue
-        reason = _fuse_one(block, traced=not known)
-        if reason is None:
-            fused.append(name)
-            continue
-        level = logging.DEBUG if known else logging.WARNING
         where = name or "<model>"
-        log.log(level, "fuse_residual: left %s (%s) as it was: %s", where, cls.__name__, reason)
+        if cls in refused:
+            refused[cls][1].append(where)
+            continue
+        refusal = _fuse_one(block, traced=not known)
+        if refusal is None:
+            fused.append(name)
+        elif refusal.whole_class:
+            refused[cls] = (refusal.reason, [where])
+        else:
+            level = logging.DEBUG if known else logging.WARNING
+            reason = refusal.reason
+            log.log(level, "fuse_residual: left %s (%s) as it was: %s", where, cls.__name__, reason)
     for cls, (reason, names) in refused.items():
         where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         log.warning(

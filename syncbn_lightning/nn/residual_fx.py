@@ -20,24 +20,28 @@ What a trace can and cannot guarantee, and so when the rewritten forward runs:
   a plain :class:`SyncBatchNorm` and the activation one the kernels fuse, with no hooks on
   either and no global module hooks (:func:`tail_intact`); otherwise the block's own forward
   runs, which calls them through ``__call__``.
-* ``with`` blocks: fx records no context manager, so a ``no_grad``, ``enable_grad`` or
-  ``autocast`` region of the forward would vanish from the trace. A forward whose code has one
-  (its bytecode, decorators and nested functions included: :func:`forward_refusal`) is not
-  traced.
+* grad mode and autocast: fx records no context manager and no state a call sets, so a
+  ``no_grad``, ``enable_grad``, ``inference_mode`` or ``autocast`` region (a ``with`` in the
+  forward, in a helper method or a decorator, ``torch.set_grad_enabled(False)`` as a call, an
+  ``ExitStack``) would vanish from the trace. Every node records the grad mode, inference mode
+  and autocast state it was traced under, and each mode is traced twice, from opposite states
+  (:func:`_entry_state`): a node recorded under another state than its trace's entry, or two
+  traces that differ, refuse the class (:class:`Refusal`), whatever made the change.
 * any other Python state the forward reads (an attribute changed after the conversion, a global
-  flag, the input's Python type) is fixed by the trace. That cannot be checked, which is why
+  flag, the input's Python type, a context manager other than those above) is fixed by the
+  trace. That cannot be checked, which is why
   only classes a user names are traced (``docs/library.md``, "Fused residual tails").
 """
 
 from __future__ import annotations
 
-import dis
+import contextlib
 import hashlib
 import inspect
 import linecache
 import operator
-import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +56,8 @@ from .batchnorm import SyncBatchNorm
 from .checks import same_operands
 
 __all__ = [
+    "Refusal",
     "TracedForward",
-    "forward_refusal",
     "fused_tail",
     "global_hooks_set",
     "optional_arguments",
@@ -66,22 +70,71 @@ _ADDS = (operator.add, operator.iadd, torch.add)
 _RELUS = (F.relu, torch.relu, torch.relu_)
 _RELU = nn.ReLU()
 _SPECIALIZED = "has been specialized"  # the text of fx's checks of a concrete argument
-# The opcodes of a `with` (or `async with`) statement, in every CPython since 3.8.
-_WITH_OPCODES = frozenset(
-    dis.opmap[name]
-    for name in (
-        "SETUP_WITH",
-        "BEFORE_WITH",
-        "SETUP_ASYNC_WITH",
-        "BEFORE_ASYNC_WITH",
-        "WITH_EXCEPT_START",
+# The device types whose autocast state a trace records, with the dtype its probe sets (the
+# flags are plain thread-local state: setting CUDA's needs no GPU).
+_AUTOCAST = (("cpu", torch.bfloat16), ("cuda", torch.float16))
+_STATE = "syncbn_context"  # the key of a node's recorded state in ``node.meta``
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a block's forward is not rewritten. ``whole_class``: the reason lies in the class's
+    code (its forward changes grad mode or autocast, or reads them), so the caller refuses
+    every block of the class with one line."""
+
+    reason: str
+    whole_class: bool = False
+
+
+def _context_state() -> tuple[Any, ...]:
+    """What a ``with`` (or a call) can change that fx does not record: grad mode, inference mode
+    and, per device type of ``_AUTOCAST``, whether autocast is on and its dtype."""
+    autocast = tuple(
+        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device, _ in _AUTOCAST
     )
-    if name in dis.opmap
-)
-_NO_WITH = (
-    "its forward has a `with` block, which torch.fx does not record (a no_grad, enable_grad or "
-    "autocast region would be lost)"
-)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *autocast)
+
+
+def _state_names(entry: tuple[Any, ...], seen: tuple[Any, ...]) -> str:
+    """The states that differ between ``entry`` and ``seen`` (of :func:`_context_state`)."""
+    names = ["grad mode", "inference mode"] + [f"{device} autocast" for device, _ in _AUTOCAST]
+    return ", ".join(n for n, a, b in zip(names, entry, seen, strict=True) if a != b)
+
+
+@contextlib.contextmanager
+def _entry_state(probe: bool) -> Iterator[None]:
+    """Trace under grad mode on and autocast off, or (``probe``) the opposite: grad mode off
+    and autocast on, so an ``enable_grad`` or ``autocast(enabled=False)`` region changes the
+    state too. Restores every state on exit, including one the forward set and left."""
+    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _ in _AUTOCAST]
+    grad = torch.is_grad_enabled()
+    try:
+        torch.set_grad_enabled(not probe)
+        for device, dtype in _AUTOCAST:
+            torch.set_autocast_enabled(device, probe)
+            torch.set_autocast_dtype(device, dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. autocast("cuda") without a GPU, twice over
+            yield
+    finally:
+        torch.set_grad_enabled(grad)
+        for device, enabled, dtype in saved:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+
+
+def _changed_state(graph: fx.Graph, entry: tuple[Any, ...]) -> str | None:
+    """The first node of ``graph`` traced under another state than ``entry``, as a reason."""
+    for node in graph.nodes:
+        seen = node.meta.get(_STATE, entry)
+        if seen != entry:
+            return (
+                f"its forward changes {_state_names(entry, seen)} (at {node.format_node()}), "
+                "which torch.fx does not record (a no_grad, enable_grad, inference_mode or "
+                "autocast region, a with block or a call, would be lost)"
+            )
+    return None
 
 
 def plain_batchnorm(module: Any) -> bool:
@@ -134,27 +187,6 @@ def tail_intact(bn: Any, act: Any) -> bool:
     if isinstance(act, str):
         return True
     return isinstance(act, nn.Module) and not _hooked(act) and fused_activation(act) is not None
-
-
-def _code_has_with(code: types.CodeType) -> bool:
-    if any(ins.opcode in _WITH_OPCODES for ins in dis.get_instructions(code)):
-        return True
-    return any(_code_has_with(c) for c in code.co_consts if isinstance(c, types.CodeType))
-
-
-def forward_refusal(cls: type) -> str | None:
-    """Why ``cls.forward`` cannot be traced faithfully whatever its block, or ``None``: a
-    ``with`` statement in its code (functions defined inside it and decorators that wrap it, such
-    as ``@torch.no_grad()``, included), which fx runs at trace time and does not record."""
-    function: Any = getattr(cls, "forward", None)
-    seen = 0
-    while function is not None and seen < 16:
-        function = getattr(function, "__func__", function)
-        code = getattr(function, "__code__", None)
-        if isinstance(code, types.CodeType) and _code_has_with(code):
-            return _NO_WITH
-        function, seen = getattr(function, "__wrapped__", None), seen + 1
-    return None
 
 
 def fused_tail(
@@ -233,6 +265,11 @@ class _OneLevel(fx.Tracer):
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InPlaceProxy(node, self)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta[_STATE] = _context_state()
+        return node
 
 
 def _activation_of(node: fx.Node, block: nn.Module) -> Any:
@@ -327,17 +364,29 @@ def _compile(graph: fx.Graph, name: str) -> tuple[str, Callable[..., Any]]:
     return code.src, namespace["forward"]
 
 
-def trace_block(block: nn.Module) -> TracedForward | str:
-    """``block``'s forward rewritten (see the module docstring), or why it cannot be: fx cannot
-    trace it, its signature has more than one required input, or its training-mode trace has no
-    BatchNorm → add → activation tail, or its forward has a ``with`` block
-    (:func:`forward_refusal`)."""
-    refusal = forward_refusal(type(block))
-    if refusal is not None:
-        return refusal
+def _trace(block: nn.Module, defaults: dict[str, Any], probe: bool) -> fx.Graph | Refusal:
+    """``block``'s forward traced one level deep from the entry state ``probe`` chooses
+    (:func:`_entry_state`), or why not: fx cannot follow it, or a node was traced under another
+    grad mode or autocast state than the entry's."""
+    with _entry_state(probe):
+        entry = _context_state()
+        try:
+            graph = _OneLevel().trace(block, concrete_args=defaults or None)
+        except Exception as exc:  # fx raises many types for code it cannot follow
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            return Refusal(f"torch.fx cannot trace it ({first})")
+    changed = _changed_state(graph, entry)
+    return graph if changed is None else Refusal(changed, whole_class=True)
+
+
+def trace_block(block: nn.Module) -> TracedForward | Refusal:
+    """``block``'s forward rewritten (see the module docstring), or why it cannot be: its
+    signature has more than one required input, fx cannot trace it, it changes or reads grad
+    mode or autocast (:func:`_trace`, a reason for the whole class), or its training-mode trace
+    has no BatchNorm → add → activation tail."""
     defaults = optional_arguments(type(block))
     if isinstance(defaults, str):
-        return defaults
+        return Refusal(defaults)
     name = type(block).__name__
     flags = [m.training for m in block.modules()]
     modes: list[Callable[..., Any]] = []
@@ -346,14 +395,20 @@ def trace_block(block: nn.Module) -> TracedForward | str:
     try:
         for training in (False, True):
             block.train(training)
-            try:
-                graph = _OneLevel().trace(block, concrete_args=defaults or None)
-            except Exception as exc:  # fx raises many types for code it cannot follow
-                first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-                return f"torch.fx cannot trace it ({first})"
+            graph, probe = _trace(block, defaults, False), _trace(block, defaults, True)
+            for result in (graph, probe):
+                if isinstance(result, Refusal):
+                    return result
+            assert isinstance(graph, fx.Graph) and isinstance(probe, fx.Graph)
+            if graph.python_code("self").src != probe.python_code("self").src:
+                return Refusal(
+                    "its forward reads grad mode or autocast (traced with each on and off, it "
+                    "differs), which the trace would fix",
+                    whole_class=True,
+                )
             rewritten = _rewrite(graph, block)
             if not rewritten and training:
-                return "no BatchNorm -> add -> activation tail in its traced forward"
+                return Refusal("no BatchNorm -> add -> activation tail in its traced forward")
             tails.update(dict.fromkeys(rewritten))
             _drop_specialization_checks(graph)
             graph.lint()
