@@ -8,6 +8,8 @@
 * One dispatcher call per direction (its collective inside it; deterministic budgets).
 * Bitwise equal to the Python path on 2 gloo ranks with uneven and empty batches, both exchanges,
   with a fused residual; the flight records of both paths share one sequence per group.
+* Every setting reaches the C++ layer (one argument list in ``layer_node.h``): each changed
+  setting changes what it governs, on both paths alike.
 * Its plan follows the layer: new options, a new group, ``SYNCBN_IMPL``; pickles and deep copies
   leave it behind; ``create_graph`` refuses a second derivative; the operators pass ``opcheck``.
 """
@@ -292,6 +294,67 @@ def _paths_rank(rank: int, world: int, sizes: list[int], exchange: str) -> dict[
         (r.group, r.seq, r.direction, r.layer_tag, r.call) for r in recorder.records()
     ]
     return out
+
+
+# Each variation of the layer's settings, and what it must change against the defaults: a
+# setting that reached the C++ layer in another argument's place would change something else, or
+# nothing, and differ from the Python path (which reads each by name).
+SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "unbiased_running_var=False": ({"unbiased_running_var": False}, "running_var"),
+    "momentum=0.7": ({"momentum": 0.7}, "running_mean"),
+    "momentum=None": ({"momentum": None}, "running_mean"),
+    "eps=0.5": ({"eps": 0.5}, "output"),
+    "stats_mode='default'": ({"stats_mode": "default"}, "output"),
+    "exchange='reduce'": ({"exchange": "reduce"}, "ops"),
+}
+_RESULTS = ("output", "grad_input", "grad_weight", "running_mean", "running_var")
+
+
+def _settings_rank(rank: int, world: int, sizes: list[int]) -> dict[str, dict[str, Any]]:
+    """One training call and its backward per variation of :data:`SETTINGS` (and the defaults),
+    on each path, on this rank's part of the same data: the results of ``_RESULTS`` and the
+    collectives the flight recorder saw (op, direction, bytes)."""
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(sum(sizes), 3, 4, generator=g) * 2 + 1
+    dy_all = torch.randn(sum(sizes), 3, 4, generator=g)
+    part = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    out: dict[str, dict[str, Any]] = {}
+    for name, (options, _) in {"defaults": ({}, ""), **SETTINGS}.items():
+        for path in ("cpp", "python"):
+            layer = SyncBatchNorm(3, **options)
+            layer.set_sync_name("layer")
+            x = x_all[part].clone().requires_grad_()
+            before = flight.current_recorder()
+            seen = len(before.records()) if before is not None else 0
+            if path == "cpp":
+                y = layer(x)
+                assert layer._sync_plan is not None and layer._sync_plan.native, name
+            else:
+                y, _ = forward_function(layer, x, world, None, None)
+            grads = torch.autograd.grad(y, (x, layer.weight), dy_all[part])
+            recorder = flight.current_recorder()
+            assert recorder is not None
+            ops = [(r.op, r.direction, r.nbytes) for r in recorder.records()[seen:]]
+            values = (y.detach(), *grads, layer.running_mean.clone(), layer.running_var.clone())
+            out[f"{name} {path}"] = {**dict(zip(_RESULTS, values, strict=True)), "ops": ops}
+    return out
+
+
+@pytest.mark.distributed
+def test_every_setting_reaches_the_cpp_layer_and_does_what_the_python_path_does() -> None:
+    """Each changed setting changes what it governs against the defaults, and the C++ path
+    computes bitwise what the Python path computes with it (2 uneven ranks)."""
+    for result in run_distributed(_settings_rank, 2, [3, 1], timeout=120.0):
+        for name in ("defaults", *SETTINGS):
+            cpp, python = result[f"{name} cpp"], result[f"{name} python"]
+            assert cpp["ops"] == python["ops"], name
+            for key in _RESULTS:
+                assert torch.equal(cpp[key], python[key]), (name, key)
+        defaults = result["defaults cpp"]
+        for name, (_, changes) in SETTINGS.items():
+            got, want = result[f"{name} cpp"][changes], defaults[changes]
+            same = got == want if changes == "ops" else torch.equal(got, want)
+            assert not same, (name, changes)
 
 
 @pytest.mark.distributed

@@ -234,20 +234,6 @@ def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
     assert sync_plan.plan_of(layer, "cpu").native
 
 
-def test_the_settings_cross_by_name_as_the_schema_names_them(one_rank) -> None:
-    """The plan's settings are named as the operator's schema names its trailing arguments,
-    and passed in the schema's order, read from the schema (no order kept by hand)."""
-    layer = SyncBatchNorm(4, force_sync=True, exchange="reduce", momentum=0.3)
-    layer(torch.randn(2, 4, 3))
-    plan = layer._sync_plan
-    schema = torch.ops.syncbn.sync_batch_norm.default._schema
-    names = [argument.name for argument in schema.arguments]
-    trailing = names[names.index("group") :]
-    assert list(plan.settings) != [] and set(plan.settings) == set(trailing)
-    assert plan.args == tuple(plan.settings[name] for name in trailing)
-    assert plan.settings["reduce"] is True and plan.settings["momentum"] == 0.3
-
-
 def test_a_setting_the_schema_names_but_the_plan_lacks_is_named(one_rank) -> None:
     from syncbn_lightning.nn.sync_plan import settings_in_schema_order
 

@@ -65,23 +65,48 @@ Settings group_settings(
   return s;
 }
 
-// The arguments of `sync_batch_norm` and `sync_batch_norm_forward` (the schema below): the
-// layer's tensors, then its settings, which Python builds by name once per plan and passes in
-// this order (nn/sync_plan.py); forward_settings gathers them into one Settings. A macro, not a
-// struct: the dispatcher's unboxed kernels take the schema's arguments one by one, and both
-// operators and the autograd kernel must list them alike.
-#define SYNCBN_LAYER_ARGS                                                                     \
-  const at::Tensor &input, const OptTensor &weight, const OptTensor &bias,                    \
-      const OptTensor &running_mean, const OptTensor &running_var,                            \
-      const OptTensor &num_batches_tracked, const OptTensor &nonfinite,                       \
-      const at::Tensor &calls, const OptTensor &residual, int64_t act, double act_param,      \
-      const c10::optional<c10::string_view>&group, int64_t world_size, int64_t layer_tag,     \
-      bool reduce, c10::optional<double> momentum, double eps, bool unbiased,                 \
-      bool equal_rank_weights, bool queue_order_flags, int64_t num_features
-#define SYNCBN_LAYER_PASS                                                                   \
-  input, weight, bias, running_mean, running_var, num_batches_tracked, nonfinite, calls,    \
-      residual, act, act_param, group, world_size, layer_tag, reduce, momentum, eps,        \
-      unbiased, equal_rank_weights, queue_order_flags, num_features
+// The arguments of `sync_batch_norm`, `sync_batch_norm_forward` and `sync_batch_norm_kept`,
+// listed once: NEXT(C++ type, name, schema type) each, the first through FIRST. The call's
+// tensors and its fused activation, then (from `group` on) the layer's settings, which Python
+// builds by name once per plan and passes in the schema's order, read from the schema
+// (nn/sync_plan.py); forward_settings gathers them into one Settings. The kernels' parameter
+// lists (SYNCBN_LAYER_ARGS), the calls that pass them on (SYNCBN_LAYER_PASS) and the schema
+// (SYNCBN_LAYER_SCHEMA_ARGS) are made from this one list, so they cannot disagree. Macros, not a
+// struct: the dispatcher's unboxed kernels take the schema's arguments one by one.
+#define SYNCBN_LAYER_ARGUMENTS(FIRST, NEXT)                       \
+  FIRST(const at::Tensor&, input, "Tensor")                       \
+  NEXT(const OptTensor&, weight, "Tensor?")                       \
+  NEXT(const OptTensor&, bias, "Tensor?")                         \
+  NEXT(const OptTensor&, running_mean, "Tensor(a!)?")             \
+  NEXT(const OptTensor&, running_var, "Tensor(b!)?")              \
+  NEXT(const OptTensor&, num_batches_tracked, "Tensor(c!)?")      \
+  NEXT(const OptTensor&, nonfinite, "Tensor(d!)?")                \
+  NEXT(const at::Tensor&, calls, "Tensor(e!)")                    \
+  NEXT(const OptTensor&, residual, "Tensor?")                     \
+  NEXT(int64_t, act, "int")                                       \
+  NEXT(double, act_param, "float")                                \
+  NEXT(const c10::optional<c10::string_view>&, group, "str?")     \
+  NEXT(int64_t, world_size, "int")                                \
+  NEXT(int64_t, layer_tag, "int")                                 \
+  NEXT(bool, reduce, "bool")                                      \
+  NEXT(c10::optional<double>, momentum, "float?")                 \
+  NEXT(double, eps, "float")                                      \
+  NEXT(bool, unbiased, "bool")                                    \
+  NEXT(bool, equal_rank_weights, "bool")                          \
+  NEXT(bool, queue_order_flags, "bool")                           \
+  NEXT(int64_t, num_features, "int")
+
+#define SYNCBN_ARG_DECL_FIRST(type, name, schema) type name
+#define SYNCBN_ARG_DECL_NEXT(type, name, schema) , type name
+#define SYNCBN_ARG_NAME_FIRST(type, name, schema) name
+#define SYNCBN_ARG_NAME_NEXT(type, name, schema) , name
+#define SYNCBN_ARG_SCHEMA_FIRST(type, name, schema) schema " " #name
+#define SYNCBN_ARG_SCHEMA_NEXT(type, name, schema) ", " schema " " #name
+
+#define SYNCBN_LAYER_ARGS SYNCBN_LAYER_ARGUMENTS(SYNCBN_ARG_DECL_FIRST, SYNCBN_ARG_DECL_NEXT)
+#define SYNCBN_LAYER_PASS SYNCBN_LAYER_ARGUMENTS(SYNCBN_ARG_NAME_FIRST, SYNCBN_ARG_NAME_NEXT)
+#define SYNCBN_LAYER_SCHEMA_ARGS \
+  SYNCBN_LAYER_ARGUMENTS(SYNCBN_ARG_SCHEMA_FIRST, SYNCBN_ARG_SCHEMA_NEXT)
 
 Settings forward_settings(SYNCBN_LAYER_ARGS) {
   Settings s = group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
@@ -174,12 +199,4 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
 }  // namespace
 }  // namespace syncbn::layer
 
-// The call's tensors and its fused activation, then the layer's settings (from `group` on: the
-// names Python's plan gives them, nn/sync_plan.py, which passes them in this order, read from
-// this schema).
-#define SYNCBN_LAYER_SCHEMA_ARGS                                                              \
-  "Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "                    \
-  "Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, Tensor(d!)? nonfinite, "         \
-  "Tensor(e!) calls, Tensor? residual, int act, float act_param, str? group, int world_size, " \
-  "int layer_tag, bool reduce, float? momentum, float eps, bool unbiased, "                   \
-  "bool equal_rank_weights, bool queue_order_flags, int num_features"
+
