@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .._files import shipped_dir
+from .._shared import HEADER_PATH, header_digest, values_digest
 from .build_lock import (
     BUILD_TIMEOUT_ENV,
     BUILT_MARK,
@@ -49,6 +50,7 @@ __all__ = [
     "ExtensionBuildError",
     "build_dir",
     "build_locked",
+    "check_shared_header",
     "cache_root",
     "csrc_dir",
     "csrc_files",
@@ -232,9 +234,30 @@ def describe_build_dir() -> str:
         return "<unknown build directory>"
 
 
+def check_shared_header(csrc: Path) -> None:
+    """Refuse to build or load against a ``shared_constants.h`` made from other values than
+    ``_shared.py``'s (its recorded :func:`~syncbn_lightning._shared.values_digest`): the C++
+    side would disagree with Python on the exchanges' layouts and the flight records.
+
+    Raises:
+        ExtensionBuildError: naming the header, both digests and the command that regenerates it.
+    """
+    header = csrc / HEADER_PATH
+    recorded = header_digest(header.read_text()) if header.is_file() else None
+    if recorded != values_digest():
+        raise ExtensionBuildError(
+            f"{header} is stale against syncbn_lightning/_shared.py (it records values digest "
+            f"{recorded}, the module's values are {values_digest()}): run `python "
+            f"tools/shared_header.py` in the source checkout and rebuild; an installed package "
+            f"needs reinstalling"
+        )
+
+
 def _build_and_import() -> ModuleType:
     """Build the extension; if its CUDA part fails, warn once and build the CPU kernels alone
-    (CUDA tensors then use the reference), rather than losing the CPU kernels too."""
+    (CUDA tensors then use the reference), rather than losing the CPU kernels too. Checks the
+    generated header first (:func:`check_shared_header`)."""
+    check_shared_header(csrc_dir())
     spec = _build_spec()
     try:
         return _build_from(spec)
