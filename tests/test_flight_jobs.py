@@ -28,14 +28,8 @@ from _lightning import BNNet, trainer
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
 from syncbn_lightning.distributed import flight, flight_writer
-from syncbn_lightning.distributed.flight_file import (
-    HEADER,
-    in_use,
-    jobs_in,
-    node_folder,
-    prune_jobs,
-    read_flight_dir,
-)
+from syncbn_lightning.distributed.flight_file import HEADER, jobs_in, read_flight_dir
+from syncbn_lightning.distributed.flight_folder import in_use, node_folder, prune_jobs
 
 
 @pytest.fixture(autouse=True)
@@ -358,7 +352,7 @@ def _dead_pid() -> int:
 def test_without_flock_a_file_whose_writer_lives_is_kept(tmp_path: Path, monkeypatch, lock) -> None:
     """Where flock cannot be asked (Lustre without -o flock, some NFS), a ring file counts as in
     use while the process its header names lives: a live job's file stays, a dead one's goes."""
-    from syncbn_lightning.distributed import flight_file
+    from syncbn_lightning.distributed import flight_folder
 
     folder = tmp_path / "node"
     folder.mkdir()
@@ -368,13 +362,13 @@ def test_without_flock_a_file_whose_writer_lives_is_kept(tmp_path: Path, monkeyp
     for path in (live, dead):
         os.utime(path, (old, old))
     if lock == "no fcntl":
-        monkeypatch.setattr(flight_file, "fcntl", None)
+        monkeypatch.setattr(flight_folder, "fcntl", None)
     else:
 
         def no_lock(fd: int, operation: int) -> None:
             raise OSError(37, "No locks available")  # ENOLCK
 
-        monkeypatch.setattr(flight_file.fcntl, "flock", no_lock)
+        monkeypatch.setattr(flight_folder.fcntl, "flock", no_lock)
     assert in_use(live) and not in_use(dead)
     removed = prune_jobs(folder, 1, "newjob")
     assert dead in removed and live.exists() and not dead.exists()

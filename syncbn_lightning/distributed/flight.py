@@ -40,12 +40,11 @@ from .flight_file import (
     FORWARD,
     OP_CODES,
     FlightRecord,
-    node_folder,
-    prune_jobs,
     read_flight_dir,
     read_flight_file,
     read_layer_names,
 )
+from .flight_folder import node_folder, prune_jobs
 from .flight_writer import DEFAULT_CAPACITY, FlightRecorder, warn_once
 from .flight_writer import layer_names as _layer_names
 from .job import SyncJob, current_job, on_job_end, store_job_id

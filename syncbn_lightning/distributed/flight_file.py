@@ -1,5 +1,7 @@
 """The flight recorder's files: their layout, and reading them (no torch: ``syncbn-flight`` reads a
-job's records in a fraction of a second, in a process that never imports torch).
+job's records in a fraction of a second, in a process that never imports torch). The writer is
+:mod:`.flight_writer`; a folder's housekeeping (which node's folder, pruning old jobs) is
+:mod:`.flight_folder`.
 
 A flight directory holds one folder per node (``node<N>``) and in it, per rank and job, a ring
 file ``flight_<job>_rank<R>.bin`` (a header and fixed-size little-endian records, written by
@@ -10,18 +12,11 @@ through the default process group's store); a reader groups the files by the id 
 
 from __future__ import annotations
 
-import mmap
 import os
-import socket
 import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
-
-try:
-    import fcntl
-except ImportError:  # Windows: a running job's files are told by their mtime alone
-    fcntl = None  # type: ignore[assignment]
 
 from .._shared import (
     FLIGHT_DIRECTIONS,
@@ -42,12 +37,9 @@ __all__ = [
     "RECORD",
     "FlightRecord",
     "decode",
-    "in_use",
+    "job_files",
     "jobs_in",
-    "map_new_file",
     "names_path",
-    "node_folder",
-    "prune_jobs",
     "read_flight_dir",
     "read_flight_file",
     "read_layer_names",
@@ -116,42 +108,6 @@ def names_path(path: Path) -> Path:
     return path.with_suffix(".names")
 
 
-def map_new_file(path: Path, size: int) -> mmap.mmap:
-    """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
-    allocated blocks, mapped; on any failure the file is removed and the error raised (the file
-    descriptor is closed either way: the map holds its own). The file is share-locked
-    (``flock``) while the map lives, so that :func:`prune_jobs` in another process never removes
-    a running job's file."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        if fcntl is not None:
-            try:  # held by the map's own descriptor (a dup) until the map is closed
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                pass  # a file system without locks: the file's mtime alone keeps it
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
-        else:
-            os.ftruncate(fd, size)
-        mapped = mmap.mmap(fd, size)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    return mapped
-
-
-def node_folder() -> str:
-    """This process's node's folder in a flight directory: ``node<N>`` from the launcher's node
-    rank (torchrun's GROUP_RANK, SLURM_NODEID, Lightning's NODE_RANK), else the host's name."""
-    for variable in ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK"):
-        value = os.environ.get(variable, "")
-        if value.isdigit():
-            return f"node{value}"
-    return f"host-{socket.gethostname()}"
-
-
 def read_flight_file(path: str | os.PathLike[str]) -> tuple[int, str, list[FlightRecord]]:
     """``(rank, job, records)`` of one rank's file."""
     (rank, _world, job), records = decode(Path(path).read_bytes())
@@ -183,7 +139,7 @@ def _read_header(path: Path) -> tuple[int, str] | None:
     return rank, job.rstrip(b"\0").decode(errors="replace")
 
 
-def _job_files(directory: str | os.PathLike[str]) -> list[tuple[Path, int, str]]:
+def job_files(directory: str | os.PathLike[str]) -> list[tuple[Path, int, str]]:
     """``(path, rank, job)`` of every readable ring file under ``directory``, newest last; only
     the headers are read."""
     out = []
@@ -198,7 +154,7 @@ def jobs_in(directory: str | os.PathLike[str]) -> list[str]:
     """The jobs whose records ``directory`` holds, the most recently written last (from the
     files' headers: no records are read)."""
     jobs: list[str] = []
-    for _path, _rank, job in _job_files(directory):
+    for _path, _rank, job in job_files(directory):
         if job in jobs:
             jobs.remove(job)
         jobs.append(job)
@@ -211,7 +167,7 @@ def read_flight_dir(
     """Every rank's records of ``job`` under ``directory`` (its node folders included), by global
     rank; ``job=None``: the most recently written job's. Only that job's files are read (the
     others' headers only); unreadable files are skipped."""
-    files = _job_files(directory)
+    files = job_files(directory)
     if job is None:
         if not files:
             return {}
@@ -232,7 +188,7 @@ def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) 
     """Tag -> layer name from the names files under ``directory`` (of ``job``'s files only, when
     given)."""
     names: dict[int, str] = {}
-    for path, _rank, file_job in _job_files(directory):
+    for path, _rank, file_job in job_files(directory):
         if job is not None and file_job != job:
             continue
         try:
@@ -244,76 +200,3 @@ def read_layer_names(directory: str | os.PathLike[str], job: str | None = None) 
             if tag.isdigit() and name:
                 names[int(tag)] = name
     return names
-
-
-def in_use(path: Path) -> bool:
-    """Whether a live recorder (of any process on this machine) may hold the ring file ``path``:
-    it keeps a shared ``flock`` on it while mapped; where that lock cannot be asked (no
-    ``fcntl``; a file system without working ``flock``, such as Lustre without ``-o flock`` or
-    some NFS mounts), the file counts as in use while the process its header names is alive (a
-    reused pid keeps an old file a while longer, never the reverse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False  # gone, or not ours to read: nothing to prune either
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return False  # nobody holds it (closing the descriptor releases this lock)
-            except BlockingIOError:
-                return True
-            except OSError:
-                pass  # no working flock here: ask the header's process
-        return _writer_alive(os.read(fd, HEADER.size))
-    finally:
-        os.close(fd)
-
-
-def _writer_alive(header: bytes) -> bool:
-    """Whether the process a ring file's ``header`` names (its pid) is alive on this machine;
-    ``True`` for a header too short or foreign to read (never remove what cannot be told)."""
-    try:
-        magic, _rank, _world, pid, *_rest = HEADER.unpack_from(header, 0)
-    except struct.error:
-        return True
-    if magic != MAGIC:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # alive, another user's (EPERM)
-        return True
-    return True
-
-
-def prune_jobs(
-    folder: str | os.PathLike[str], keep: int, current: str, rank: int | None = None
-) -> list[Path]:
-    """Remove the ring and names files of all but the ``keep`` most recently written jobs in
-    ``folder`` (``current``, the job opening its recorder, always among them; ``keep`` 0: remove
-    nothing). A job still running keeps writing its files, so it stays among the newest, and a
-    file a live recorder may hold (:func:`in_use`) is never removed, however old. With ``rank``
-    (the caller's global rank), only the node's first process prunes: ``LOCAL_RANK`` 0, or rank 0
-    where the launcher set no ``LOCAL_RANK``. Returns the files removed; files another process
-    removed first are skipped."""
-    if keep < 1 or (rank is not None and int(os.environ.get("LOCAL_RANK", rank)) != 0):
-        return []
-    jobs = [job for job in jobs_in(folder) if job != current]
-    old = set(jobs[: max(len(jobs) - (keep - 1), 0)])
-    files = [(path, job) for path, _rank, job in _job_files(folder) if job in old]
-    running = {job for path, job in files if in_use(path)}
-    removed = []
-    for path, job in files:
-        if job in running:
-            continue
-        for part in (path, names_path(path)):
-            try:
-                part.unlink()
-            except FileNotFoundError:
-                continue
-            except OSError:
-                break  # not ours to remove (permissions): leave the job as it is
-            removed.append(part)
-    return removed

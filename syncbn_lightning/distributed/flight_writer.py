@@ -15,6 +15,11 @@ from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: pruning tells a running job's files by their header's pid alone
+    fcntl = None  # type: ignore[assignment]
+
 from .._shared import FLIGHT_WRITTEN_OFFSET
 from .flight_file import (
     HEADER,
@@ -23,11 +28,10 @@ from .flight_file import (
     RECORD,
     FlightRecord,
     decode,
-    map_new_file,
     names_path,
 )
 
-__all__ = ["DEFAULT_CAPACITY", "FlightRecorder", "layer_names", "warn_once"]
+__all__ = ["DEFAULT_CAPACITY", "FlightRecorder", "layer_names", "map_new_file", "warn_once"]
 
 log = logging.getLogger("syncbn_lightning.distributed.flight")
 
@@ -45,6 +49,32 @@ def warn_once(key: str, message: str, *args: Any) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(message, *args)
+
+
+def map_new_file(path: Path, size: int) -> mmap.mmap:
+    """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
+    allocated blocks, mapped; on any failure the file is removed and the error raised (the file
+    descriptor is closed either way: the map holds its own). The file is share-locked
+    (``flock``) while the map lives, so that :func:`~.flight_folder.prune_jobs` in another
+    process never removes a running job's file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if fcntl is not None:
+            try:  # held by the map's own descriptor (a dup) until the map is closed
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                pass  # a file system without locks: the file's mtime alone keeps it
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)  # the blocks now, not at a write into the map
+        else:
+            os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return mapped
 
 
 class FlightRecorder:
