@@ -23,6 +23,12 @@ release lacks it. Checked on torch 2.4.1, 2.8.0, 2.13.0 and 2.14.1 (``benchmarks
   process groups this process made, destroyed ones too (whether the exit drain looks for gloo
   worker threads on a torch that does not name them, ``distributed/exit_drain.py``). Missing:
   only a live default group counts.
+* ``torch.distributed.distributed_c10d._get_default_store`` (all checked releases): the default
+  group's store (the job's id, the call-order watcher). Missing, or a group made without one:
+  ``None``, so no watcher runs and the launcher's address names the job.
+* ``torch.utils.cpp_extension._get_cuda_arch_flags`` (all checked releases): the ``-gencode``
+  flags of a CUDA build, part of the extension's cache key (``ops/build.py``). Missing: a
+  placeholder naming the error takes their place in the key.
 * ``torch._C._current_graph_task_id`` (all checked releases): whether autograd's engine is
   running a backward on this thread (a layer's forward there is a checkpoint's recompute).
   Missing: no forward is taken for a recompute, and a recompute exchanges and counts again.
@@ -52,7 +58,9 @@ __all__ = [
     "backward_stashes_context",
     "checkpoint_forward_segment",
     "checkpoint_recompute_segment",
+    "cuda_arch_flags",
     "current_graph_task",
+    "default_store",
     "functorch_active",
     "made_process_group",
     "put_back_backward_context",
@@ -130,6 +138,30 @@ def made_process_group() -> bool:
         return False
     world = getattr(dist.distributed_c10d, "_world", None)
     return bool(getattr(world, "group_count", 0)) or dist.is_initialized()
+
+
+def default_store() -> Any:
+    """The default process group's store, or ``None`` (no default group, or one without a
+    store, or a torch without the helper)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a default group made without a store, or the helper gone
+        return None
+
+
+def cuda_arch_flags() -> tuple[str, ...]:
+    """cpp_extension's ``-gencode`` flags for a CUDA build (``TORCH_CUDA_ARCH_LIST``, else the
+    visible GPUs), or one placeholder naming why they are unavailable."""
+    from torch.utils import cpp_extension
+
+    try:
+        return tuple(cpp_extension._get_cuda_arch_flags())
+    except Exception as exc:  # a private helper of torch: it must not break the build
+        return (f"<arch flags unavailable: {type(exc).__name__}>",)
 
 
 def torch_build_lock_is_flock() -> bool:

@@ -4,13 +4,11 @@
 
 #include "common.h"
 #include "order_ring.h"
+#include "torch_compat.h"
 
-#include <ATen/ThreadLocalPythonObjects.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <exception>
 #include <vector>
@@ -18,29 +16,8 @@
 namespace syncbn::layer {
 namespace {
 
-c10::intrusive_ptr<c10d::ProcessGroup> process_group(const std::string& name) {
-  return c10d::resolve_process_group(name);
-}
-
-// While a collective is issued, the thread's stashed Python objects are set aside. gloo's work
-// keeps a copy of the issuing thread's state, and torch's backward stashes a Python object there
-// (contextvars.Context, `_engine_run_backward`). A gloo worker thread drops its last reference to
-// a finished work after the waiting caller has moved on; if that is after the interpreter began
-// to finalize, the object's decref cannot take the GIL, CPython ends the thread, and the unwind
-// through the work's noexcept destructor calls std::terminate: a SIGABRT at exit
-// (docs/reliability.md). Without Python objects, that drop needs no GIL.
-class PythonObjectsSetAside {
- public:
-  PythonObjectsSetAside() : saved_(at::impl::ThreadLocalPythonObjects::get_state()) {
-    at::impl::ThreadLocalPythonObjects::set_state({});
-  }
-  ~PythonObjectsSetAside() { at::impl::ThreadLocalPythonObjects::set_state(std::move(saved_)); }
-  PythonObjectsSetAside(const PythonObjectsSetAside&) = delete;
-  PythonObjectsSetAside& operator=(const PythonObjectsSetAside&) = delete;
-
- private:
-  at::impl::ThreadLocalPythonObjects saved_;
-};
+using compat::process_group;
+using compat::PythonObjectsSetAside;
 
 // The collective `issue` starts (the work it returns holds no Python object), then waited on.
 template <typename Issue>

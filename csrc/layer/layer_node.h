@@ -8,13 +8,13 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 
 #include <functional>
 #include <string>
 #include <tuple>
 
 #include "layer.h"
+#include "torch_compat.h"
 
 namespace syncbn::layer {
 namespace {
@@ -25,23 +25,7 @@ using OptTensor = c10::optional<at::Tensor>;
 
 OptTensor optional(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
-// Outputs of a backward run with create_graph=True: differentiating them again raises, as the
-// Python Function's once_differentiable does, instead of silently giving zero.
-variable_list refuse_double_backward(variable_list grads) {
-  bool any = false;
-  for (at::Tensor& g : grads) {
-    if (g.defined()) {
-      g = g.detach().requires_grad_(true);
-      any = true;
-    }
-  }
-  if (!any) return grads;
-  auto error = std::make_shared<torch::autograd::DelayedError>(
-      "trying to differentiate twice a function that was marked with @once_differentiable "
-      "(SyncBatchNorm's backward)",
-      static_cast<int>(grads.size()));
-  return error->apply(std::move(grads));
-}
+using compat::refuse_double_backward;
 
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 // The forward operator's outputs: output, mean, var, info (the public four), then mean_lo, invstd,

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._compat import store_connection
+from .._compat import default_store, store_connection
 from .collectives import process_group
 from .job import SyncJob, current_job, on_job_end
 
@@ -134,12 +134,7 @@ class _Watcher:
 
 def _store() -> Any:
     """The job's store (the default group's), or ``None`` without one."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a default group made without a store
-        return None
+    return default_store()
 
 
 def signalled() -> bool:

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from .._compat import default_store
 from . import exit_drain
 
 __all__ = ["SyncJob", "current_job", "end_current_job", "on_job_end", "store_job_id"]
@@ -165,11 +166,13 @@ def store_job_id() -> str:
     """The id every rank of the running job shares: made by the first rank to ask, kept in the
     default group's store (``MASTER_ADDR:MASTER_PORT`` where there is none)."""
     fallback = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    store = default_store()
+    if store is None:
+        return fallback
     try:
-        store = dist.distributed_c10d._get_default_store()
         mine = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         return bytes(store.compare_set(_JOB_KEY, "", mine)).decode()
-    except Exception:  # no store, or one without compare_set: the launcher's address names it
+    except Exception:  # a store without compare_set: the launcher's address names the job
         return fallback
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._compat import cuda_arch_flags
 from .._files import shipped_dir
 from .._shared import HEADER_PATH, header_digest, values_digest
 from .build_lock import (
@@ -138,12 +139,7 @@ def _cuda_targets() -> tuple[Any, ...]:
     ``TORCH_CUDA_ARCH_LIST``, or the visible GPUs when it is unset) and the visible devices'
     compute capabilities. Part of the cache key, so a cache shared by machines with different GPUs
     never loads a binary built for another architecture."""
-    from torch.utils import cpp_extension
-
-    try:
-        flags: tuple[str, ...] = tuple(cpp_extension._get_cuda_arch_flags())
-    except Exception as exc:  # a private helper of torch: it must not break the build
-        flags = (f"<arch flags unavailable: {type(exc).__name__}>",)
+    flags = cuda_arch_flags()
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     capabilities = tuple(torch.cuda.get_device_capability(i) for i in range(count))
     return flags, capabilities
