@@ -11,11 +11,10 @@ graph, addressing the group by its name (:func:`~.groups.group_name_of`). Two ot
 * eager calls (not compiling, not capturing a CUDA graph on NCCL) call the process group's own
   methods (``ProcessGroup._allgather_base`` / ``allreduce`` with options made once), skipping
   ``torch.distributed``'s Python wrappers: on a gloo group with CUDA tensors (two ranks sharing
-  one GPU, where NCCL refuses) torch 2.11's functional collectives kill the process (SIGSEGV); on
-  NCCL an eager functional all-reduce + wait cost 162 us of host time against 20 us for
-  ``dist.all_reduce`` (one H200, torch 2.11); on gloo (CPU, one rank, this 2-core VM) an
-  all-gather costs 48 us this way against 68 us functional and 81 us through
-  ``dist.all_gather_into_tensor``.
+  one GPU, where NCCL refuses) torch 2.11's functional collectives kill the process (SIGSEGV),
+  and on NCCL and gloo alike an eager functional collective costs several times the host time of
+  the process group's own method (measured: ``benchmarks/RESULTS.md``, "GPU: the eager step
+  profiled" and "CPU: host cost of one layer, before and after the eager collectives change").
 
 The eager helpers at the end (:func:`gather_rows`, :func:`all_reduce_`) serve the measurements and
 maintenance around training (monitoring, PreciseBN, reconciliation of running statistics), which
@@ -236,10 +235,10 @@ def sum_over_group(
     or all-gathered (``[W * 2C]``, rows to be summed in rank order by the caller) in process
     (DataParallel replicas) and on CPU in groups of up to :data:`GATHER_SUM_MAX_RANKS` ranks.
 
-    gloo's all_gather of a few KB has the lower latency (0.26 vs 0.37 ms median for 2 ranks on the
-    2-core CI machine, and a much shorter tail), and the fixed summation order makes the result
-    bitwise identical on every rank. Large groups and CUDA tensors (NCCL) use all_reduce, in
-    place when ``in_place`` (see :func:`all_reduce`).
+    gloo's all_gather of a few KB has the lower latency and a much shorter tail than its
+    all_reduce (measured on 2 ranks: ``benchmarks/RESULTS.md``), and the fixed summation order
+    makes the result bitwise identical on every rank. Large groups and CUDA tensors (NCCL) use
+    all_reduce, in place when ``in_place`` (see :func:`all_reduce`).
     """
     if group is None:
         return sums
