@@ -25,8 +25,8 @@ What a trace can and cannot guarantee, and so when the rewritten forward runs:
   forward, in a helper method or a decorator, ``torch.set_grad_enabled(False)`` as a call, an
   ``ExitStack``) would vanish from the trace. Every node records the grad mode, inference mode
   and autocast state it was traced under, and each mode is traced twice, from opposite states
-  (:func:`_entry_state`): a node recorded under another state than its trace's entry, or two
-  traces that differ, refuse the class (:class:`Refusal`), whatever made the change.
+  (:mod:`.fx_trace`): a node recorded under another state than its trace's entry, or two
+  traces that differ, refuse the class (:class:`~.fx_trace.Refusal`), whatever made the change.
 * any other Python state the forward reads (an attribute changed after the conversion, a global
   flag, the input's Python type, a context manager other than those above) is fixed by the
   trace. That cannot be checked, which is why
@@ -35,13 +35,11 @@ What a trace can and cannot guarantee, and so when the rewritten forward runs:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import linecache
 import operator
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +52,7 @@ from torch.fx._symbolic_trace import _assert_is_none
 from ..ops.activations import fused_activation
 from .batchnorm import SyncBatchNorm
 from .checks import same_operands
+from .fx_trace import Refusal, trace_one_level
 
 __all__ = [
     "Refusal",
@@ -70,71 +69,6 @@ _ADDS = (operator.add, operator.iadd, torch.add)
 _RELUS = (F.relu, torch.relu, torch.relu_)
 _RELU = nn.ReLU()
 _SPECIALIZED = "has been specialized"  # the text of fx's checks of a concrete argument
-# The device types whose autocast state a trace records, with the dtype its probe sets (the
-# flags are plain thread-local state: setting CUDA's needs no GPU).
-_AUTOCAST = (("cpu", torch.bfloat16), ("cuda", torch.float16))
-_STATE = "syncbn_context"  # the key of a node's recorded state in ``node.meta``
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a block's forward is not rewritten. ``whole_class``: the reason lies in the class's
-    code (its forward changes grad mode or autocast, or reads them), so the caller refuses
-    every block of the class with one line."""
-
-    reason: str
-    whole_class: bool = False
-
-
-def _context_state() -> tuple[Any, ...]:
-    """What a ``with`` (or a call) can change that fx does not record: grad mode, inference mode
-    and, per device type of ``_AUTOCAST``, whether autocast is on and its dtype."""
-    autocast = tuple(
-        (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        for device, _ in _AUTOCAST
-    )
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), *autocast)
-
-
-def _state_names(entry: tuple[Any, ...], seen: tuple[Any, ...]) -> str:
-    """The states that differ between ``entry`` and ``seen`` (of :func:`_context_state`)."""
-    names = ["grad mode", "inference mode"] + [f"{device} autocast" for device, _ in _AUTOCAST]
-    return ", ".join(n for n, a, b in zip(names, entry, seen, strict=True) if a != b)
-
-
-@contextlib.contextmanager
-def _entry_state(probe: bool) -> Iterator[None]:
-    """Trace under grad mode on and autocast off, or (``probe``) the opposite: grad mode off
-    and autocast on, so an ``enable_grad`` or ``autocast(enabled=False)`` region changes the
-    state too. Restores every state on exit, including one the forward set and left."""
-    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _ in _AUTOCAST]
-    grad = torch.is_grad_enabled()
-    try:
-        torch.set_grad_enabled(not probe)
-        for device, dtype in _AUTOCAST:
-            torch.set_autocast_enabled(device, probe)
-            torch.set_autocast_dtype(device, dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. autocast("cuda") without a GPU, twice over
-            yield
-    finally:
-        torch.set_grad_enabled(grad)
-        for device, enabled, dtype in saved:
-            torch.set_autocast_enabled(device, enabled)
-            torch.set_autocast_dtype(device, dtype)
-
-
-def _changed_state(graph: fx.Graph, entry: tuple[Any, ...]) -> str | None:
-    """The first node of ``graph`` traced under another state than ``entry``, as a reason."""
-    for node in graph.nodes:
-        seen = node.meta.get(_STATE, entry)
-        if seen != entry:
-            return (
-                f"its forward changes {_state_names(entry, seen)} (at {node.format_node()}), "
-                "which torch.fx does not record (a no_grad, enable_grad, inference_mode or "
-                "autocast region, a with block or a call, would be lost)"
-            )
-    return None
 
 
 def plain_batchnorm(module: Any) -> bool:
@@ -235,43 +169,6 @@ def _child(block: nn.Module, path: str) -> Any:
         return None
 
 
-class _InPlaceProxy(fx.Proxy):
-    """An fx Proxy that records ``a += b`` as ``operator.iadd``: fx's own has no in-place
-    operators, so Python runs ``a = a + b`` and the trace loses that the sum keeps ``a``'s dtype
-    (``out += shortcut`` with a wider shortcut is not ``out + shortcut``)."""
-
-    def _in_place(self, op: Callable[[Any, Any], Any], other: Any) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", op, (self, other), {})
-
-    def __iadd__(self, other: Any) -> fx.Proxy:
-        return self._in_place(operator.iadd, other)
-
-    def __isub__(self, other: Any) -> fx.Proxy:
-        return self._in_place(operator.isub, other)
-
-    def __imul__(self, other: Any) -> fx.Proxy:
-        return self._in_place(operator.imul, other)
-
-    def __itruediv__(self, other: Any) -> fx.Proxy:
-        return self._in_place(operator.itruediv, other)
-
-
-class _OneLevel(fx.Tracer):
-    """Traces a module's own forward: every child module is a leaf; in-place arithmetic stays
-    in place."""
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return True
-
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _InPlaceProxy(node, self)
-
-    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        node = super().create_node(*args, **kwargs)
-        node.meta[_STATE] = _context_state()
-        return node
-
-
 def _activation_of(node: fx.Node, block: nn.Module) -> Any:
     """The fusable activation ``node`` computes (a module, or ``"relu"``), else ``None``."""
     if node.op == "call_module":
@@ -364,26 +261,11 @@ def _compile(graph: fx.Graph, name: str) -> tuple[str, Callable[..., Any]]:
     return code.src, namespace["forward"]
 
 
-def _trace(block: nn.Module, defaults: dict[str, Any], probe: bool) -> fx.Graph | Refusal:
-    """``block``'s forward traced one level deep from the entry state ``probe`` chooses
-    (:func:`_entry_state`), or why not: fx cannot follow it, or a node was traced under another
-    grad mode or autocast state than the entry's."""
-    with _entry_state(probe):
-        entry = _context_state()
-        try:
-            graph = _OneLevel().trace(block, concrete_args=defaults or None)
-        except Exception as exc:  # fx raises many types for code it cannot follow
-            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            return Refusal(f"torch.fx cannot trace it ({first})")
-    changed = _changed_state(graph, entry)
-    return graph if changed is None else Refusal(changed, whole_class=True)
-
-
 def trace_block(block: nn.Module) -> TracedForward | Refusal:
     """``block``'s forward rewritten (see the module docstring), or why it cannot be: its
     signature has more than one required input, fx cannot trace it, it changes or reads grad
-    mode or autocast (:func:`_trace`, a reason for the whole class), or its training-mode trace
-    has no BatchNorm → add → activation tail."""
+    mode or autocast (:func:`~.fx_trace.trace_one_level`, a reason for the whole class), or its
+    training-mode trace has no BatchNorm → add → activation tail."""
     defaults = optional_arguments(type(block))
     if isinstance(defaults, str):
         return Refusal(defaults)
@@ -395,7 +277,8 @@ def trace_block(block: nn.Module) -> TracedForward | Refusal:
     try:
         for training in (False, True):
             block.train(training)
-            graph, probe = _trace(block, defaults, False), _trace(block, defaults, True)
+            graph = trace_one_level(block, defaults, probe=False)
+            probe = trace_one_level(block, defaults, probe=True)
             for result in (graph, probe):
                 if isinstance(result, Refusal):
                     return result
