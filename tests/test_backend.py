@@ -185,6 +185,22 @@ def test_a_rank_that_waited_for_another_s_build_loads_it_without_a_word() -> Non
     assert "stale" not in result.stderr and "compiling" not in result.stderr, result.stderr
 
 
+def test_build_running_says_whether_a_process_holds_the_build_lock(tmp_path: Path) -> None:
+    """What the service's rank uses to say it loaded another process's build (app/kernels.py):
+    true while a descriptor of another open holds the lock, false before and after."""
+    import fcntl
+
+    from syncbn_lightning.ops.build_lock import build_running
+
+    assert not build_running(tmp_path)
+    with open(tmp_path / ".syncbn_build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        assert build_running(tmp_path)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        assert not build_running(tmp_path)
+    assert not build_running(tmp_path / "missing")
+
+
 def test_a_built_library_loads_while_another_process_holds_the_build_lock() -> None:
     """The ranks of a node load a built extension side by side: no lock, no ninja (a rank that
     waited behind the others, or behind another checkout's compile, could miss its first

@@ -12,7 +12,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _service import RENDEZVOUS_VARS
@@ -113,3 +116,89 @@ def test_first_run_builds_before_the_progress_bar(tmp_path: Path) -> None:
     assert announce < done < bar
     for i in (announce, done):  # log lines of their own, not glued to a bar update
         assert lines[i].startswith("[") and "it/s" not in lines[i], lines[i]
+
+
+# ------------------------------------------------------------------------------------------------
+# The node's other ranks start once a core is free of the first build (app/kernels.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _build_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int) -> Any:
+    """A KernelBuild whose build directory is ``tmp_path`` and whose build runs until the test
+    writes ``done``, on a machine of ``cores`` cores; its ninja file names two units."""
+    from syncbn_lightning.app import kernels
+
+    def build() -> float:
+        while not (tmp_path / "done").exists():
+            time.sleep(0.01)
+        return 1.5
+
+    monkeypatch.setattr(kernels, "prepare_kernels", lambda cfg: build())
+    monkeypatch.setattr(kernels, "_cores", lambda: cores)
+    monkeypatch.setattr(ops_build, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernels, "POLL_S", 0.01)
+    return kernels.KernelBuild(_cfg())
+
+
+def _write_ninja(directory: Path) -> None:
+    (directory / "build.ninja").write_text(
+        "build unity_kernels.o: compile unity_kernels.cpp\n"
+        "build unity_operators.o: compile unity_operators.cpp\n"
+        "build ext.so: link unity_kernels.o unity_operators.o\n"
+    )
+
+
+def test_the_other_ranks_wait_while_every_core_compiles(tmp_path: Path, monkeypatch) -> None:
+    """2 cores: no ninja file yet, then two units compiling: the wait goes on; once one unit's
+    object is written, a core is free and it returns; result() waits for the build's end."""
+    kernels = _build_in(tmp_path, monkeypatch, cores=2)
+    waiter = threading.Thread(target=kernels.wait_for_a_free_core)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and kernels.compiling() is None
+    _write_ninja(tmp_path)
+    waiter.join(0.3)
+    assert waiter.is_alive() and kernels.compiling() == 2
+    (tmp_path / "unity_kernels.o").write_bytes(b"")
+    waiter.join(5.0)
+    assert not waiter.is_alive() and kernels.compiling() == 1
+    (tmp_path / "done").touch()
+    assert kernels.result() == 1.5
+
+
+def test_with_more_cores_than_units_nothing_waits_for_a_unit(tmp_path, monkeypatch) -> None:
+    kernels = _build_in(tmp_path, monkeypatch, cores=4)
+    _write_ninja(tmp_path)
+    started = time.perf_counter()
+    kernels.wait_for_a_free_core()
+    assert time.perf_counter() - started < 5.0 and kernels.compiling() == 2
+    (tmp_path / "done").touch()
+    assert kernels.result() == 1.5
+
+
+def test_an_earlier_builds_ninja_file_and_objects_do_not_count(tmp_path, monkeypatch) -> None:
+    """Files older than the build (a directory an earlier, killed build left) say nothing."""
+    _write_ninja(tmp_path)
+    (tmp_path / "unity_kernels.o").write_bytes(b"")
+    old = time.time() - 60
+    for name in ("build.ninja", "unity_kernels.o"):
+        os.utime(tmp_path / name, (old, old))
+    kernels = _build_in(tmp_path, monkeypatch, cores=2)
+    assert kernels.compiling() is None
+    _write_ninja(tmp_path)  # this build's ninja file: the old object is not this build's
+    assert kernels.compiling() == 2
+    (tmp_path / "done").touch()
+    kernels.result()
+
+
+def test_the_builds_error_is_raised_by_result(tmp_path: Path, monkeypatch) -> None:
+    from syncbn_lightning.app import kernels
+
+    def fail(cfg: Any) -> float:
+        raise ops_build.ExtensionBuildError("the compiler failed")
+
+    monkeypatch.setattr(kernels, "prepare_kernels", fail)
+    build = kernels.KernelBuild(_cfg())
+    build.wait_for_a_free_core()  # the thread ended: nothing to wait for
+    with pytest.raises(ops_build.ExtensionBuildError, match="the compiler failed"):
+        build.result()

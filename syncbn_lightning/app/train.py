@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -30,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checkpoint import AtomicCheckpointIO
 from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
 from .console import quiet_third_party
+from .kernels import KernelBuild, prepare_kernels
 from .launch import (
     FLIGHT_DIR_ENV,
     RANK_CONFIG_ENV,
@@ -132,9 +132,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
         datamodule = build(cfg, "data")
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             datamodule.prepare_data()  # generate data before the other ranks start
-        prepare_kernels(cfg)  # before the other ranks start, which then load the cached build
+        # The node's other ranks start once a core is free of the first build (they import while
+        # it ends, then load it) and train once it is done, which training waits for too.
+        kernels = KernelBuild(cfg)
+        kernels.wait_for_a_free_core()
         with _launch(cfg, out):
             try:
+                kernels.result()
                 trainer, fit_metrics, metrics = _fit_and_evaluate(cfg, datamodule)
             except BaseException as exc:
                 _report_flight(exc)
@@ -157,49 +161,6 @@ def _report_flight(exc: BaseException) -> None:
 
     with contextlib.suppress(Exception):  # the report must never hide the failure itself
         flight.report_failure(f"{type(exc).__name__}: {str(exc).strip()[:200]}")
-
-
-def prepare_kernels(cfg: DictConfig) -> float | None:
-    """Build (first run) or load (cached) the C++ extension before training starts, so that the
-    build neither runs inside the first training step (whose time the progress bar's ETA extends
-    to the whole run) nor writes into the bar's line; says which, with its time, on a line of its
-    own.
-
-    Nothing is done with ``bn.sync=false`` or ``bn.implementation=ref``. With ``auto`` a failed
-    build is logged in one line and training goes on with the pure-PyTorch reference (the layers
-    warn once with the cause); with ``ext`` the :class:`~syncbn_lightning.ExtensionBuildError`
-    propagates.
-
-    Returns:
-        The seconds the build or load took, or ``None`` when nothing was loaded.
-    """
-    from syncbn_lightning.ops.build import ExtensionBuildError, build_dir, load_extension
-
-    if not cfg.bn.sync or cfg.bn.implementation == "ref":
-        return None
-    directory = build_dir()
-    cached = any(directory.glob("*.so"))
-    backend_log = logging.getLogger("syncbn_lightning.ops.build")
-    level = backend_log.level
-    backend_log.setLevel(max(logging.WARNING, backend_log.getEffectiveLevel()))  # one line: ours
-    started = time.perf_counter()
-    try:
-        load_extension()
-    except ExtensionBuildError as e:
-        if cfg.bn.implementation == "ext":
-            raise
-        log.warning(
-            "kernels: the C++ extension could not be built (%s); training uses the pure-PyTorch "
-            "reference (same results, slower)",
-            str(e).splitlines()[0][:300],
-        )
-        return None
-    finally:
-        backend_log.setLevel(level)
-    seconds = time.perf_counter() - started
-    how = "loaded from the cache" if cached else "compiled (once; later runs load it)"
-    log.info("kernels: C++ extension %s in %.1f s (%s)", how, seconds, directory)
-    return seconds
 
 
 def _fit_and_evaluate(

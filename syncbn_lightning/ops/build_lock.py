@@ -34,11 +34,13 @@ __all__ = [
     "MEASURED_BUILD_S",
     "ExtensionBuildError",
     "build_locked",
+    "build_running",
 ]
 
 BUILD_TIMEOUT_ENV = "SYNCBN_BUILD_TIMEOUT"
 #: The file a build directory gets once its library is whole (written under the build lock).
 BUILT_MARK = ".syncbn_built"
+_LOCK_FILE = ".syncbn_build.flock"  # flocked by the process that builds or loads
 
 # The build's messages, wherever they come from, under one logger (users' logs name it).
 log = logging.getLogger(f"{__package__}.build")
@@ -169,10 +171,26 @@ def _heartbeat(name: str, directory: Path, with_cuda: bool) -> Iterator[None]:
         thread.join()
 
 
+def build_running(directory: Path) -> bool:
+    """Whether a process (this one or another) holds the build lock of ``directory`` now: a
+    build there is under way, or a process is loading what one left."""
+    try:
+        handle = open(directory / _LOCK_FILE, "a")
+    except OSError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 @contextmanager
 def _build_lock(directory: Path, timeout_s: float) -> Iterator[None]:
     """Exclusive inter-process lock on ``directory``; raises after ``timeout_s`` of waiting."""
-    with open(directory / ".syncbn_build.flock", "w") as handle:
+    with open(directory / _LOCK_FILE, "w") as handle:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
