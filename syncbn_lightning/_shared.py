@@ -4,8 +4,9 @@ Python modules import them from here; the extension includes ``csrc/include/shar
 which ``tools/shared_header.py`` (outside the package: a development tool) generates from this
 file, the comment above each value copied beside its C++ twin. Change a value here, never in the
 header, and rerun the tool. The header records :func:`values_digest` of the values it was made
-from: the extension's build refuses a header whose digest is not this file's
-(``ops/build.py``), and ``tools/shared_header.py --check`` exits 1 while it is stale.
+from and :func:`text_digest` of its own text: the extension's build refuses a header whose
+values digest is not this file's or whose text was edited by hand (``ops/build.py``), and
+``tools/shared_header.py --check`` exits 1 while it is stale.
 
 Imports no torch: the flight files are read (``syncbn-flight``) in processes that never import it.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "GRAD_HEADER",
     "DIGEST_LINE",
     "HEADER_PATH",
+    "TEXT_DIGEST_LINE",
     "INFO_FIELDS",
     "ORDER_FLAG_SLOTS",
     "REDUCE_HEADER",
@@ -41,6 +43,7 @@ __all__ = [
     "TAG_LIMIT",
     "field_offsets",
     "header_digest",
+    "text_digest",
     "values_digest",
 ]
 
@@ -132,6 +135,8 @@ HEADER_PATH = "include/shared_constants.h"
 
 #: How the header's line that records :func:`values_digest` starts.
 DIGEST_LINE = "// values digest: "
+#: How the header's line that records :func:`text_digest` of the rest of it starts.
+TEXT_DIGEST_LINE = "// text digest: "
 
 
 def values_digest() -> str:
@@ -141,9 +146,19 @@ def values_digest() -> str:
     return hashlib.sha256(repr(values).encode()).hexdigest()[:16]
 
 
-def header_digest(text: str) -> str | None:
-    """The :func:`values_digest` a generated header's text records (``None``: it records none)."""
-    for line in text.splitlines():
-        if line.startswith(DIGEST_LINE):
-            return line[len(DIGEST_LINE) :].strip()
+def text_digest(text: str) -> str:
+    """A digest of a generated header's text without its two digest lines: what its text digest
+    line records while nobody edited it by hand."""
+    kept = [
+        line for line in text.splitlines() if not line.startswith((DIGEST_LINE, TEXT_DIGEST_LINE))
+    ]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def header_digest(text: str, line: str = DIGEST_LINE) -> str | None:
+    """The digest a generated header's text records on its ``line`` (:data:`DIGEST_LINE`: the
+    values', :data:`TEXT_DIGEST_LINE`: the text's), ``None`` where it records none."""
+    for row in text.splitlines():
+        if row.startswith(line):
+            return row[len(line) :].strip()
     return None

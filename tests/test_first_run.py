@@ -177,7 +177,9 @@ def test_with_more_cores_than_units_nothing_waits_for_a_unit(tmp_path, monkeypat
 
 
 def test_an_earlier_builds_ninja_file_and_objects_do_not_count(tmp_path, monkeypatch) -> None:
-    """Files older than the build (a directory an earlier, killed build left) say nothing."""
+    """Files older than the build (a directory an earlier, killed build left) say nothing: an
+    old ninja file (torch rewrites it only when its text changes) leaves the wait to the build's
+    end; a new one counts only this build's objects."""
     _write_ninja(tmp_path)
     (tmp_path / "unity_kernels.o").write_bytes(b"")
     old = time.time() - 60
@@ -200,5 +202,24 @@ def test_the_builds_error_is_raised_by_result(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(kernels, "prepare_kernels", fail)
     build = kernels.KernelBuild(_cfg())
     build.wait_for_a_free_core()  # the thread ended: nothing to wait for
+    # before the launcher starts a rank (app/train.py), and again from result()
+    with pytest.raises(ops_build.ExtensionBuildError, match="the compiler failed"):
+        build.raise_if_failed()
     with pytest.raises(ops_build.ExtensionBuildError, match="the compiler failed"):
         build.result()
+
+
+def test_a_rank_that_died_ends_the_wait_and_the_way_out_waits_for_the_build(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """result(stop) raises once stop() is true (the launcher saw a rank die) while the build
+    still runs; settle() then waits for the build to end, and raise_if_failed() says nothing
+    of a build that is still running."""
+    kernels = _build_in(tmp_path, monkeypatch, cores=2)
+    kernels.raise_if_failed()
+    with pytest.raises(RuntimeError, match="a rank of the job ended while the C\\+\\+ extension"):
+        kernels.result(stop=lambda: True)
+    threading.Timer(0.3, (tmp_path / "done").touch).start()
+    started = time.perf_counter()
+    kernels.settle()
+    assert time.perf_counter() - started >= 0.2 and kernels.result() == 1.5

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.nn.residual import FUSED_FROM
+from syncbn_lightning.nn.residual import FUSED_FROM, fuse_residual_blocks
 from syncbn_lightning.nn.residual_fx import global_hooks_set
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -446,7 +446,8 @@ def test_a_named_class_whose_forward_changes_grad_mode_or_autocast_is_not_fused(
 
 def test_a_trace_leaves_grad_mode_and_autocast_as_it_found_them(one_rank) -> None:
     """A forward that sets a state and leaves it (``set_grad_enabled(False)`` as its last call)
-    is refused, and the conversion restores the caller's grad mode and autocast."""
+    is refused, and the conversion restores the caller's grad mode, inference mode and
+    autocast (on, dtype), here all other than torch's defaults."""
 
     class _Leaves(_Projected):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -454,10 +455,62 @@ def test_a_trace_leaves_grad_mode_and_autocast_as_it_found_them(one_rank) -> Non
             torch.set_grad_enabled(False)
             return out
 
-    before = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))
-    fused = convert_sync_batchnorm(_Leaves().double(), force_sync=True, fuse_residual=[_Leaves])
-    assert not hasattr(type(fused), FUSED_FROM)
-    assert (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")) == before
+    def state() -> tuple[Any, ...]:
+        return (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu"),
+        )
+
+    block = convert_sync_batchnorm(_Leaves().double(), force_sync=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        before = state()
+        fuse_residual_blocks(block, [_Leaves])
+        assert state() == before == (False, False, True, torch.float16)
+    assert not hasattr(type(block), FUSED_FROM)
+    with torch.inference_mode():
+        before = state()
+        fuse_residual_blocks(block, [_Leaves])
+        assert state() == before and before[1]
+
+
+class _InferenceOff(_Projected):
+    """An ``inference_mode(False)`` region: a state only the probe's entry shows changed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(False):
+            shortcut = self.proj(x)
+        return self.tail(x, shortcut)
+
+
+class _MaybeFrozen(_Projected):
+    """A shortcut under ``no_grad`` in some blocks only: the class is refused whole."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.frozen = frozen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.frozen:
+            with torch.no_grad():
+                return self.tail(x, self.proj(x))
+        return self.tail(x, self.proj(x))
+
+
+def test_a_class_refused_by_a_later_block_is_refused_whole(one_rank, caplog) -> None:
+    """A block fused before another of its class was refused goes back too, and the one
+    WARNING names both; an ``inference_mode(False)`` region is refused as well."""
+    model = nn.Sequential(_MaybeFrozen(False), _MaybeFrozen(True), _InferenceOff(), _UserBlock())
+    model = convert_sync_batchnorm(model.double(), force_sync=True)
+    with caplog.at_level(logging.WARNING, logger="syncbn_lightning"):
+        fused = fuse_residual_blocks(model, [_MaybeFrozen, _InferenceOff, _UserBlock])
+    assert fused == ["3"]
+    assert [type(m) for m in model] == [_MaybeFrozen, _MaybeFrozen, _InferenceOff, type(model[3])]
+    text = caplog.text
+    assert "left every _MaybeFrozen block as it was (0, 1): its forward changes grad mode" in text
+    off = "left every _InferenceOff block as it was (2): its forward changes grad mode, inference"
+    assert off in text
 
 
 # What ``Module._call_impl`` reads beside the four dicts ``global_hooks_set`` checks: subsets of

@@ -64,9 +64,9 @@ def test_the_renderer_is_not_in_the_package() -> None:
 
 
 def test_the_build_refuses_a_header_made_from_other_values(tmp_path: Path) -> None:
-    """The committed header passes; one that records another digest is refused, naming the
-    header and the command; and so is the committed one once a value of ``_shared`` changed
-    (in a process of its own, before anything is compiled)."""
+    """The committed header passes; one that records another values digest is refused, naming
+    the header and the command, and so is one edited by hand; and so is the committed one once
+    a value of ``_shared`` changed (in a process of its own, before anything is compiled)."""
     check_shared_header(CSRC)
     stale = tmp_path / "csrc"
     (stale / "include").mkdir(parents=True)
@@ -74,6 +74,12 @@ def test_the_build_refuses_a_header_made_from_other_values(tmp_path: Path) -> No
         HEADER.read_text().replace(_shared.values_digest(), "0123456789abcdef")
     )
     with pytest.raises(ExtensionBuildError, match=r"stale .* tools/shared_header\.py"):
+        check_shared_header(stale)
+    # a value edited by hand, the digest lines left alone
+    (stale / _shared.HEADER_PATH).write_text(
+        HEADER.read_text().replace("kRowHeader = 4;", "kRowHeader = 5;")
+    )
+    with pytest.raises(ExtensionBuildError, match=r"was edited by hand .*_shared\.py"):
         check_shared_header(stale)
     code = (
         "import syncbn_lightning._shared as s\n"

@@ -27,7 +27,9 @@ from syncbn_lightning._shared import (  # noqa: E402
     FLIGHT_RECORD_FIELDS,
     FLIGHT_RECORD_FORMAT,
     HEADER_PATH,
+    TEXT_DIGEST_LINE,
     field_offsets,
+    text_digest,
     values_digest,
 )
 
@@ -174,7 +176,11 @@ def render_header() -> str:
         "}  // namespace flight",
         "}  // namespace syncbn",
     ]
-    return "\n".join(out) + "\n"
+    body = "\n".join(out) + "\n"
+    return body.replace(
+        f"{DIGEST_LINE}{values_digest()}\n",
+        f"{DIGEST_LINE}{values_digest()}\n{TEXT_DIGEST_LINE}{text_digest(body)}\n",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 // do not edit by hand. Change the value there and rerun it (`--check` exits 1, the
 // extension's build refuses this file and tests/test_shared_constants.py fails, while
 // it is stale).
-// values digest: d3515ce8f2ce9f0a
+// values digest: fdc29f79a4971205
+// text digest: 3ddf3ae78e466bb6
 #pragma once
 
 #include <cstdint>

@@ -182,5 +182,3 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
 
 }  // namespace
 }  // namespace syncbn::layer
-
-

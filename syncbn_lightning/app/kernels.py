@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -85,9 +86,11 @@ class KernelBuild:
     """:func:`prepare_kernels` on a thread of its own, started at once.
 
     :meth:`wait_for_a_free_core` returns when the build is done or compiles fewer units than
-    this process has cores; :meth:`result` waits for it and returns :func:`prepare_kernels`'s
-    result, or raises its error. A process interrupted while the thread builds leaves the
-    compiler to finish on its own (the build's lock is released with the process).
+    this process has cores (a build directory whose ninja file an earlier, killed build wrote is
+    not read: the wait then lasts to the build's end); :meth:`result` waits for it and returns
+    :func:`prepare_kernels`'s result, or raises its error. :meth:`settle` is for the way out: a
+    build still running then is waited for, so that no half-written build is left behind by an
+    error of the main thread (a Ctrl-C in a terminal stops the compiler itself, which ends it).
     """
 
     def __init__(self, cfg: DictConfig) -> None:
@@ -139,9 +142,27 @@ class KernelBuild:
                 return
             self._thread.join(POLL_S)
 
-    def result(self) -> float | None:
-        """Wait for the build; :func:`prepare_kernels`'s result, or its error raised here."""
-        self._thread.join()
+    def raise_if_failed(self) -> None:
+        """Raise the build's error now if it has already ended with one."""
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
+
+    def result(self, stop: Callable[[], bool] | None = None) -> float | None:
+        """Wait for the build; :func:`prepare_kernels`'s result, or its error raised here.
+
+        Raises:
+            RuntimeError: when ``stop()`` turns true first (the launcher saw a rank die).
+        """
+        while self._thread.is_alive():
+            if stop is not None and stop():
+                raise RuntimeError("a rank of the job ended while the C++ extension was built")
+            self._thread.join(POLL_S)
         if self._error is not None:
             raise self._error
         return self._seconds
+
+    def settle(self) -> None:
+        """Wait for a build still running (the way out of an error); says so on a line first."""
+        if self._thread.is_alive():
+            log.info("kernels: waiting for the C++ extension's build to end before exiting")
+            self._thread.join()

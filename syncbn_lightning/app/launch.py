@@ -258,6 +258,10 @@ class RankLauncher:
             )
         self._children.append((rank, proc, path))
 
+    def has_failed(self) -> bool:
+        """Whether the watchdog saw a started rank end badly (it then stops the job)."""
+        return self._failed is not None
+
     def _first_failure(self) -> tuple[int, int, Path] | None:
         """``(rank, exit code, log)`` of the lowest rank that has ended badly, if any."""
         for rank, proc, path in self._children:

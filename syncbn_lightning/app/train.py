@@ -84,13 +84,14 @@ def _destroy_process_group(barrier: bool) -> None:
 
 
 @contextlib.contextmanager
-def _launch(cfg: DictConfig, out: Path) -> Iterator[None]:
-    """Start this node's other ranks when nobody else did (see :mod:`.launch`)."""
+def _launch(cfg: DictConfig, out: Path) -> Iterator[RankLauncher | None]:
+    """Start this node's other ranks when nobody else did (see :mod:`.launch`); the launcher, or
+    ``None`` when nothing was started here."""
     devices, nodes = world(cfg)
     # Also for one process: DDP still creates a process group, and the launcher is what keeps its
     # rendezvous store on loopback.
     if cfg.trainer.strategy != "ddp" or launched_externally():
-        yield
+        yield None
         return
     config_file = out / ".syncbn" / "config.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
@@ -103,8 +104,8 @@ def _launch(cfg: DictConfig, out: Path) -> Iterator[None]:
         log_dir=out / ".syncbn",
         grace_s=cfg.launch.grace_s,
         abort_after_s=cfg.launch.abort_after_s,
-    ):
-        yield
+    ) as launcher:
+        yield launcher
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -133,23 +134,38 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             datamodule.prepare_data()  # generate data before the other ranks start
         # The node's other ranks start once a core is free of the first build (they import while
-        # it ends, then load it) and train once it is done, which training waits for too.
+        # it ends, then load it) and train once it is done, which training waits for too. A
+        # build that failed already starts no rank; one still running when this process leaves
+        # on an error is waited for, never left half-written (KernelBuild.settle).
         kernels = KernelBuild(cfg)
-        kernels.wait_for_a_free_core()
-        with _launch(cfg, out):
-            try:
-                kernels.result()
-                trainer, fit_metrics, metrics = _fit_and_evaluate(cfg, datamodule)
-            except BaseException as exc:
-                _report_flight(exc)
-                _destroy_process_group(barrier=False)
-                raise
-            # Every collective is done: no rank waits (on the process-group timeout) while rank 0
-            # writes the results, the W&B run and the report below.
-            _destroy_process_group(barrier=True)
-            if trainer.is_global_zero:
-                _write_outputs(cfg, trainer, fit_metrics, metrics, out)
-            return metrics
+        try:
+            kernels.wait_for_a_free_core()
+            kernels.raise_if_failed()
+            with _launch(cfg, out) as launcher:
+                # A rank that died meanwhile ends the wait: the launcher names it on the way out.
+                kernels.result(stop=None if launcher is None else launcher.has_failed)
+                return _train_launched(cfg, datamodule, out)
+        finally:
+            kernels.settle()
+
+
+def _train_launched(
+    cfg: DictConfig, datamodule: pl.LightningDataModule, out: Path
+) -> dict[str, float]:
+    """Fit, evaluate and (rank 0) write the outputs, inside the launcher's block; the final
+    metrics."""
+    try:
+        trainer, fit_metrics, metrics = _fit_and_evaluate(cfg, datamodule)
+    except BaseException as exc:
+        _report_flight(exc)
+        _destroy_process_group(barrier=False)
+        raise
+    # Every collective is done: no rank waits (on the process-group timeout) while rank 0 writes
+    # the results, the W&B run and the report below.
+    _destroy_process_group(barrier=True)
+    if trainer.is_global_zero:
+        _write_outputs(cfg, trainer, fit_metrics, metrics, out)
+    return metrics
 
 
 def _report_flight(exc: BaseException) -> None:

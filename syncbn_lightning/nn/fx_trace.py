@@ -58,19 +58,22 @@ def _state_names(entry: tuple[Any, ...], seen: tuple[Any, ...]) -> str:
 
 @contextlib.contextmanager
 def _entry_state(probe: bool) -> Iterator[None]:
-    """Trace under grad mode on and autocast off, or (``probe``) the opposite: grad mode off
-    and autocast on, so an ``enable_grad`` or ``autocast(enabled=False)`` region changes the
-    state too. Restores every state on exit, including one the forward set and left."""
+    """Trace under grad mode on, inference mode off and autocast off, or (``probe``) the
+    opposite: inference mode on (grad mode off with it) and autocast on, so that an
+    ``enable_grad``, ``inference_mode(False)`` or ``autocast(enabled=False)`` region changes the
+    state too. Restores grad mode, inference mode and autocast on exit, including a state the
+    forward set and left."""
     saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _ in _AUTOCAST]
     grad = torch.is_grad_enabled()
     try:
-        torch.set_grad_enabled(not probe)
-        for device, dtype in _AUTOCAST:
-            torch.set_autocast_enabled(device, probe)
-            torch.set_autocast_dtype(device, dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. autocast("cuda") without a GPU, twice over
-            yield
+        with torch.inference_mode(probe):  # restores the caller's inference mode on exit
+            torch.set_grad_enabled(not probe)
+            for device, dtype in _AUTOCAST:
+                torch.set_autocast_enabled(device, probe)
+                torch.set_autocast_dtype(device, dtype)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. autocast("cuda") without a GPU, twice over
+                yield
     finally:
         torch.set_grad_enabled(grad)
         for device, enabled, dtype in saved:

@@ -250,8 +250,10 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
     named = set(classes)
     fused: list[str] = []
     seen: set[type] = set()
-    # Named classes refused for their code (Refusal.whole_class): one line each, after the loop.
+    # Named classes refused for their code (Refusal.whole_class): one line each, after the loop;
+    # blocks of such a class fused before the refusal (traced one by one) go back too.
     refused: dict[type, tuple[str, list[str]]] = {}
+    fused_here: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, block in list(model.named_modules()):
         cls = type(block)
         if hasattr(cls, FUSED_FROM):
@@ -267,8 +269,13 @@ def fuse_residual_blocks(model: nn.Module, classes: Sequence[type] = ()) -> list
         refusal = _fuse_one(block, traced=not known)
         if refusal is None:
             fused.append(name)
+            fused_here.setdefault(cls, []).append((name, block))
         elif refusal.whole_class:
-            refused[cls] = (refusal.reason, [where])
+            earlier = fused_here.pop(cls, [])
+            for earlier_name, earlier_block in earlier:
+                earlier_block.__class__ = cls
+                fused.remove(earlier_name)
+            refused[cls] = (refusal.reason, [n or "<model>" for n, _ in earlier] + [where])
         else:
             level = logging.DEBUG if known else logging.WARNING
             reason = refusal.reason

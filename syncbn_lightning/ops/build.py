@@ -29,7 +29,13 @@ import torch
 
 from .._compat import cuda_arch_flags
 from .._files import shipped_dir
-from .._shared import HEADER_PATH, header_digest, values_digest
+from .._shared import (
+    HEADER_PATH,
+    TEXT_DIGEST_LINE,
+    header_digest,
+    text_digest,
+    values_digest,
+)
 from .build_lock import (
     BUILD_TIMEOUT_ENV,
     BUILT_MARK,
@@ -232,20 +238,29 @@ def describe_build_dir() -> str:
 
 def check_shared_header(csrc: Path) -> None:
     """Refuse to build or load against a ``shared_constants.h`` made from other values than
-    ``_shared.py``'s (its recorded :func:`~syncbn_lightning._shared.values_digest`): the C++
-    side would disagree with Python on the exchanges' layouts and the flight records.
+    ``_shared.py``'s (its recorded :func:`~syncbn_lightning._shared.values_digest`), or edited by
+    hand (its recorded :func:`~syncbn_lightning._shared.text_digest`): the C++ side would
+    disagree with Python on the exchanges' layouts and the flight records.
 
     Raises:
         ExtensionBuildError: naming the header, both digests and the command that regenerates it.
     """
     header = csrc / HEADER_PATH
-    recorded = header_digest(header.read_text()) if header.is_file() else None
+    text = header.read_text() if header.is_file() else ""
+    recorded = header_digest(text)
+    fix = (
+        "run `python tools/shared_header.py` in the source checkout and rebuild; an installed "
+        "package needs reinstalling"
+    )
     if recorded != values_digest():
         raise ExtensionBuildError(
             f"{header} is stale against syncbn_lightning/_shared.py (it records values digest "
-            f"{recorded}, the module's values are {values_digest()}): run `python "
-            f"tools/shared_header.py` in the source checkout and rebuild; an installed package "
-            f"needs reinstalling"
+            f"{recorded}, the module's values are {values_digest()}): {fix}"
+        )
+    if header_digest(text, TEXT_DIGEST_LINE) != text_digest(text):
+        raise ExtensionBuildError(
+            f"{header} was edited by hand (its text digest does not match its text): change the "
+            f"value in syncbn_lightning/_shared.py instead, then {fix}"
         )
 
 
