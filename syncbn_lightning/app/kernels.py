@@ -28,6 +28,11 @@ log = logging.getLogger("train")
 POLL_S = 0.2
 
 
+def _uses_kernels(cfg: DictConfig) -> bool:
+    """Whether the job's layers use the C++ extension: synchronized, not the reference."""
+    return bool(cfg.bn.sync) and cfg.bn.implementation != "ref"
+
+
 def prepare_kernels(cfg: DictConfig) -> float | None:
     """Build (first run) or load (cached) the C++ extension before training starts, so that the
     build neither runs inside the first training step (whose time the progress bar's ETA extends
@@ -45,7 +50,7 @@ def prepare_kernels(cfg: DictConfig) -> float | None:
     from syncbn_lightning.ops.build import ExtensionBuildError, build_dir, load_extension
     from syncbn_lightning.ops.build_lock import build_running
 
-    if not cfg.bn.sync or cfg.bn.implementation == "ref":
+    if not _uses_kernels(cfg):
         return None
     directory = build_dir()
     cached = any(directory.glob("*.so"))
@@ -98,7 +103,7 @@ class KernelBuild:
         self._seconds: float | None = None
         self._error: BaseException | None = None
         self._directory: Path | None = None
-        if cfg.bn.sync and cfg.bn.implementation != "ref":
+        if _uses_kernels(cfg):
             from syncbn_lightning.ops.build import build_dir
 
             self._directory = build_dir()

@@ -132,11 +132,6 @@ class _Watcher:
             )
 
 
-def _store() -> Any:
-    """The job's store (the default group's), or ``None`` without one."""
-    return default_store()
-
-
 def signalled() -> bool:
     """Whether another rank published a mismatch of a group this process watches (any job):
     read at each synchronized call, so a module global and nothing more."""
@@ -200,7 +195,7 @@ def publish_mismatch(group: str, message: str) -> None:
     """Tell every rank watching ``group`` that this rank found a call-order mismatch
     (``message``, the error it raises), then abort this rank's member of the group. Never
     raises: the caller raises the error itself."""
-    store, job = _store(), current_job()
+    store, job = default_store(), current_job()  # the job's store: the default group's
     if store is not None and job is not None:
         job.published.add(group)
         try:
@@ -233,7 +228,7 @@ def _new_watcher(job: SyncJob) -> _Watcher:
     be cloned, none at all) one that runs no thread: the error still ends this rank, and the
     job asks once."""
     try:
-        connection = store_connection(_store(), timedelta(seconds=REQUEST_TIMEOUT_S))
+        connection = store_connection(default_store(), timedelta(seconds=REQUEST_TIMEOUT_S))
     except Exception as exc:
         _log.debug("syncbn_lightning: no call-order watcher for job %s: %s", job.id, exc)
         return _Watcher(job, None)

@@ -278,11 +278,11 @@ def trace_block(block: nn.Module) -> TracedForward | Refusal:
         for training in (False, True):
             block.train(training)
             graph = trace_one_level(block, defaults, probe=False)
+            if isinstance(graph, Refusal):
+                return graph
             probe = trace_one_level(block, defaults, probe=True)
-            for result in (graph, probe):
-                if isinstance(result, Refusal):
-                    return result
-            assert isinstance(graph, fx.Graph) and isinstance(probe, fx.Graph)
+            if isinstance(probe, Refusal):
+                return probe
             if graph.python_code("self").src != probe.python_code("self").src:
                 return Refusal(
                     "its forward reads grad mode or autocast (traced with each on and off, it "
