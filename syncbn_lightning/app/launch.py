@@ -100,13 +100,13 @@ def _loopback_store() -> tuple[Any, int]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
         port = int(sock.getsockname()[1])
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
-        )
+        options = {"is_master": True, "wait_for_workers": False, "master_listen_fd": sock.fileno()}
+        try:
+            store = TCPStore("127.0.0.1", port, **options)
+        except NotImplementedError:
+            # torch 2.4's default (libuv) server cannot take a listening descriptor; its legacy
+            # server can, and the ranks' clients speak to either.
+            store = TCPStore("127.0.0.1", port, use_libuv=False, **options)
     except BaseException:
         sock.close()
         raise
@@ -212,6 +212,8 @@ class RankLauncher:
                 os.environ["MASTER_ADDR"] = "127.0.0.1"
                 os.environ["MASTER_PORT"] = str(port)
                 os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # all ranks are clients
+                # torch 2.4 prefixes the agent store's keys with this (a KeyError without it).
+                os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             os.environ["NODE_RANK"] = str(node_rank)
             os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
