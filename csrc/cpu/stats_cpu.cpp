@@ -81,10 +81,23 @@ struct WelfordLanes {
     for (int l = 0; l < L; ++l) mean[l] = lm[l], m2[l] = lv[l];
   }
 
+  // The lanes share one count n, so their merge is closed-form (Chan's formula for L equal
+  // parts): mean = sum(mean_l) / L, m2 = sum(m2_l) + n * sum((mean_l - mean)^2). One division
+  // instead of two per lane in a dependent chain, which on a small channel cost more than the
+  // pushes (about 0.3 us per channel at L = 32).
   void merge_into(Welford& out, acc_t shift) const {
+    if (n == 0) return;
+    double sum = 0;
+    for (int l = 0; l < L; ++l) sum += static_cast<double>(mean[l]);
+    const double lanes_mean = sum / L;
+    double m2_sum = 0, spread = 0;
     for (int l = 0; l < L; ++l) {
-      out.merge(static_cast<double>(n), static_cast<double>(shift) + mean[l], m2[l]);
+      const double d = static_cast<double>(mean[l]) - lanes_mean;
+      spread += d * d;
+      m2_sum += static_cast<double>(m2[l]);
     }
+    const double count = static_cast<double>(n);
+    out.merge(count * L, static_cast<double>(shift) + lanes_mean, m2_sum + count * spread);
   }
 };
 
