@@ -40,7 +40,7 @@ from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
 from syncbn_lightning.ops import build as ops_build
 
 pytestmark = pytest.mark.gpu
-_NATIVE = "torch::autograd::CppNode<syncbn::"
+_NATIVE = "syncbn::SyncBatchNormBackward"
 
 
 @pytest.fixture(scope="module")

@@ -192,7 +192,7 @@ def test_create_graph_gives_first_grads_and_refuses_a_second(one_rank) -> None:
     layer = SyncBatchNorm(3, force_sync=True).double()
     x = (torch.randn(4, 3, 5, dtype=torch.float64) * 2).requires_grad_(True)
     y = layer(x)
-    assert "SyncBatchNormFunction" in y.grad_fn.name()
+    assert y.grad_fn.name() == "syncbn::SyncBatchNormBackward"
     gx, gw = torch.autograd.grad(y.pow(3).sum(), (x, layer.weight), create_graph=True)
     plain = F.batch_norm(x, None, None, layer.weight, layer.bias, training=True, eps=1e-5)
     ex, ew = torch.autograd.grad(plain.pow(3).sum(), (x, layer.weight))
@@ -200,6 +200,47 @@ def test_create_graph_gives_first_grads_and_refuses_a_second(one_rank) -> None:
     torch.testing.assert_close(gw, ew, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gx.sum().backward()
+
+
+def test_the_node_saves_through_hooks_and_records_only_when_needed(one_rank) -> None:
+    """The layer's node (``layer_node.h``: made as torch's operators make theirs) saves its
+    tensors through ``saved_tensors_hooks`` (what activation checkpointing and CPU offload
+    rely on), is made only where a gradient is wanted, frees its tensors after a backward, and
+    refuses forward-mode AD with the layer's message."""
+    layer = SyncBatchNorm(3, force_sync=True).double()
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    residual = torch.randn_like(x, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(t)
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = layer.add_act(x, residual)
+    assert y.grad_fn.name() == "syncbn::SyncBatchNormBackward"
+    assert any(t is x for t in packed) and any(t is residual for t in packed), len(packed)
+    dy = torch.randn_like(y)
+    gx, gr, gw = torch.autograd.grad(y, (x, residual, layer.weight), dy)
+    assert len(unpacked) == len(packed)
+    plain = F.batch_norm(x, None, None, layer.weight, layer.bias, training=True) + residual
+    ex, er, ew = torch.autograd.grad(plain, (x, residual, layer.weight), dy)
+    for got, want in ((gx, ex), (gr, er), (gw, ew)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(y, x, dy)
+    with torch.no_grad():
+        assert layer(x).grad_fn is None
+    frozen = SyncBatchNorm(3, force_sync=True, affine=False).double()
+    assert frozen(x.detach()).grad_fn is None
+    from torch.autograd import forward_ad
+
+    with forward_ad.dual_level(), pytest.raises(RuntimeError, match="no forward-mode derivative"):
+        layer(forward_ad.make_dual(x.detach(), torch.ones_like(x)))
 
 
 def test_inference_mode_runs_the_forward_alone() -> None:

@@ -167,18 +167,14 @@ Outputs backward_kernel(
   return {grad_input, affine ? grad_weight : at::Tensor(), affine ? grad_bias : at::Tensor(), grad};
 }
 
-// `syncbn::sync_batch_norm` with autograd: the node above around the forward operator.
+// `syncbn::sync_batch_norm` with autograd: the layer's node around the forward operator.
 Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   // The input is checked once, by the forward operator's kernel.
-  const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
-  SavedCall call;
-  call.settings = forward_settings(SYNCBN_LAYER_PASS);
-  const std::function<ForwardOutputs()> run = [&] {
-    return forward_op().call(SYNCBN_LAYER_PASS);
-  };
-  variable_list out =
-      SyncBatchNormFunction::apply(input, weight, bias, residual, state, call, run);
-  return {out[0], out[1], out[2], out[3]};
+  const ForwardOutputs out =
+      with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
+        return forward_op().call(SYNCBN_LAYER_PASS);
+      });
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out)};
 }
 
 // `syncbn::sync_batch_norm` below autograd (inference mode): the forward operator alone.

@@ -1,15 +1,17 @@
 // The C++ path's autograd node and what its operators share (layer.cpp: a layer call;
 // recompute.cpp: the calls of an activation checkpoint): the layer operator's argument list, the
 // settings made from it, the forward and backward operators as the dispatcher calls them, and the
-// node, whose forward runs a given function and whose backward is the layer's (the gradient sums,
-// their collective, the input gradient). Every operator that makes this node saves the same
-// tensors in the same order, which a checkpoint's recompute relies on.
+// node (with_node makes it around a given forward), whose backward is the layer's (the gradient
+// sums, their collective, the input gradient). Every operator that makes this node saves the same
+// tensors, which a checkpoint's recompute relies on.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
-#include <functional>
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -19,7 +21,6 @@
 namespace syncbn::layer {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = c10::optional<at::Tensor>;
 
@@ -123,62 +124,89 @@ const auto& backward_op() {
   return op;
 }
 
-// What the backward needs besides the saved tensors (one capsule: the node's saved_data is a map
-// keyed by strings, and each entry costs host time): the call's settings, its flight number.
-struct SavedCall : torch::CustomClassHolder {
-  Settings settings;
-  int64_t flight_call = -1;
-};
+// The layer's autograd node, made as torch's own operators make theirs: the saved tensors are
+// members, the four edges (input, weight, bias, residual) fixed, the one differentiable output the
+// layer's output. torch::autograd::Function's node did the same through generic machinery (a
+// context with a string-keyed map, output wrapping that looks for views and dirty tensors, a lock
+// and a demangled type name per backward), which cost about 4 us of host time per layer call on
+// the CPU, a tenth of a small layer's step (benchmarks/RESULTS.md, "Host cost").
+struct SyncBatchNormBackward final : torch::autograd::Node {
+  // The forward's input, parameters and residual (undefined where not given), then its statistics.
+  torch::autograd::SavedVariable input, weight, bias, residual, mean, mean_lo, invstd, grad_info;
+  Settings settings;        // the call's (its group, size, tag and activation)
+  int64_t flight_call = -1; // the forward's flight-recorder call number
 
-// The autograd node: the forward operator's call, and the backward operator's.
-class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
- public:
-  static variable_list forward(
-      AutogradContext* ctx, const at::Tensor& input, const OptTensor& weight,
-      const OptTensor& bias, const OptTensor& residual, const State& st,
-      const SavedCall& call, const std::function<ForwardOutputs()>& run) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->set_materialize_grads(false);
-    auto [output, mean, var, info, mean_lo, invstd, grad_info, flight_call] = run();
-    ctx->save_for_backward(
-        {input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-         residual.value_or(at::Tensor()), mean, mean_lo, invstd, grad_info});
-    auto saved = c10::make_intrusive<SavedCall>(call);
-    saved->flight_call = flight_call;
-    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(saved));
-    ctx->mark_non_differentiable({mean, var, info});
-    return {output, mean, var, info};
+  std::string name() const override { return "syncbn::SyncBatchNormBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* v : {&input, &weight, &bias, &residual, &mean, &mean_lo, &invstd, &grad_info}) {
+      v->reset_data();
+    }
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    variable_list grads(7);  // one per forward argument after ctx
+  variable_list apply(variable_list&& grad_outputs) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    variable_list grads(4);  // one per edge
     const at::Tensor& dy = grad_outputs[0];
     if (!dy.defined()) return grads;  // nothing flows back through the output
-    const variable_list saved = ctx->get_saved_variables();
-    const auto call =
-        c10::static_intrusive_pointer_cast<SavedCall>(ctx->saved_data["call"].toCapsule());
-    const OptTensor weight = optional(saved[1]), bias = optional(saved[2]);
-    const OptTensor residual = optional(saved[3]);
-    const Settings& s = call->settings;
+    const at::Tensor x = input.unpack(), w = weight.unpack(), b = bias.unpack();
+    const at::Tensor r = residual.unpack();
+    const Settings& s = settings;
     const c10::optional<c10::string_view> group =
         s.group ? c10::optional<c10::string_view>(*s.group) : c10::nullopt;
     auto [grad_input, grad_weight, grad_bias, grad_residual] = backward_op().call(
-        dy, saved[0], weight, bias, residual, saved[4], saved[5], saved[6], saved[7], group,
-        s.world_size, s.layer_tag, s.queue_order_flags, s.merge.act, s.merge.act_param,
-        call->flight_call, ctx->needs_input_grad(0));
-    // needs_input_grad counts the tensors given (undefined optionals have no edge).
-    const size_t weight_edge = 1, bias_edge = weight_edge + (weight ? 1 : 0);
-    grads[0] = grad_input;
-    if (weight && ctx->needs_input_grad(weight_edge)) grads[1] = grad_weight;
-    if (bias && ctx->needs_input_grad(bias_edge)) grads[2] = grad_bias;
-    grads[3] = grad_residual;
-    if (at::GradMode::is_enabled()) {
-      variable_list refused = refuse_double_backward({grads[0], grads[1], grads[2], grads[3]});
-      std::copy(refused.begin(), refused.end(), grads.begin());
-    }
+        dy, x, optional(w), optional(b), optional(r), mean.unpack(), mean_lo.unpack(),
+        invstd.unpack(), grad_info.unpack(), group, s.world_size, s.layer_tag,
+        s.queue_order_flags, s.merge.act, s.merge.act_param, flight_call,
+        should_compute_output(0));
+    if (should_compute_output(0)) grads[0] = grad_input;
+    if (w.defined() && should_compute_output(1)) grads[1] = grad_weight;
+    if (b.defined() && should_compute_output(2)) grads[2] = grad_bias;
+    if (r.defined() && should_compute_output(3)) grads[3] = grad_residual;
+    if (at::GradMode::is_enabled()) grads = refuse_double_backward(std::move(grads));
     return grads;
   }
 };
+
+// A layer call under autograd: `run()` (the forward operator, or the recompute's output) below
+// autograd; when grad mode is on and an input requires a gradient, the node, with the call's
+// output as its output and what its backward needs saved. The statistics are not differentiable
+// (they have no history). Forward-mode AD is refused, as torch::autograd::Function refuses it.
+template <class Run>
+ForwardOutputs with_node(
+    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& residual, Settings settings, Run&& run) {
+  using torch::autograd::isFwGradDefined;
+  TORCH_CHECK(
+      !(isFwGradDefined(input) || isFwGradDefined(weight) || isFwGradDefined(bias) ||
+        isFwGradDefined(residual)),
+      "syncbn: SyncBatchNorm has no forward-mode derivative (torch.autograd.forward_ad): "
+      "compute the gradient with backward(), or use torch.nn.BatchNorm2d for a jvp");
+  const bool record = torch::autograd::compute_requires_grad(input, weight, bias, residual);
+  ForwardOutputs out;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const at::AutoGradMode grad_off(false);  // as torch::autograd::Function ran its forward
+    out = run();
+  }
+  if (!record) return out;
+  auto node = compat::make_node<SyncBatchNormBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias, residual));
+  torch::autograd::set_history(std::get<0>(out), node);
+  using torch::autograd::SavedVariable;
+  node->input = SavedVariable(input, false);
+  node->weight = SavedVariable(weight, false);
+  node->bias = SavedVariable(bias, false);
+  node->residual = SavedVariable(residual, false);
+  node->mean = SavedVariable(std::get<1>(out), false);
+  node->mean_lo = SavedVariable(std::get<4>(out), false);
+  node->invstd = SavedVariable(std::get<5>(out), false);
+  node->grad_info = SavedVariable(std::get<6>(out), false);
+  node->settings = std::move(settings);
+  node->flight_call = std::get<7>(out);
+  return out;
+}
 
 }  // namespace
 }  // namespace syncbn::layer

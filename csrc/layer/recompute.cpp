@@ -19,18 +19,9 @@ namespace {
 // `syncbn::sync_batch_norm_kept` with autograd: the layer's node around the forward operator, with
 // the forward's every output.
 ForwardOutputs kept_autograd(SYNCBN_LAYER_ARGS) {
-  const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
-  SavedCall call;
-  call.settings = forward_settings(SYNCBN_LAYER_PASS);
-  ForwardOutputs all;
-  const std::function<ForwardOutputs()> run = [&] {
-    all = forward_op().call(SYNCBN_LAYER_PASS);
-    return all;
-  };
-  variable_list out =
-      SyncBatchNormFunction::apply(input, weight, bias, residual, state, call, run);
-  return {out[0], out[1], out[2], out[3], std::get<4>(all), std::get<5>(all), std::get<6>(all),
-          std::get<7>(all)};
+  return with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
+    return forward_op().call(SYNCBN_LAYER_PASS);
+  });
 }
 
 // Below autograd (inference mode): the forward operator.
@@ -67,15 +58,14 @@ at::Tensor again_output(SYNCBN_AGAIN_ARGS) {
 // recompute's output and whose saved tensors and settings are the kept call's (the statistics
 // are the caller's already: only the output is returned).
 at::Tensor again_autograd(SYNCBN_AGAIN_ARGS) {
-  SavedCall call;
-  call.settings = group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
-  const std::function<ForwardOutputs()> run = [&] {
+  Settings settings =
+      group_settings(group, world_size, layer_tag, act, act_param, queue_order_flags);
+  return std::get<0>(with_node(input, weight, bias, residual, std::move(settings), [&] {
     at::Tensor output = again_output(
         input, weight, bias, residual, mean, mean_lo, invstd, var, info, grad_info, flight_call,
         act, act_param, group, world_size, layer_tag, queue_order_flags, num_features);
     return ForwardOutputs{output, mean, var, info, mean_lo, invstd, grad_info, flight_call};
-  };
-  return SyncBatchNormFunction::apply(input, weight, bias, residual, State{}, call, run)[0];
+  }));
 }
 
 at::Tensor again_below_autograd(SYNCBN_AGAIN_ARGS) {

@@ -10,6 +10,9 @@
 //   collectives, through the group DDP's reducer uses.
 // * torch::autograd::DelayedError: the node's refusal of a second derivative
 //   (refuse_double_backward), as Python's once_differentiable refuses it.
+// * torch::autograd::Node, SavedVariable, collect_next_edges, set_history: the layer's node made
+//   as torch's own operators make theirs. Nodes are held by std::shared_ptr up to torch 2.12 and
+//   by c10::intrusive_ptr after (make_node reads which from Edge::function).
 #pragma once
 
 #if __has_include(<ATen/ThreadLocalPythonObjects.h>)
@@ -18,12 +21,14 @@
 #else
 #define SYNCBN_SETS_PYTHON_OBJECTS_ASIDE 0
 #endif
+#include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
 #include <string>
+#include <type_traits>
 
 namespace syncbn::compat {
 
@@ -57,6 +62,20 @@ class PythonObjectsSetAside {
   at::impl::ThreadLocalPythonObjects saved_;
 #endif
 };
+
+// How torch holds an autograd node: std::shared_ptr<Node> or c10::intrusive_ptr<Node>.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// A new node of type N, held as torch holds nodes (up to 2.12 with torch's deleter, which frees a
+// long chain of nodes without recursing once per node).
+template <class N>
+auto make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { deleteNode(node); });  // (found by ADL)
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
 
 // Outputs of a backward run with create_graph=True: differentiating them again raises, as the
 // Python Function's once_differentiable does, instead of silently giving zero.
