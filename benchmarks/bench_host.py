@@ -17,9 +17,12 @@ group (gloo on the CPU, NCCL on a GPU: the sync layer really issues two collecti
 gloo's own cost is shown on its own line). The flight recorder's share of a collective (the
 forward's call number and one record, in memory and into a memory-mapped file) is timed on its
 own (CPU). In the group, a floor is timed beside them: ``nn.BatchNorm2d`` plus the two
-collectives any synchronized layer issues, called straight on the ProcessGroup; the host goal is
-the synchronized layer over that floor (C++ path: <= 1.1 per layer, printed as PASS/FAIL). On the
-CPU a whole ResNet-18 train step follows (plain, ours, and its floor).
+collectives the synchronized layer issues there, with its payloads, called straight on the
+ProcessGroup (on a CPU group of up to 8 ranks the backward's sums are all-gathered, as the layer
+does; ``floor_allreduce`` shows the same floor with the all_reduce a GPU or a larger group
+issues); the host goal is the synchronized layer over that floor (C++ path: <= 1.1 per layer,
+printed as PASS/FAIL). On the CPU a whole ResNet-18 train step follows (plain, ours, and its
+floor).
 The op counts come from a ``TorchDispatchMode`` around one step, AccumulateGrad's ``add_`` of the
 three gradients included (``bn`` pays them too).
 
@@ -43,7 +46,9 @@ from _common import OpCounter, one_rank_group
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning._shared import GATHER_SUM_MAX_RANKS, GRAD_HEADER
 from syncbn_lightning.distributed import flight
+from syncbn_lightning.ops.reference_steps import row_width
 
 SHAPE = (2, 8, 4, 4)
 
@@ -125,7 +130,10 @@ def measure(
     layers = _layers(device)
     steps_of = {name: (env, _step(layer, x, grad)) for name, (env, layer) in layers.items()}
     if floor:
-        steps_of["floor"] = ({}, floor_step(x, grad))
+        gathers = backward_gathers(device)
+        steps_of["floor"] = ({}, floor_step(x, grad, gathers))
+        if gathers:  # the floor with the all_reduce a CUDA or larger group would issue
+            steps_of["floor_allreduce"] = ({}, floor_step(x, grad, False))
     for name, (env, run) in steps_of.items():
         _apply_env(env)
         for _ in range(50):
@@ -146,26 +154,55 @@ def measure(
     return results
 
 
-def floor_step(x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    """What no synchronized layer can go under: ``nn.BatchNorm2d`` forward + backward, one
-    all_gather of ``2C + 1`` floats and one all_reduce of ``2C`` floats, called straight on the
-    ProcessGroup (options made once), as a layer's two collectives would be."""
+def layer_collectives(
+    channels: int, device: torch.device, gathered_backward: bool
+) -> Callable[[], None]:
+    """The two collectives a synchronized layer of ``channels`` issues per step, called straight
+    on the ProcessGroup (options made once), with the layer's payloads: the forward's all_gather
+    of its row (``row_width(C)`` floats), then the backward's sums (``GRAD_HEADER + 2C`` floats),
+    all-gathered where ``gathered_backward`` (what the layer does on CPU groups of up to
+    ``GATHER_SUM_MAX_RANKS`` ranks, ``collectives.sum_over_group``) else all-reduced (CUDA, larger
+    groups). The layer's own step waits between them; this runs them back to back, which waits
+    the same."""
     from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
 
     from syncbn_lightning.distributed.groups import sync_world_group
 
-    group, channels = sync_world_group(), SHAPE[1]
-    layer = nn.BatchNorm2d(channels).to(x.device)
-    row = torch.randn(2 * channels + 1, device=x.device)
-    sums = torch.randn(2 * channels, device=x.device)
-    gathered = torch.empty(row.numel(), device=x.device)
+    group = sync_world_group()
+    row = torch.randn(row_width(channels), device=device)
+    gathered = torch.empty(group.size() * row.numel(), device=device)
+    sums = torch.randn(GRAD_HEADER + 2 * channels, device=device)
+    gathered_sums = torch.empty(group.size() * sums.numel(), device=device)
     gather_options, sum_options = AllgatherOptions(), AllreduceOptions()
 
+    def backward() -> None:
+        if gathered_backward:
+            group._allgather_base(gathered_sums, sums, gather_options).wait()
+        else:
+            group.allreduce([sums], sum_options).wait()
+
     def run() -> None:
-        y = layer(x)
         group._allgather_base(gathered, row, gather_options).wait()
-        y.backward(grad)
-        group.allreduce([sums], sum_options).wait()
+        backward()
+
+    return run
+
+
+def backward_gathers(device: torch.device) -> bool:
+    """Whether a synchronized layer in the current group all-gathers its backward's sums (see
+    :func:`layer_collectives`)."""
+    return device.type == "cpu" and dist.get_world_size() <= GATHER_SUM_MAX_RANKS
+
+
+def floor_step(x: torch.Tensor, grad: torch.Tensor, gathered_backward: bool) -> Callable[[], None]:
+    """What no synchronized layer can go under: ``nn.BatchNorm2d`` forward + backward and the two
+    collectives a synchronized layer issues (:func:`layer_collectives`)."""
+    layer = nn.BatchNorm2d(SHAPE[1]).to(x.device)
+    collectives = layer_collectives(SHAPE[1], x.device, gathered_backward)
+
+    def run() -> None:
+        layer(x).backward(grad)
+        collectives()
 
     return run
 
@@ -176,18 +213,14 @@ def network_steps() -> dict[str, Callable[[], None]]:
 
     * ``plain``: its ``nn.BatchNorm2d`` layers;
     * ``ours``: converted, every layer forced through its synchronized path (two collectives);
-    * ``floor``: the plain step plus, per BatchNorm layer, one all_gather of ``2C + 1`` floats and
-      one all_reduce of ``2C`` floats straight on the ProcessGroup (what any synchronized layer
-      issues; :func:`floor_step` for one layer).
+    * ``floor``: the plain step plus, per BatchNorm layer, the two collectives a synchronized
+      layer issues, straight on the ProcessGroup (:func:`layer_collectives`).
     """
     from bench_residual import _torchvision
-    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
 
     from syncbn_lightning import convert_sync_batchnorm
-    from syncbn_lightning.distributed.groups import sync_world_group
 
     x, target = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
-    group, gather_options, sum_options = sync_world_group(), AllgatherOptions(), AllreduceOptions()
 
     def step_of(model: nn.Module, after: Callable[[], None] = lambda: None) -> Callable[[], None]:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -205,16 +238,16 @@ def network_steps() -> dict[str, Callable[[], None]]:
         return _torchvision().models.resnet18(weights=None, num_classes=5)
 
     plain = model()
-    buffers = []
-    for layer in plain.modules():
-        if isinstance(layer, nn.BatchNorm2d):
-            c = layer.num_features
-            buffers.append((torch.randn(2 * c + 1), torch.empty(2 * c + 1), torch.randn(2 * c)))
+    gathers = backward_gathers(torch.device("cpu"))
+    per_layer = [
+        layer_collectives(layer.num_features, torch.device("cpu"), gathers)
+        for layer in plain.modules()
+        if isinstance(layer, nn.BatchNorm2d)
+    ]
 
     def collectives() -> None:
-        for row, gathered, sums in buffers:
-            group._allgather_base(gathered, row, gather_options).wait()
-            group.allreduce([sums], sum_options).wait()
+        for run in per_layer:
+            run()
 
     return {
         "plain": step_of(plain),
@@ -322,7 +355,7 @@ def main() -> None:
         results = measure(args.rounds, args.steps, device, floor=True)
         print("\n".join(_table(results)))
         for name in results:
-            if name not in ("bn", "floor"):
+            if name not in ("bn", "floor", "floor_allreduce"):
                 ratio = results[name]["median_us"] / results["floor"]["median_us"]
                 print(f"\n{name} / floor: {ratio:.2f}")
         print("\n" + goal_line(results, native))
