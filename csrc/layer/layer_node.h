@@ -128,8 +128,9 @@ const auto& backward_op() {
 // members, the four edges (input, weight, bias, residual) fixed, the one differentiable output the
 // layer's output. torch::autograd::Function's node did the same through generic machinery (a
 // context with a string-keyed map, output wrapping that looks for views and dirty tensors, a lock
-// and a demangled type name per backward), which cost about 4 us of host time per layer call on
-// the CPU, a tenth of a small layer's step (benchmarks/RESULTS.md, "Host cost").
+// and a demangled type name per backward), which cost 14 us of host time per forward and
+// backward on the CPU, a fifth of a small layer's step (benchmarks/RESULTS.md, "Host cost of one
+// layer: the C++ path's own autograd node").
 struct SyncBatchNormBackward final : torch::autograd::Node {
   // The forward's input, parameters and residual (undefined where not given), then its statistics.
   torch::autograd::SavedVariable input, weight, bias, residual, mean, mean_lo, invstd, grad_info;
