@@ -46,8 +46,9 @@ from _common import OpCounter, one_rank_group
 from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
-from syncbn_lightning._shared import GATHER_SUM_MAX_RANKS, GRAD_HEADER
+from syncbn_lightning._shared import GRAD_HEADER
 from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.collectives import sums_gathered
 from syncbn_lightning.ops.reference_steps import row_width
 
 SHAPE = (2, 8, 4, 4)
@@ -189,9 +190,9 @@ def layer_collectives(
 
 
 def backward_gathers(device: torch.device) -> bool:
-    """Whether a synchronized layer in the current group all-gathers its backward's sums (see
-    :func:`layer_collectives`)."""
-    return device.type == "cpu" and dist.get_world_size() <= GATHER_SUM_MAX_RANKS
+    """Whether a synchronized layer in the current group all-gathers its backward's sums
+    (``collectives.sums_gathered``, the layer's own rule; see :func:`layer_collectives`)."""
+    return sums_gathered(device.type, dist.get_world_size())
 
 
 def floor_step(x: torch.Tensor, grad: torch.Tensor, gathered_backward: bool) -> Callable[[], None]:

@@ -170,10 +170,7 @@ Outputs backward_kernel(
 // `syncbn::sync_batch_norm` with autograd: the layer's node around the forward operator.
 Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   // The input is checked once, by the forward operator's kernel.
-  const ForwardOutputs out =
-      with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
-        return forward_op().call(SYNCBN_LAYER_PASS);
-      });
+  const ForwardOutputs out = forward_with_node(SYNCBN_LAYER_PASS);
   return {std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out)};
 }
 

@@ -209,5 +209,13 @@ ForwardOutputs with_node(
   return out;
 }
 
+// The forward operator under the layer's node: `sync_batch_norm` and `sync_batch_norm_kept` with
+// autograd (the first returns its four public outputs, the second all of them).
+ForwardOutputs forward_with_node(SYNCBN_LAYER_ARGS) {
+  return with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
+    return forward_op().call(SYNCBN_LAYER_PASS);
+  });
+}
+
 }  // namespace
 }  // namespace syncbn::layer

@@ -19,9 +19,7 @@ namespace {
 // `syncbn::sync_batch_norm_kept` with autograd: the layer's node around the forward operator, with
 // the forward's every output.
 ForwardOutputs kept_autograd(SYNCBN_LAYER_ARGS) {
-  return with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
-    return forward_op().call(SYNCBN_LAYER_PASS);
-  });
+  return forward_with_node(SYNCBN_LAYER_PASS);
 }
 
 // Below autograd (inference mode): the forward operator.

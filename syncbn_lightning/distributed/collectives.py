@@ -53,6 +53,7 @@ __all__ = [
     "process_group",
     "report_collective_failure",
     "sum_over_group",
+    "sums_gathered",
 ]
 
 #: Where a layer call's collectives go: a process group's name, the replicas of a DataParallel
@@ -243,9 +244,17 @@ def sum_over_group(
     if group is None:
         return sums
     in_process = not isinstance(group, str)
-    if in_process or (sums.device.type == "cpu" and world_size <= GATHER_SUM_MAX_RANKS):
+    if in_process or sums_gathered(sums.device.type, world_size):
         return all_gather(sums, group, world_size, note)
     return all_reduce(sums, group, note, in_place)
+
+
+def sums_gathered(device_type: str, world_size: int) -> bool:
+    """Whether a process group of ``world_size`` ranks on ``device_type`` exchanges sums (the
+    backward's, the reduce exchange's) by all_gather, summed in rank order by the caller, rather
+    than all_reduce: CPU groups of up to :data:`GATHER_SUM_MAX_RANKS` ranks (the C++ path's twin:
+    ``sum_over_group`` in ``csrc/layer/layer_comm.cpp``)."""
+    return device_type == "cpu" and world_size <= GATHER_SUM_MAX_RANKS
 
 
 def _eager_group(tensor: torch.Tensor, group_name: str) -> Any:
