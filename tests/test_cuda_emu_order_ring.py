@@ -114,3 +114,28 @@ def test_the_store_sees_a_capture(ring) -> None:
     assert not ring.order_ring_capturing()
     ring.set_capturing(True)
     assert ring.order_ring_capturing()
+
+
+def test_a_capture_asks_no_event_and_the_flags_wait_for_its_end(ring) -> None:
+    """While the device captures a graph, neither a poll nor a drain asks or waits for an event
+    (the emulation refuses both then, as CUDA does: the capture would end): the flags stay
+    queued, and are read once the capture is over."""
+    ring.hold_device(True)
+    ring.order_ring_push(_flag(0), 2, 1)
+    ring.set_capturing(True)
+    assert ring.order_ring_poll() == -1
+    assert ring.order_ring_drain() == -1
+    assert ring.order_ring_queued() == [1]
+    ring.set_capturing(False)
+    ring.release_device()
+    assert ring.order_ring_poll() == 1
+
+
+def test_a_capture_makes_no_store(ring) -> None:
+    """A device's first flag queued during a capture makes no store (its pinned memory is an
+    allocation the capture forbids; the emulation refuses it then): the flag is left alone, and
+    the store is made at the first flag after the capture."""
+    ring.set_capturing(True)
+    assert not ring.order_ring_store_for_queueing(11)
+    ring.set_capturing(False)
+    assert ring.order_ring_store_for_queueing(11)

@@ -13,7 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+#include <string>
 #include <vector>
 
 namespace syncbn {
@@ -102,15 +102,15 @@ void check_call_order(const acc_t* rows, int64_t W, int64_t width) {
     same = same && rows[w * width + 2] == rows[2] && rows[w * width + 3] == rows[3];
   }
   if (same) return;
-  std::ostringstream text;
+  std::string text;
   for (int64_t w = 0; w < W; ++w) {
-    text << (w ? "; " : "") << "row " << w << ": layer tag "
-         << static_cast<int64_t>(rows[w * width + 2]) << " call #"
-         << static_cast<int64_t>(rows[w * width + 3]) + 1;
+    text += check::message(
+        w ? "; " : "", "row ", w, ": layer tag ", static_cast<int64_t>(rows[w * width + 2]),
+        " call #", static_cast<int64_t>(rows[w * width + 3]) + 1);
   }
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       false, SYNCBN_CALL_ORDER_MARK " SyncBatchNorm layers were called in a different order on ",
-      "the ranks of one sync group (", text.str(), "). Every rank must run every SyncBatchNorm ",
+      "the ranks of one sync group (", text, "). Every rank must run every SyncBatchNorm ",
       "layer of the group in the same order and the same number of times per training forward.");
 }
 
@@ -310,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cp
   const at::Tensor &grad_out = args.grad_out, &input_ = args.input, &mean = args.mean,
                    &invstd = args.invstd;
   check_backward_args(grad_out, input_, mean, invstd, c10::DeviceType::CPU);
-  TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
+  SYNCBN_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
   const at::Tensor res = checked_residual(residual, input_);
   const at::Tensor lo = checked_mean_lo(args.mean_lo, input_);
   const ActAffine activation =
@@ -348,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor> grad_input_cpu(
     const scalar_t* f = info.const_data_ptr<scalar_t>();
     count = static_cast<double>(f[0]);
     const double layer = static_cast<double>(f[4]), call = static_cast<double>(f[5]);
-    TORCH_CHECK(
+    SYNCBN_CHECK(
         grad_header_matches(total.const_data_ptr<scalar_t>(), layer, call, ranks),
         SYNCBN_CALL_ORDER_MARK " backward: the ranks' layer or call tags differ (this rank: ",
         "layer tag ", static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");

@@ -54,11 +54,11 @@ MergedOutputs reduce_merge_normalize_cpu(
   if (!checks.order_ok) {
     double layer = 0, call = 0;
     reduce_tags(own, &layer, &call);
-    TORCH_CHECK(
+    SYNCBN_CHECK(
         false, SYNCBN_CALL_ORDER_MARK " the ranks' layer or call tags differ (this rank: layer ",
         "tag ", static_cast<int64_t>(layer), " call #", static_cast<int64_t>(call) + 1, ")");
   }
-  TORCH_CHECK(checks.shift_ok, kShiftMismatch);
+  SYNCBN_CHECK(checks.shift_ok, kShiftMismatch);
   check_group_count(t[0], input, world_size);
   const int64_t C = input.size(1);
   const at::Tensor k = shift_float64(args.running.mean, input);

@@ -310,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_sums_cuda(const GradArgs& ar
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> grad_sums_residual_cuda(
     const GradArgs& args, const at::Tensor& residual) {
-  TORCH_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
+  SYNCBN_CHECK(residual.defined(), "syncbn: grad_sums_residual: `residual` is undefined");
   return grad_sums_with(args, checked_residual(residual, args.input));
 }
 

@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "flag_store.h"
+#include "check.h"
 
 namespace syncbn {
 namespace {
@@ -36,11 +37,7 @@ class CudaFlagStore final : public FlagStore {
     events_.fill(nullptr);
   }
 
-  bool capturing() const override {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device_), &status));
-    return status != cudaStreamCaptureStatusNone;
-  }
+  bool capturing() const override { return cuda_capturing(device_); }
 
   void copy(const at::Tensor& flags, int64_t index, int64_t slot) override {
     const c10::cuda::CUDAGuard guard(device_);
@@ -86,10 +83,16 @@ class CudaFlagStore final : public FlagStore {
 
 }  // namespace
 
+bool cuda_capturing(c10::DeviceIndex device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 FlagStore& cuda_flag_store(c10::DeviceIndex device) {
   static std::mutex mutex;
   static std::array<std::unique_ptr<CudaFlagStore>, kMaxDevices> stores;
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       device >= 0 && device < kMaxDevices, "syncbn: no call-order flag store for CUDA device ",
       static_cast<int>(device));
   const std::lock_guard<std::mutex> lock(mutex);

@@ -5,6 +5,7 @@
 // primitives and the fused steps themselves).
 #pragma once
 
+#include "check.h"
 #include "grad_header.h"
 #include "shared_constants.h"
 #include "syncbn.h"
@@ -43,7 +44,8 @@ at::Tensor dense_input(const at::Tensor& x);
 // `t` with exactly the strides of `like` (a copy only when they differ).
 at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like);
 
-// Argument checks: each failure is a TORCH_CHECK naming the argument and what was expected.
+// Argument checks: each failure is a SYNCBN_CHECK (check.h) naming the argument and what was
+// expected.
 // `device` is the device type the calling twin serves (kCPU for _cpu, kCUDA for _cuda).
 void check_input(const at::Tensor& input, c10::DeviceType device);
 void check_channel_vector(

@@ -40,6 +40,15 @@ bool flag_value_nonzero(const unsigned char* bytes, at::ScalarType scalar_type);
 // The CPU's store: the copy is made at once, and has landed when made.
 FlagStore& host_flag_store();
 
+// Whether CUDA device `device`'s current stream is capturing a CUDA graph, asked without making
+// the device's store (defined only in builds with CUDA).
+bool cuda_capturing(c10::DeviceIndex device);
+
+// The store a flag on `device` is queued in, or nullptr while `device` is capturing a CUDA graph:
+// a captured call's flag holds nothing yet (each replay rewrites it), and making a store then
+// would allocate pinned memory, which a capture forbids. Asked before the store is touched.
+FlagStore* store_unless_capturing(const at::Device& device);
+
 // CUDA device `device`'s store: pinned host slots written by cudaMemcpyAsync on the device's
 // current stream, one event per slot recorded after the copy and asked with cudaEventQuery.
 // Made on first use, kept for the process (defined only in builds with CUDA).

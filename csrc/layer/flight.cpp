@@ -9,6 +9,7 @@
 // zero padded). The count is written after the record, so a reader (or a kill) between the two
 // sees the previous count.
 #include "flight.h"
+#include "check.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -49,14 +50,14 @@ void attach(
     const at::Tensor& buffer, int64_t capacity, int64_t written,
     const std::vector<std::string>& groups, const std::vector<int64_t>& seqs,
     const std::vector<int64_t>& tags, const std::vector<int64_t>& calls) {
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
       "syncbn: flight_attach: `buffer` must be a contiguous uint8 CPU tensor");
-  TORCH_CHECK(capacity >= 1, "syncbn: flight_attach: `capacity` must be >= 1");
-  TORCH_CHECK(
+  SYNCBN_CHECK(capacity >= 1, "syncbn: flight_attach: `capacity` must be >= 1");
+  SYNCBN_CHECK(
       buffer.numel() >= kHeaderSize + capacity * kRecordSize,
       "syncbn: flight_attach: `buffer` is smaller than the ring of `capacity` records");
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       groups.size() == seqs.size() && tags.size() == calls.size(),
       "syncbn: flight_attach: `groups`/`seqs` and `tags`/`calls` must have equal lengths");
   std::lock_guard<std::mutex> lock(mutex);

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "layer.h"
+#include "check.h"
 
 namespace syncbn::layer {
 namespace {
@@ -42,14 +43,14 @@ std::string tuple_text(at::IntArrayRef sizes) {
 void check_layer_input(
     const at::Tensor& input, int64_t num_features, const c10::optional<at::Tensor>& weight,
     const c10::optional<at::Tensor>& running_mean) {
-  TORCH_CHECK_VALUE(
+  SYNCBN_CHECK_VALUE(
       input.dim() >= 2, "SyncBatchNorm expects input of shape (N, C, *) with at least 2 dims, got ",
       input.dim(), "-D input of shape ", tuple_text(input.sizes()));
-  TORCH_CHECK_TYPE(
+  SYNCBN_CHECK_TYPE(
       at::isFloatingType(input.scalar_type()),
       "SyncBatchNorm input must be floating point (float16, bfloat16, float32, float64), got ",
       torch_name(input.scalar_type()), ": convert it, e.g. input.float()");
-  TORCH_CHECK_VALUE(
+  SYNCBN_CHECK_VALUE(
       input.size(1) == num_features, "SyncBatchNorm input has ", input.size(1),
       " channels (dim 1) but the layer was built with num_features=", num_features,
       ": use SyncBatchNorm(", input.size(1), ") or fix the preceding layer (input shape ",
@@ -58,12 +59,12 @@ void check_layer_input(
   const c10::optional<at::Tensor>& reference = has_weight ? weight : running_mean;
   if (!reference.has_value() || !reference->defined()) return;
   const char* name = has_weight ? "weight" : "running_mean";
-  TORCH_CHECK_VALUE(
+  SYNCBN_CHECK_VALUE(
       reference->device() == input.device(), "SyncBatchNorm input is on ", input.device().str(),
       " but the layer's parameters/buffers are on ", reference->device().str(),
       ": move the model with model.to('", input.device().str(), "')");
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_TYPE(
+  SYNCBN_CHECK_TYPE(
       input.scalar_type() == reference->scalar_type() ||
           (half && reference->scalar_type() == at::kFloat),
       "SyncBatchNorm input dtype ", torch_name(input.scalar_type()),

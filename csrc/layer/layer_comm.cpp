@@ -10,11 +10,17 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <exception>
 #include <vector>
 
 namespace syncbn::layer {
 namespace {
+
+// CPU groups of up to this many ranks all-gather their sums (kGatherSumMaxRanks); the test switch
+// syncbn::set_gather_sum_max_ranks (distributed/collectives.py, gather_sums_up_to) lowers it, so
+// that CPU groups run the all-reduce branch CUDA groups take.
+std::atomic<int64_t> gather_sum_max_ranks{kGatherSumMaxRanks};
 
 using compat::process_group;
 using compat::PythonObjectsSetAside;
@@ -91,7 +97,7 @@ at::Tensor all_gather(const at::Tensor& tensor, const Settings& s, const Note& n
 at::Tensor sum_over_group(
     const at::Tensor& tensor, const Settings& s, const Note& note, Summed where) {
   if (!s.group.has_value()) return tensor;
-  if (tensor.is_cpu() && s.world_size <= kGatherSumMaxRanks) {
+  if (tensor.is_cpu() && s.world_size <= gather_sum_max_ranks.load(std::memory_order_relaxed)) {
     return all_gather(tensor, s, note);
   }
   auto group = process_group(*s.group);
@@ -140,6 +146,14 @@ void ensure_flight_ring() {
   }
 }
 
+namespace {
+
+int64_t set_gather_sum_max_ranks(int64_t ranks) {
+  return gather_sum_max_ranks.exchange(ranks, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 }  // namespace syncbn::layer
 
 // The hand-offs' operators: their kernels are Python's (functional/native.py).
@@ -153,4 +167,6 @@ TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   m.def("raise_if_published() -> ()");
   m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
   m.def("flight_open(Tensor like) -> ()");
+  // The test switch of sum_over_group's rule: returns the previous limit.
+  m.def("set_gather_sum_max_ranks(int ranks) -> int", &syncbn::layer::set_gather_sum_max_ranks);
 }

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "layer.h"
+#include "check.h"
 #include "torch_compat.h"
 
 namespace syncbn::layer {
@@ -39,7 +40,7 @@ using ForwardOutputs = std::tuple<
 Settings group_settings(
     const c10::optional<c10::string_view>& group, int64_t world_size, int64_t layer_tag,
     int64_t act, double act_param, bool queue_order_flags) {
-  TORCH_CHECK(world_size >= 1, "syncbn: sync_batch_norm: `world_size` must be >= 1");
+  SYNCBN_CHECK(world_size >= 1, "syncbn: sync_batch_norm: `world_size` must be >= 1");
   Settings s;
   if (group.has_value()) s.group = std::string(*group);
   s.world_size = world_size;
@@ -179,7 +180,7 @@ ForwardOutputs with_node(
     const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
     const OptTensor& residual, Settings settings, Run&& run) {
   using torch::autograd::isFwGradDefined;
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       !(isFwGradDefined(input) || isFwGradDefined(weight) || isFwGradDefined(bias) ||
         isFwGradDefined(residual)),
       "syncbn: SyncBatchNorm has no forward-mode derivative (torch.autograd.forward_ad): "

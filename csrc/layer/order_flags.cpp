@@ -1,7 +1,6 @@
 // The C++ path's call-order flags that cannot be read at once (layer.h): queued in the process's
 // order ring behind the call's kernels, polled before each later collective, drained by Python's
 // check_call_order. No Python runs unless a flag reads 0 or another rank published a mismatch.
-#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -19,14 +18,6 @@ namespace {
 // so through syncbn::order_signal): the next collective asks Python, which raises or clears it.
 std::atomic<bool> maybe_signalled{false};
 
-FlagStore& store_of(const at::Device& device) {
-  if (device.is_cpu()) return host_flag_store();
-#ifdef WITH_CUDA
-  if (device.is_cuda()) return cuda_flag_store(device.index());
-#endif
-  TORCH_CHECK(false, "syncbn: call-order flags cannot be queued on ", device);
-}
-
 // Reports `failed` (a flag read 0) through Python, which raises.
 void report(const c10::optional<FlagReport>& failed) {
   if (failed.has_value()) queued_order_failed(*failed);
@@ -42,8 +33,8 @@ void check_before_collective(const Settings& s) {
 void queue_order_flag(
     const at::Tensor& flags, int64_t index, Mismatch kind, const at::Tensor& data,
     const at::Tensor& aux, int64_t width, const Settings& s, const at::Tensor& tiny_input) {
-  FlagStore& store = store_of(flags.device());
-  if (store.capturing()) return;  // a captured flag holds nothing yet; each replay rewrites it
+  FlagStore* store = store_unless_capturing(flags.device());
+  if (store == nullptr) return;  // a captured flag holds nothing yet; each replay rewrites it
   if (tiny_input.defined()) {
     // The group's count, read on the host (a sync, only for such tiny inputs): one value per
     // channel in the whole group is torch's error, as the Python path raises it.
@@ -52,10 +43,10 @@ void queue_order_flag(
   FlagReport entry{
       static_cast<int64_t>(kind), data, aux, width, s.group, s.world_size, s.layer_tag};
   OrderRing& ring = order_ring();
-  if (!ring.push(store, flags, index, entry)) {
+  if (!ring.push(*store, flags, index, entry)) {
     report(ring.drain());  // full: the device runs far behind; read everything (a host sync)
-    TORCH_CHECK(
-        ring.push(store, flags, index, std::move(entry)),
+    SYNCBN_CHECK(
+        ring.push(*store, flags, index, std::move(entry)),
         "syncbn: the call-order ring is still full after it was drained");
   }
 }

@@ -1,7 +1,7 @@
 // The C++ path's queue of call-order flags (order_ring.h) and the CPU's flag store.
 #include "order_ring.h"
 
-#include <c10/util/Exception.h>
+#include "check.h"
 
 #include <array>
 #include <cstring>
@@ -22,7 +22,7 @@ bool flag_value_nonzero(const unsigned char* bytes, at::ScalarType scalar_type) 
       return value != 0.0;
     }
     default:
-      TORCH_CHECK(false, "syncbn: a call-order flag must be float32 or float64, got ", scalar_type);
+      SYNCBN_CHECK(false, "syncbn: a call-order flag must be float32 or float64, got ", scalar_type);
   }
 }
 
@@ -36,7 +36,7 @@ class HostFlagStore final : public FlagStore {
 
   void copy(const at::Tensor& flags, int64_t index, int64_t slot) override {
     const int64_t bytes = flags.element_size();
-    TORCH_CHECK(bytes <= 8, "syncbn: a call-order flag must be float32 or float64");
+    SYNCBN_CHECK(bytes <= 8, "syncbn: a call-order flag must be float32 or float64");
     const auto* source =
         static_cast<const unsigned char*>(flags.data_ptr()) + index * flags.stride(0) * bytes;
     std::memcpy(values_[slot].data(), source, bytes);
@@ -62,10 +62,20 @@ FlagStore& host_flag_store() {
   return store;
 }
 
+FlagStore* store_unless_capturing(const at::Device& device) {
+  if (device.is_cpu()) return &host_flag_store();
+#ifdef WITH_CUDA
+  if (device.is_cuda()) {
+    return cuda_capturing(device.index()) ? nullptr : &cuda_flag_store(device.index());
+  }
+#endif
+  SYNCBN_CHECK(false, "syncbn: call-order flags cannot be queued on ", device);
+}
+
 namespace layer {
 
 OrderRing::OrderRing(int64_t capacity) : entries_(static_cast<size_t>(capacity)) {
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       capacity >= 1 && capacity <= kOrderFlagSlots, "syncbn: an order ring holds 1 to ",
       kOrderFlagSlots, " flags, not ", capacity);
 }
@@ -85,7 +95,9 @@ c10::optional<FlagReport> OrderRing::take(Ready ready) {
   const std::lock_guard<std::mutex> lock(mutex_);
   while (size_ > 0) {
     Entry& entry = entries_[head_];
-    if (!ready(*entry.store, head_)) return c10::nullopt;
+    // While its device captures a CUDA graph, a store's events are neither asked nor waited for
+    // (either would end the capture); its flags are read after the capture.
+    if (entry.store->capturing() || !ready(*entry.store, head_)) return c10::nullopt;
     const bool ok = entry.store->in_order(head_);
     FlagReport report = std::move(entry.report);
     entry = Entry{};

@@ -57,53 +57,53 @@ at::Tensor with_strides_of(const at::Tensor& t, const at::Tensor& like) {
 }
 
 void check_input(const at::Tensor& input, c10::DeviceType device) {
-  TORCH_CHECK(input.defined(), "syncbn: `input` is undefined");
-  TORCH_CHECK(
+  SYNCBN_CHECK(input.defined(), "syncbn: `input` is undefined");
+  SYNCBN_CHECK(
       input.dim() >= 2, "syncbn: `input` must have shape (N, C, *) with at least 2 dims, got ",
       input.dim(), "-D input of shape ", input.sizes());
   const auto t = input.scalar_type();
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       is_input_dtype(t), "syncbn: `input` must be " SYNCBN_INPUT_DTYPES_TEXT ", got ", t);
-  TORCH_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
-  TORCH_CHECK(
+  SYNCBN_CHECK(input.size(1) >= 1, "syncbn: `input` must have at least one channel (dim 1)");
+  SYNCBN_CHECK(
       input.device().type() == device, "syncbn: `input` must be a ", c10::DeviceTypeName(device),
       " tensor for these kernels, got one on ", input.device());
 }
 
 void check_channel_vector(
     const at::Tensor& v, const char* name, const at::Tensor& input, bool require_acc_dtype) {
-  TORCH_CHECK(v.defined(), "syncbn: `", name, "` is undefined");
-  TORCH_CHECK(
+  SYNCBN_CHECK(v.defined(), "syncbn: `", name, "` is undefined");
+  SYNCBN_CHECK(
       v.dim() == 1 && v.numel() == input.size(1), "syncbn: `", name, "` must have shape [",
       input.size(1), "] (one value per channel of `input`), got ", v.sizes());
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       v.device() == input.device(), "syncbn: `", name, "` is on ", v.device(), " but `input` is on ",
       input.device());
   if (require_acc_dtype) {
     const auto acc = acc_dtype_of(input.scalar_type());
-    TORCH_CHECK(
+    SYNCBN_CHECK(
         v.scalar_type() == acc, "syncbn: `", name, "` must be ", acc, " for ",
         input.scalar_type(), " input, got ", v.scalar_type());
   } else {
-    TORCH_CHECK(
+    SYNCBN_CHECK(
         at::isFloatingType(v.scalar_type()), "syncbn: `", name, "` must be floating point, got ",
         v.scalar_type());
   }
 }
 
 void check_grad_out(const at::Tensor& grad_out, const at::Tensor& input) {
-  TORCH_CHECK(grad_out.defined(), "syncbn: `grad_out` is undefined");
-  TORCH_CHECK(
+  SYNCBN_CHECK(grad_out.defined(), "syncbn: `grad_out` is undefined");
+  SYNCBN_CHECK(
       grad_out.sizes() == input.sizes(), "syncbn: `grad_out` has shape ", grad_out.sizes(),
       " but `input` has shape ", input.sizes());
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       grad_out.scalar_type() == input.scalar_type(), "syncbn: `grad_out` dtype ",
       grad_out.scalar_type(), " differs from `input` dtype ", input.scalar_type());
-  TORCH_CHECK(grad_out.device() == input.device(), "syncbn: `grad_out` and `input` devices differ");
+  SYNCBN_CHECK(grad_out.device() == input.device(), "syncbn: `grad_out` and `input` devices differ");
 }
 
 void check_count(const at::Tensor& count, const at::Tensor& input) {
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       count.numel() == 1 && count.device() == input.device(),
       "syncbn: `count` must be a one-element tensor on the input's device, got shape ",
       count.sizes(), " on ", count.device());
@@ -112,27 +112,27 @@ void check_count(const at::Tensor& count, const at::Tensor& input) {
 void check_merge_inputs(
     const at::Tensor& counts, const at::Tensor& means, const at::Tensor& m2s, double eps,
     c10::DeviceType device) {
-  TORCH_CHECK(counts.dim() == 1, "syncbn: `counts` must be 1-D [world], got ", counts.sizes());
+  SYNCBN_CHECK(counts.dim() == 1, "syncbn: `counts` must be 1-D [world], got ", counts.sizes());
   const int64_t W = counts.size(0);
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       means.dim() == 2 && means.size(0) == W, "syncbn: `means` must have shape [", W,
       ", C] to match `counts`, got ", means.sizes());
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       m2s.sizes() == means.sizes(), "syncbn: `m2s` must have the shape of `means` ",
       means.sizes(), ", got ", m2s.sizes());
   const auto acc = means.scalar_type();
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       acc == at::kFloat || acc == at::kDouble, "syncbn: `means` must be float32 or float64, got ",
       acc);
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       counts.scalar_type() == acc && m2s.scalar_type() == acc,
       "syncbn: `counts`, `means` and `m2s` must share one dtype");
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       counts.device().type() == device && means.device() == counts.device() &&
           m2s.device() == counts.device(),
       "syncbn: `counts`, `means` and `m2s` must be ", c10::DeviceTypeName(device),
       " tensors on one device for these kernels");
-  TORCH_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
+  SYNCBN_CHECK(eps > 0, "syncbn: `eps` must be > 0, got ", eps);
 }
 
 void check_normalize_args(
@@ -187,13 +187,13 @@ ElemtOperands elemt_operands(
 at::Tensor checked_residual(const c10::optional<at::Tensor>& residual, const at::Tensor& input) {
   if (!residual.has_value() || !residual->defined()) return at::Tensor();
   const at::Tensor& r = *residual;
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       r.sizes() == input.sizes(), "syncbn: `residual` must have the input's shape ",
       input.sizes(), " (it is added to the normalized input), got ", r.sizes());
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       r.scalar_type() == input.scalar_type(), "syncbn: `residual` must have the input's dtype ",
       input.scalar_type(), ", got ", r.scalar_type());
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       r.device() == input.device(), "syncbn: `residual` must be on the input's device ",
       input.device(), ", got ", r.device());
   return r;
@@ -229,10 +229,10 @@ at::Tensor optional_acc(
 }
 
 Activation checked_activation(int64_t act, double act_param) {
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       act >= 0 && act < kActKinds, "syncbn: `act` must be an activation code in [0, ", kActKinds,
       ") (syncbn_lightning.activation.ACTIVATIONS), got ", act);
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       std::isfinite(act_param), "syncbn: `act_param` must be finite (the negative slope of ",
       "leaky_relu), got ", act_param);
   return {act, act_param};

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "syncbn.h"
+#include "check.h"
 
 namespace syncbn {
 namespace {
@@ -26,7 +27,7 @@ namespace {
 #define SYNCBN_CUDA_BRANCH(tensor, call) reject_cuda(tensor)
 
 void reject_cuda(const at::Tensor& t) {
-  TORCH_CHECK(
+  SYNCBN_CHECK(
       !t.is_cuda(),
       "syncbn: this build of the extension has no CUDA kernels; use SYNCBN_IMPL=ref for CUDA "
       "tensors");

@@ -23,6 +23,7 @@ int64_t poll();
 int64_t drain();
 std::vector<int64_t> queued_tags();
 bool capturing(int64_t device);
+bool has_store_for_queueing(int64_t device);
 }  // namespace order_ring_probe
 
 namespace {
@@ -269,6 +270,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("order_ring_drain", &order_ring_probe::drain);
   m.def("order_ring_queued", &order_ring_probe::queued_tags);
   m.def("order_ring_capturing", &order_ring_probe::capturing, py::arg("device") = 0);
+  m.def("order_ring_store_for_queueing", &order_ring_probe::has_store_for_queueing,
+        py::arg("device"));
   m.def("hold_device", &simt::hold_device, py::arg("held"));
   m.def("release_device", &simt::release_device);
   m.def("set_capturing", &simt::set_capturing, py::arg("capturing"));

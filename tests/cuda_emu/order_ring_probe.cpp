@@ -1,7 +1,7 @@
 // Drives the C++ path's queue of call-order flags (csrc/layer/order_ring.cpp) with the CUDA flag
 // store (csrc/cuda/order_flags_cuda.cu) under the emulation, whose events stay "not ready" while
 // the emulated device is held (simt_control.h): the slots, their wrap-around, the poll order, a
-// full ring, and the stream each copy is queued on. The emulation's bindings expose these as
+// full ring, the stream each copy is queued on, and what a capture leaves alone. The emulation's bindings expose these as
 // `order_ring_*` (tests/test_cuda_emu_order_ring.py).
 #include <ATen/core/Tensor.h>
 
@@ -50,6 +50,11 @@ std::vector<int64_t> queued_tags() {
 
 bool capturing(int64_t device) {
   return syncbn::cuda_flag_store(static_cast<c10::DeviceIndex>(device)).capturing();
+}
+
+bool has_store_for_queueing(int64_t device) {
+  const c10::Device where(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  return syncbn::store_unless_capturing(where) != nullptr;
 }
 
 }  // namespace order_ring_probe

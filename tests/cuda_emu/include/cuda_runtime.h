@@ -40,6 +40,7 @@ inline const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
   }
   return "unknown error";
 }
@@ -56,9 +57,15 @@ inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyK
   return cudaSuccess;
 }
 
-// Pinned host memory: plain heap memory (never freed by the callers either).
+namespace simt {
+bool capturing();
+}  // namespace simt
+
+// Pinned host memory: plain heap memory (never freed by the callers either). Refused while the
+// emulated device captures a graph, as CUDA refuses it (the capture would be invalidated).
 constexpr unsigned int cudaHostAllocDefault = 0, cudaHostAllocPortable = 1;
 inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int /*flags*/) {
+  if (::simt::capturing()) return cudaErrorStreamCaptureUnsupported;
   *p = std::malloc(n);
   return *p != nullptr ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -84,10 +91,13 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
   e->ticket = ::simt::record_event();
   return cudaSuccess;
 }
+// Asking or waiting for an event is refused during a capture, as CUDA refuses it.
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (::simt::capturing()) return cudaErrorStreamCaptureUnsupported;
   return ::simt::event_completed(e->ticket) ? cudaSuccess : cudaErrorNotReady;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (::simt::capturing()) return cudaErrorStreamCaptureUnsupported;
   ::simt::wait_event(e->ticket);
   return cudaSuccess;
 }

@@ -46,6 +46,7 @@ enum cudaError_t : int {
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorNotReady = 600,
+  cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorLaunchFailure = 719,
 };
 
