@@ -34,6 +34,7 @@ from torch import nn
 
 from syncbn_lightning import SyncBatchNorm, _compat
 from syncbn_lightning.distributed import collectives
+from syncbn_lightning.ops.build import load_extension
 
 _CONTEXT = "context"  # the key of torch.autograd.graph._engine_run_backward
 # The context tests need a torch whose backward stashes its context (2.13.0 and 2.14.1 of the
@@ -125,10 +126,11 @@ def test_the_backward_collective_holds_no_python_object(
 def test_an_all_reduce_holds_no_python_object(
     probe: _Probe, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Groups above GATHER_SUM_MAX_RANKS sum the backward with all_reduce; with the bound at 0,
-    # a one-rank group does too (the Python path reads the bound per call).
-    monkeypatch.setattr(collectives, "GATHER_SUM_MAX_RANKS", 0)
-    assert _backward("reference")
+    # Groups above GATHER_SUM_MAX_RANKS sum the backward with all_reduce; with the bound at 0
+    # (the test switch), a one-rank group does too.
+    load_extension()
+    with collectives.gather_sums_up_to(0):
+        assert _backward("reference")
     assert probe.calls == [("all_gather", False), ("all_reduce", False)]
 
 

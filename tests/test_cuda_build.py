@@ -83,3 +83,14 @@ def test_compile_check_reports_a_broken_source(
         ops_build.ExtensionBuildError, match=r"(?s)compile check failed .*undefined_name"
     ):
         compile_check.cuda_compile_check(tmp_path / "out")
+
+
+def test_the_unity_units_compile_whole_with_cuda(nvcc: str, tmp_path: Path) -> None:
+    """The extension's two units (every .cpp of a unit in one translation unit) compile with
+    -DWITH_CUDA, as the CUDA build compiles them: the per-file check above cannot see a clash
+    between two files of one unit."""
+    units = compile_check.unity_compile_check(tmp_path)
+    assert [u.name for u in units] == ["unity_operators.cpp", "unity_kernels.cpp"]
+    included = "".join(u.read_text() for u in units)
+    for source in ops_build.csrc_files(ops_build.csrc_dir(), ".cpp"):
+        assert str(source.resolve()) in included, source

@@ -412,3 +412,35 @@ def test_the_cpp_path_equals_the_python_path_bitwise(sizes: list[int], exchange:
         assert all(seqs == list(range(len(seqs))) for seqs in by_group.values()), records
         calls = [(direction, call) for _g, _s, direction, _tag, call in records]
         assert calls == [("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1)]
+
+
+def _all_reduced_rank(rank: int, world: int, sizes: list[int], exchange: str) -> dict[str, Any]:
+    """:func:`_paths_rank` with the sums all-reduced (the branch CUDA groups take), and the
+    collectives each direction issued on the C++ path; then the same calls all-gathered."""
+    from syncbn_lightning.distributed.collectives import gather_sums_up_to
+    from syncbn_lightning.ops import build
+
+    build.load_extension()
+    with gather_sums_up_to(0):
+        reduced = _paths_rank(rank, world, sizes, exchange)
+    reduced["ops"] = [(r.direction, r.op) for r in flight.current_recorder().records()]
+    gathered = _paths_rank(rank, world, sizes, exchange)
+    return {"reduced": reduced, "gathered": gathered["cpp"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_the_all_reduce_branch_of_cpu_groups_runs_under_the_test_switch(exchange: str) -> None:
+    """``gather_sums_up_to(0)``: a CPU group all-reduces its sums as CUDA groups do
+    (``layer_comm.cpp``'s other branch): the flight records say so, both paths stay bitwise
+    equal, and the results are the gathered ones up to the summation order."""
+    for rank in run_distributed(_all_reduced_rank, 2, [3, 1], exchange, timeout=120.0):
+        reduced = rank["reduced"]
+        forward = "all_reduce" if exchange == "reduce" else "all_gather"
+        assert reduced["ops"] == [
+            ("forward", forward), ("backward", "all_reduce")
+        ] * 2, reduced["ops"]  # fmt: skip
+        for cpp, python in zip(reduced["cpp"], reduced["python"], strict=True):
+            assert torch.equal(cpp, python)
+        for got, want in zip(reduced["cpp"], rank["gathered"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

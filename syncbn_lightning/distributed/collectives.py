@@ -23,9 +23,11 @@ run outside any compiled graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +51,7 @@ __all__ = [
     "all_reduce_",
     "backend_for_device",
     "gather_rows",
+    "gather_sums_up_to",
     "group_ranks",
     "process_group",
     "report_collective_failure",
@@ -253,8 +256,39 @@ def sums_gathered(device_type: str, world_size: int) -> bool:
     """Whether a process group of ``world_size`` ranks on ``device_type`` exchanges sums (the
     backward's, the reduce exchange's) by all_gather, summed in rank order by the caller, rather
     than all_reduce: CPU groups of up to :data:`GATHER_SUM_MAX_RANKS` ranks (the C++ path's twin:
-    ``sum_over_group`` in ``csrc/layer/layer_comm.cpp``)."""
-    return device_type == "cpu" and world_size <= GATHER_SUM_MAX_RANKS
+    ``sum_over_group`` in ``csrc/layer/layer_comm.cpp``; :func:`gather_sums_up_to` changes the
+    limit for tests)."""
+    return device_type == "cpu" and world_size <= _gather_sum_max_ranks
+
+
+#: sums_gathered's limit (GATHER_SUM_MAX_RANKS, unless a test switched it).
+_gather_sum_max_ranks = GATHER_SUM_MAX_RANKS
+
+
+@contextlib.contextmanager
+def gather_sums_up_to(ranks: int) -> Iterator[None]:
+    """A test switch: CPU groups all-gather their sums only up to ``ranks`` ranks (0: never), on
+    both paths, so that the all-reduce branch CUDA groups take runs on CPU tensors; restored on
+    exit. For tests and benchmarks; the layers' results differ only in the summation order.
+
+    Raises:
+        RuntimeError: when the extension is not loaded (its C++ path keeps its own copy of the
+            limit): call ``syncbn_lightning.ops.build.load_extension()`` first.
+    """
+    global _gather_sum_max_ranks
+    if not hasattr(torch.ops.syncbn, "set_gather_sum_max_ranks"):
+        raise RuntimeError(
+            "gather_sums_up_to: load the extension first (syncbn_lightning.ops.build"
+            ".load_extension()), so that the C++ path's limit is switched too"
+        )
+    before = _gather_sum_max_ranks
+    _gather_sum_max_ranks = ranks
+    torch.ops.syncbn.set_gather_sum_max_ranks(ranks)
+    try:
+        yield
+    finally:
+        _gather_sum_max_ranks = before
+        torch.ops.syncbn.set_gather_sum_max_ranks(before)
 
 
 def _eager_group(tensor: torch.Tensor, group_name: str) -> Any:

@@ -1,5 +1,6 @@
-"""Compile the CUDA sources without a GPU: ``nvcc -c`` of every ``.cu`` under ``csrc/`` and a host
-syntax check of every ``.cpp`` under it, with the extension's flags (what CI's compile check
+"""Compile the CUDA sources without a GPU: ``nvcc -c`` of every ``.cu`` under ``csrc/``, a host
+syntax check of every ``.cpp`` under it, and of the two units the extension compiles them as
+(:mod:`.build_units`), with the extension's flags and ``-DWITH_CUDA`` (what CI's compile check
 runs)."""
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 
 from . import build
 from .build import CUDA_CFLAGS, ExtensionBuildError
+from .build_units import write_units
 
-__all__ = ["DEFAULT_CHECK_ARCH", "cuda_compile_check"]
+__all__ = ["DEFAULT_CHECK_ARCH", "cuda_compile_check", "unity_compile_check"]
 
 # The architecture the compile check targets when none is given: the H100 the kernels are tuned on.
 DEFAULT_CHECK_ARCH = "sm_90"
@@ -57,12 +59,7 @@ def cuda_compile_check(
         raise ExtensionBuildError("nvcc not found: set CUDA_HOME or put nvcc on PATH")
     csrc = build.csrc_dir()  # looked up per call: tests point it at a mutated copy
     out_dir.mkdir(parents=True, exist_ok=True)
-    includes = [f"-I{p}" for p in [str(build.include_dir(csrc)), *cpp_extension.include_paths()]]
-    defines: list[str] = []
-    torch_include = Path(cpp_extension.include_paths()[0])
-    if not (torch_include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
-        defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
-    python_include = sysconfig.get_paths()["include"]
+    includes, defines = _includes_and_defines(csrc)
     objects: list[Path] = []
     commands: list[list[str]] = []
     for source in build.csrc_files(csrc, ".cu"):
@@ -85,25 +82,64 @@ def cuda_compile_check(
             ]
         )
         objects.append(obj)
-    cxx = os.environ.get("CXX", "c++")
     for source in build.csrc_files(csrc, ".cpp"):
-        commands.append(
-            [
-                cxx,
-                "-std=c++20",
-                "-fsyntax-only",
-                "-DTORCH_EXTENSION_NAME=syncbn_check",
-                "-DWITH_CUDA",
-                *defines,
-                *includes,
-                f"-I{python_include}",
-                str(source),
-            ]
-        )
+        commands.append(_host_syntax_check(source, includes, defines))
+    _run_all(commands, timeout_s)
+    return objects
+
+
+def unity_compile_check(out_dir: Path, timeout_s: float = 600.0) -> list[Path]:
+    """Check the units the extension compiles its ``.cpp`` files as (:func:`.build_units
+    .write_units`: each unit one translation unit of many files) with ``-DWITH_CUDA``, as the
+    extension's CUDA build compiles them: a clash between two files of one unit (two ``static``
+    helpers of one name, a macro of one file changing the next) that only the CUDA branch has
+    fails here, without a GPU.
+
+    Returns:
+        The units checked (written to ``out_dir``).
+
+    Raises:
+        ExtensionBuildError: when a unit does not compile (with the compiler's output).
+    """
+    csrc = build.csrc_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    includes, defines = _includes_and_defines(csrc)
+    units = [Path(unit) for unit in write_units(build.csrc_files(csrc, ".cpp"), out_dir)]
+    _run_all([_host_syntax_check(unit, includes, defines) for unit in units], timeout_s)
+    return units
+
+
+def _includes_and_defines(csrc: Path) -> tuple[list[str], list[str]]:
+    """The include flags (``csrc/include``, torch's) and the defines the checks compile with."""
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in [str(build.include_dir(csrc)), *cpp_extension.include_paths()]]
+    defines: list[str] = []
+    torch_include = Path(cpp_extension.include_paths()[0])
+    if not (torch_include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").is_file():
+        defines.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    return includes, defines
+
+
+def _host_syntax_check(source: Path, includes: list[str], defines: list[str]) -> list[str]:
+    """The host compiler's syntax check of ``source`` with ``-DWITH_CUDA``."""
+    return [
+        os.environ.get("CXX", "c++"),
+        "-std=c++20",
+        "-fsyntax-only",
+        "-DTORCH_EXTENSION_NAME=syncbn_check",
+        "-DWITH_CUDA",
+        *defines,
+        *includes,
+        f"-I{sysconfig.get_paths()['include']}",
+        str(source),
+    ]
+
+
+def _run_all(commands: list[list[str]], timeout_s: float) -> None:
     # One compiler per core at a time (nvcc of the two .cu files dominates: ~2x on 2 cores).
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda command: _check_compiles(command, timeout_s), commands))
-    return objects
 
 
 def _check_compiles(command: list[str], timeout_s: float) -> None:
