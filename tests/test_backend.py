@@ -270,7 +270,7 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
                 raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_99'")
             return real_load(**kwargs)
         cpp_extension.load = load
-        ops_build._cuda_build_enabled = lambda csrc: True
+        ops_build._cuda_build_blockers = lambda csrc: []
         cpu_dir = ops_build.build_dir(ops_build._build_spec(cuda=False))
         marked = (cpu_dir / ops_build.BUILT_MARK).exists()
         with warnings.catch_warnings(record=True) as caught:
@@ -289,6 +289,65 @@ def test_a_failed_cuda_build_falls_back_to_the_cpu_kernels_with_one_warning() ->
         {},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_a_required_cuda_build_fails_at_once_naming_why() -> None:
+    """``SYNCBN_REQUIRE_CUDA_BUILD=1`` (the GPU check's build step): a build that would have no
+    CUDA kernels raises before compiling anything, naming the reasons."""
+    result = _python(
+        """
+        from syncbn_lightning.ops import build as ops_build
+        try:
+            ops_build.load_extension()
+        except ops_build.ExtensionBuildError as exc:
+            print(exc)
+        else:
+            print("built")
+        """,
+        {"SYNCBN_REQUIRE_CUDA_BUILD": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    assert "SYNCBN_REQUIRE_CUDA_BUILD=1, but the extension would have no CUDA kernels" in text
+    assert "is a build without CUDA" in text or "no CUDA device is visible" in text, text
+
+
+@pytest.mark.slow
+def test_a_required_cuda_build_that_fails_raises_instead_of_falling_back() -> None:
+    result = _python(
+        """
+        from torch.utils import cpp_extension
+        from syncbn_lightning.ops import build as ops_build
+        def load(**kwargs):
+            raise RuntimeError("nvcc fatal: Unsupported gpu architecture 'compute_99'")
+        cpp_extension.load = load
+        ops_build._cuda_build_blockers = lambda csrc: []
+        try:
+            ops_build.load_extension()
+        except ops_build.ExtensionBuildError as exc:
+            print("raised", "compute_99" in str(exc))
+        """,
+        {"SYNCBN_REQUIRE_CUDA_BUILD": "1"},
+    )
+    assert result.stdout.strip() == "raised True", (result.stdout, result.stderr[-3000:])
+
+
+def test_the_build_records_what_the_library_links(tmp_path: Path) -> None:
+    """The ``.so``'s NEEDED entries, read from its ELF header: this machine's build links
+    libstdc++ dynamically, so the layers need no Python checks in front of the C++ path."""
+    from syncbn_lightning.ops import link_record
+
+    ext = ops_build.load_extension()
+    library = ops_build.build_dir() / f"{ext.__name__}.so"
+    record = link_record.link_record(library)
+    assert library.with_name(library.name + ".link.json").is_file()
+    assert any(name.startswith("libstdc++") for name in record["needed"]), record
+    assert record["static_libstdcxx"] is False and ext.static_libstdcxx is False
+    assert len(ext.sources_digest) == 16
+    text = tmp_path / "not_elf.so"
+    text.write_bytes(b"#!/bin/sh\n")
+    assert link_record.needed_libraries(text) is None
+    assert link_record.write_link_record(text)["static_libstdcxx"] is True  # unknown: safe side
 
 
 def test_uses_extension_carries_the_mark_of_assume_constant_result() -> None:

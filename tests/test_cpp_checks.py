@@ -10,7 +10,11 @@ the numbers, as the behavioural tests below show.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -93,3 +97,47 @@ def test_messages_still_name_the_numbers(ops) -> None:
         ops.merge_stats(counts.half(), means.half(), means.half(), 1e-5, True)
     with pytest.raises(RuntimeError, match=r"`m2s` must have the shape of `means` \[2, 4\], got"):
         ops.merge_stats(counts, means, torch.zeros(2, 3), 1e-5, True)
+
+
+@pytest.mark.slow
+def test_an_extension_with_a_static_libstdcxx_still_raises_messages_with_numbers(tmp_path) -> None:
+    """The GPU image's defect, reproduced here: linked with ``-static-libstdc++`` beside torch's
+    shared one, an ostream inside the extension formats no number (this machine: it prints
+    nothing; the image: it crashes). Built so, the extension's checks still name their numbers
+    (they never use a stream), its link record says libstdc++ is static, and the layers then run
+    Python's input checks in front of the C++ path."""
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from syncbn_lightning.ops import build
+        spec = build._build_spec
+        def static_spec(cuda=None):
+            s = spec(cuda)
+            s["ldflags"] = [*s["ldflags"], "-static-libstdc++"]
+            s["name"] += "_static"
+            return s
+        build._build_spec = static_spec
+        ext = build.load_extension()
+        assert ext.static_libstdcxx, "the record should say libstdc++ is static"
+        try:
+            torch.ops.syncbn.local_stats(torch.zeros(3))
+        except RuntimeError as exc:
+            assert "got 1-D input of shape [3]" in str(exc), str(exc)
+        dist.init_process_group("gloo", init_method="file://" + STORE, rank=0, world_size=1)
+        from syncbn_lightning import SyncBatchNorm
+        layer = SyncBatchNorm(4, force_sync=True)
+        layer(torch.randn(2, 4, 3))
+        assert layer._sync_plan.native and layer._sync_plan.checks_first
+        try:
+            layer(torch.randn(2, 3, 3))
+        except ValueError as exc:
+            assert "SyncBatchNorm input has 3 channels" in str(exc), str(exc)
+        dist.destroy_process_group()
+        print("ok")
+        """
+    ).replace("STORE", repr(str(tmp_path / "store")))
+    env = {**os.environ, "SYNCBN_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -16,6 +16,8 @@ queueing such a flag through ``syncbn::queue_order_flag``. The device plan
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -232,6 +234,89 @@ def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
     assert other is not cpu_plan and not other.cpu and not other.native  # meta: not CUDA
     layer.to_empty(device="cpu")
     assert sync_plan.plan_of(layer, "cpu").native
+
+
+@pytest.fixture
+def record_passes(monkeypatch) -> Iterator[Any]:
+    """``record_passes(*entries)``: the recorded GPU passes for the test, SYNCBN_NATIVE_CUDA
+    unset (the passes decide)."""
+    from syncbn_lightning.ops import dispatch, native_passes
+
+    def record(*entries: dict[str, str]) -> None:
+        monkeypatch.setattr(native_passes, "PASSES", entries)
+        dispatch.native_cuda_default.cache_clear()
+
+    monkeypatch.delenv("SYNCBN_NATIVE_CUDA", raising=False)
+    record()
+    yield record
+    dispatch.native_cuda_default.cache_clear()
+
+
+def test_cuda_layers_default_to_the_cpp_path_only_on_a_recorded_pass(
+    record_passes, monkeypatch
+) -> None:
+    """Unset, SYNCBN_NATIVE_CUDA is what the recorded passes say of this tree: no pass, or a
+    pass of other Python files or other C++ sources, keeps the Python path; a pass of exactly
+    these puts CUDA layers on the C++ path. Set, the variable decides."""
+    from syncbn_lightning.ops import build, dispatch
+
+    here = {"extension": build.load_extension().sources_digest}
+    here["python"] = dispatch.python_path_digest()
+    assert sync_plan.native_cuda() is False  # nothing recorded
+    for stale in ({**here, "python": "0" * 16}, {**here, "extension": "f" * 16}):
+        record_passes(stale)
+        assert sync_plan.native_cuda() is False, stale
+    record_passes({**here, "device": "NVIDIA H200", "date": "2026-12-01"})
+    assert sync_plan.native_cuda() is True
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "0")
+    assert sync_plan.native_cuda() is False
+
+
+def test_the_python_digest_follows_the_library_s_files(monkeypatch, tmp_path) -> None:
+    """Any change of a library file changes the digest; the record of passes does not."""
+    import shutil
+
+    import syncbn_lightning
+    from syncbn_lightning.ops import dispatch
+
+    package = tmp_path / "syncbn_lightning"
+    shutil.copytree(Path(syncbn_lightning.__file__).parent, package)
+    monkeypatch.setattr(dispatch, "__file__", str(package / "ops" / "dispatch.py"))
+    from syncbn_lightning.ops import native_passes
+
+    monkeypatch.setattr(native_passes, "__file__", str(package / "ops" / "native_passes.py"))
+    before = dispatch.python_path_digest()
+    assert before == dispatch.python_path_digest()
+    (package / "ops" / "native_passes.py").write_text("PASSES = ({'a': 'b'},)\n")
+    assert dispatch.python_path_digest() == before
+    plan = package / "nn" / "sync_plan.py"
+    plan.write_text(plan.read_text() + "\n")
+    assert dispatch.python_path_digest() != before
+
+
+def test_a_static_libstdcxx_puts_python_s_checks_in_front(one_rank, monkeypatch) -> None:
+    """Where the extension links libstdc++ statically (the GPU image), the C++ path's calls run
+    nn/checks.py's check_input first, so a wrong input is Python's exception there too; where it
+    does not (here), the C++ path checks alone."""
+    from syncbn_lightning.ops import build
+
+    seen: list[int] = []
+    real = sync_plan.check_input
+
+    def spy(input, *args):
+        seen.append(input.shape[1])
+        return real(input, *args)
+
+    monkeypatch.setattr(sync_plan, "check_input", spy)
+    for static in (False, True):
+        monkeypatch.setattr(build.load_extension(), "static_libstdcxx", static)
+        layer = SyncBatchNorm(4, force_sync=True)
+        layer(torch.randn(2, 4, 3))
+        assert layer._sync_plan.native and layer._sync_plan.checks_first is static
+        with pytest.raises(ValueError, match="3 channels"):
+            layer(torch.randn(2, 3, 3))
+        assert seen == ([4, 3] if static else []), (static, seen)
+        seen.clear()
 
 
 def test_a_setting_the_schema_names_but_the_plan_lacks_is_named(one_rank) -> None:

@@ -40,10 +40,10 @@ from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
 from ..functional.native import native_op, register_python_kernels
 from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
-from ..ops.dispatch import IMPL_ENV, uses_extension
+from ..ops.dispatch import IMPL_ENV, native_cuda_default, python_checks_first, uses_extension
 from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
 from ..ops.reference import queues_order_flag, queues_order_flags_on
-from .checks import functorch_error
+from .checks import check_input, functorch_error
 from .layer_state import BatchRecord
 from .recompute import Kept, find_kept, keep, keeping, recompute_task
 
@@ -91,12 +91,15 @@ def _world() -> Any:
 
 
 def native_cuda() -> bool:
-    """Whether CUDA layers take the C++ path (``SYNCBN_NATIVE_CUDA``, read when a plan is made).
+    """Whether CUDA layers take the C++ path (``SYNCBN_NATIVE_CUDA``, read when a plan is made;
+    unset: where these sources passed the GPU check, :func:`~syncbn_lightning.ops.dispatch
+    .native_cuda_default`).
 
     Raises:
         ValueError: on a value other than 0 and 1.
     """
-    return native_cuda_requested(os.environ.get(NATIVE_CUDA_ENV))
+    requested = native_cuda_requested(os.environ.get(NATIVE_CUDA_ENV))
+    return native_cuda_default() if requested is None else requested
 
 
 class SyncPlan:
@@ -105,6 +108,9 @@ class SyncPlan:
 
     Attributes:
         native: whether calls take the C++ path.
+        checks_first: whether Python's input checks run in front of the C++ path's own (where
+            the extension links libstdc++ statically: :func:`~syncbn_lightning.ops.dispatch
+            .python_checks_first`).
         device: the device type of the inputs the plan is for (``"cpu"``, ``"cuda"``, ...).
         cpu: whether that is the CPU.
         op: the C++ path's operator (``None`` on the Python path).
@@ -126,6 +132,7 @@ class SyncPlan:
 
     __slots__ = (
         "args",
+        "checks_first",
         "cpu",
         "device",
         "impl",
@@ -146,23 +153,30 @@ class SyncPlan:
         self.name, self.impl = layer.sync_name, impl
         self.device, self.cpu = device, device == "cpu"
         self.world_size = sync_group_size(layer.process_group)
-        self.native = False
+        self.native = self.checks_first = False
         self.op: Any = None
         self.settings: dict[str, Any] = {}
         self.args: tuple[Any, ...] = ()
         self.watched: int | None = None
         if self.world_size == 1 and not options.force_sync:
             return
-        if device != "cpu" and not (native_cuda() and device == "cuda"):
+        # Off the CPU: SYNCBN_NATIVE_CUDA, checked here; unset, the recorded passes decide below.
+        requested = (
+            None if device == "cpu" else native_cuda_requested(os.environ.get(NATIVE_CUDA_ENV))
+        )
+        if device not in ("cpu", "cuda") or requested is False:
             return
         group = group_name_of(layer.process_group)
         exchange = resolve_exchange(options.exchange, self.world_size, group, device)
         builtin = exchange.name in BUILTIN and exchange is get_exchange(exchange.name)
         if not (builtin and exchange.uses_kernels and uses_extension(device, options.impl)):
             return
+        if device == "cuda" and requested is None and not native_cuda_default():
+            return
         register_python_kernels()
         flight.flight_recorder()  # a new job's recorder (the C++ writer follows it)
         self.native, self.op = True, native_op()
+        self.checks_first = python_checks_first()
         self.settings = {
             "group": group,
             "world_size": self.world_size,
@@ -238,6 +252,11 @@ def forward_native(
     except KeyError:
         weight, bias = layer.weight, layer.bias
     running_mean = buffers["running_mean"]
+    if plan.checks_first:
+        if weight is not None:
+            check_input(input, layer.num_features, weight, "weight")
+        else:
+            check_input(input, layer.num_features, running_mean, "running_mean")
     calls, nonfinite = layer._calls, layer._nonfinite
     if not plan.cpu:
         calls, nonfinite = layer._counters(input.device)

@@ -8,9 +8,11 @@ The extension is built on first use, never at import or test collection. Its bui
 the key hashes the sources and headers (paths and bytes), compiler flags, the CUDA architectures
 and the visible GPUs' compute capabilities (CUDA builds), the torch/CUDA/Python versions and the
 interpreter, so a change of any of them triggers a rebuild and never loads a stale binary. If the
-CUDA part fails to build, the CPU kernels are built alone (one warning naming the cause). The
-compile itself runs under an inter-process lock, and a completed build loads without it
-(:mod:`.build_lock`).
+CUDA part fails to build, the CPU kernels are built alone (one warning naming the cause), unless
+``SYNCBN_REQUIRE_CUDA_BUILD=1`` makes a build without CUDA kernels an error (the GPU check's
+build step: a GPU machine must not test CPU kernels by accident). The compile itself runs under
+an inter-process lock, and a completed build loads without it (:mod:`.build_lock`). Beside the
+library the build records what it links (:mod:`.link_record`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .build_lock import (
 )
 from .build_units import write_units
 from .fakes import register_fakes
+from .link_record import link_record
 
 __all__ = [
     "BUILD_TIMEOUT_ENV",
@@ -54,6 +57,7 @@ __all__ = [
     "HEARTBEAT_S",
     "MEASURED_BUILD_S",
     "PRIMITIVES",
+    "REQUIRE_CUDA_ENV",
     "ExtensionBuildError",
     "build_dir",
     "build_locked",
@@ -65,9 +69,13 @@ __all__ = [
     "include_dir",
     "load_extension",
     "source_key",
+    "sources_digest",
 ]
 
 CACHE_ENV = "SYNCBN_CACHE_DIR"
+#: ``1``: a build without CUDA kernels is an error, naming why it has none (else: one warning,
+#: and the CPU kernels alone).
+REQUIRE_CUDA_ENV = "SYNCBN_REQUIRE_CUDA_BUILD"
 
 
 def csrc_dir() -> Path:
@@ -88,12 +96,36 @@ def csrc_files(csrc: Path, *suffixes: str) -> list[Path]:
     return [path for suffix in suffixes for path in sorted(csrc.rglob(f"*{suffix}"))]
 
 
-def _cuda_build_enabled(csrc: Path) -> bool:
-    """Whether to compile the CUDA twins: only with a CUDA torch, a toolkit and ``.cu`` sources."""
+def _cuda_build_blockers(csrc: Path) -> list[str]:
+    """Why the CUDA twins would not be compiled (empty: they are): they need a CUDA torch, a
+    visible GPU, a toolkit and ``.cu`` sources."""
     from torch.utils import cpp_extension
 
-    toolkit = torch.version.cuda and torch.cuda.is_available() and cpp_extension.CUDA_HOME
-    return bool(toolkit and csrc_files(csrc, ".cu"))
+    blockers = []
+    if not torch.version.cuda:
+        blockers.append(f"torch {torch.__version__} is a build without CUDA")
+    elif not torch.cuda.is_available():
+        blockers.append("no CUDA device is visible (torch.cuda.is_available() is False)")
+    if not cpp_extension.CUDA_HOME:
+        blockers.append("no CUDA toolkit was found (set CUDA_HOME, or put nvcc on PATH)")
+    if not csrc_files(csrc, ".cu"):
+        blockers.append(f"{csrc} holds no .cu sources")
+    return blockers
+
+
+def _cuda_required() -> bool:
+    return os.environ.get(REQUIRE_CUDA_ENV, "").strip() == "1"
+
+
+def sources_digest(csrc: Path) -> str:
+    """A 16-hex-digit digest of the extension's sources and headers under ``csrc`` (their paths
+    relative to it and their bytes): what a recorded GPU pass names the extension by
+    (:mod:`.dispatch`, ``native_cuda_default``), whatever machine or torch built it."""
+    digest = hashlib.sha256()
+    for path in csrc_files(csrc, ".cpp", ".cu", ".h", ".cuh"):
+        digest.update(path.relative_to(csrc).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 # nvcc flags of the extension's .cu sources (cpp_extension adds its own: c++20, the no-half-
@@ -155,22 +187,25 @@ def _build_spec(cuda: bool | None = None) -> dict[str, Any]:
     """Sources, flags and cache key of the extension; ``cuda`` forces the CUDA part on or off
     (``None``: on when torch, a GPU, the toolkit and ``.cu`` sources are all there)."""
     csrc = csrc_dir()
-    with_cuda = _cuda_build_enabled(csrc) if cuda is None else cuda
+    with_cuda = not _cuda_build_blockers(csrc) if cuda is None else cuda
     sources = csrc_files(csrc, ".cpp", *([".cu"] if with_cuda else []))
     cflags = ["-O3", "-DNDEBUG", "-fopenmp", *_cpu_arch_flags()] + (
         ["-DWITH_CUDA"] if with_cuda else []
     )
     cuda_cflags = list(CUDA_CFLAGS) if with_cuda else []
+    ldflags = ["-fopenmp"]
     targets = _cuda_targets() if with_cuda else ()
     headers = csrc_files(csrc, ".h", ".cuh")
-    key = source_key(sources + headers, (cflags, cuda_cflags, targets))
+    key = source_key(sources + headers, (cflags, cuda_cflags, targets, ldflags))
     return {
         "name": f"syncbn_lightning_ext_{key}",
         "key": key,
+        "csrc": csrc,
         "sources": [str(p) for p in sources],
         "include": str(include_dir(csrc)),
         "cflags": cflags,
         "cuda_cflags": cuda_cflags,
+        "ldflags": ldflags,
         "with_cuda": with_cuda,
     }
 
@@ -267,13 +302,20 @@ def check_shared_header(csrc: Path) -> None:
 def _build_and_import() -> ModuleType:
     """Build the extension; if its CUDA part fails, warn once and build the CPU kernels alone
     (CUDA tensors then use the reference), rather than losing the CPU kernels too. Checks the
-    generated header first (:func:`check_shared_header`)."""
-    check_shared_header(csrc_dir())
+    generated header first (:func:`check_shared_header`). With ``SYNCBN_REQUIRE_CUDA_BUILD=1``
+    a build without CUDA kernels raises instead, naming why."""
+    csrc = csrc_dir()
+    check_shared_header(csrc)
     spec = _build_spec()
+    if _cuda_required() and not spec["with_cuda"]:
+        raise ExtensionBuildError(
+            f"{REQUIRE_CUDA_ENV}=1, but the extension would have no CUDA kernels: "
+            + "; ".join(_cuda_build_blockers(csrc))
+        )
     try:
         return _build_from(spec)
     except Exception as exc:
-        if not spec["with_cuda"]:
+        if not spec["with_cuda"] or _cuda_required():
             raise
         cause = str(exc).strip()
         warnings.warn(
@@ -288,18 +330,21 @@ def _build_and_import() -> ModuleType:
 
 def _build_from(spec: dict[str, Any]) -> ModuleType:
     directory = build_dir(spec)
-    build_locked(
+    library = build_locked(
         spec["name"],
         directory,
         sources=write_units([Path(s) for s in spec["sources"]], directory),
         include_paths=[spec["include"]],
         cflags=spec["cflags"],
-        ldflags=["-fopenmp"],
+        ldflags=spec["ldflags"],
         with_cuda=spec["with_cuda"],
         cuda_cflags=spec["cuda_cflags"],
         python_module=False,
     )
-    return _primitives(spec["name"], spec["with_cuda"])
+    module = _primitives(spec["name"], spec["with_cuda"])
+    module.static_libstdcxx = link_record(Path(library))["static_libstdcxx"]  # type: ignore[attr-defined]
+    module.sources_digest = sources_digest(spec["csrc"])  # type: ignore[attr-defined]
+    return module
 
 
 #: The primitives ``csrc/ops/primitives.cpp`` registers as ``syncbn::`` operators.
@@ -309,8 +354,9 @@ PRIMITIVES = ("local_stats", "merge_stats", "normalize", "backward_reduce", "bac
 def _primitives(name: str, with_cuda: bool) -> ModuleType:
     """What :func:`load_extension` returns for the loaded library ``name``: the five primitives
     (``torch.ops.syncbn.<primitive>``, the same signatures as :mod:`.reference`'s) and
-    ``with_cuda``, whether the build has CUDA kernels. The fused steps are
-    ``torch.ops.syncbn.<step>``."""
+    ``with_cuda``, whether the build has CUDA kernels; :func:`_build_from` adds
+    ``static_libstdcxx`` (:mod:`.link_record`) and ``sources_digest`` (:func:`sources_digest`).
+    The fused steps are ``torch.ops.syncbn.<step>``."""
     module = ModuleType(name, "syncbn_lightning's C++ kernels: the primitives (syncbn:: operators)")
     for primitive in PRIMITIVES:
         setattr(module, primitive, getattr(torch.ops.syncbn, primitive))

@@ -8,23 +8,38 @@ given, by the ``SYNCBN_IMPL`` environment variable:
 * ``ext``: the extension or an error (a failed build raises instead of falling back).
 * ``reference`` (``ref`` for short): always the reference (:mod:`.reference`).
 
-The extension is built on first use by :mod:`.build`.
+The extension is built on first use by :mod:`.build`. Whether CUDA layers take the C++ path
+when ``SYNCBN_NATIVE_CUDA`` is unset is :func:`native_cuda_default`'s answer: only where the
+sources match a recorded GPU pass (:mod:`.native_passes`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import threading
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import reference
+from . import native_passes, reference
 from .build import ExtensionBuildError, describe_build_dir, load_extension
 from .impl_choice import _IMPL_ALIASES, _IMPLS, IMPL_ENV, check_impl
 
-__all__ = ["IMPL_ENV", "check_impl", "get_impl", "ops_for", "ops_for_device", "uses_extension"]
+__all__ = [
+    "IMPL_ENV",
+    "check_impl",
+    "get_impl",
+    "native_cuda_default",
+    "ops_for",
+    "ops_for_device",
+    "python_checks_first",
+    "python_path_digest",
+    "uses_extension",
+]
 
 
 def get_impl(impl: str | None = None) -> str:
@@ -125,3 +140,54 @@ def uses_extension(device_type: str, impl: str | None = None) -> bool:
 # `import syncbn_lightning`, half of a command line's config check. tests/test_backend.py checks
 # that the decorator still sets exactly this mark.
 uses_extension._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+#: The library's folders whose Python files a layer call runs through (the torch-only layers).
+_PATH_PACKAGES = ("ops", "distributed", "functional", "nn")
+
+
+def python_path_digest() -> str:
+    """A 16-hex-digit digest of the torch-only library's Python files (``ops/``,
+    ``distributed/``, ``functional/``, ``nn/`` and the package's private modules; paths relative
+    to the package and bytes), :mod:`.native_passes` left out: with
+    :func:`~syncbn_lightning.ops.build.sources_digest`, what a recorded GPU pass names."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(package.glob("_*.py"))
+    for folder in _PATH_PACKAGES:
+        files += sorted((package / folder).rglob("*.py"))
+    record = Path(native_passes.__file__).resolve()
+    digest = hashlib.sha256()
+    for path in files:
+        if path.resolve() == record:
+            continue
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def native_cuda_default() -> bool:
+    """Whether CUDA layers take the C++ path with ``SYNCBN_NATIVE_CUDA`` unset: only where the
+    loaded extension (its :func:`~syncbn_lightning.ops.build.sources_digest`) and the library's
+    Python files (:func:`python_path_digest`) are those of a pass of
+    ``benchmarks/gpu_check.sh native`` recorded in :mod:`.native_passes`. Decided once per
+    process (the files do not change under a running program); without a recorded pass nothing
+    is read."""
+    if not native_passes.PASSES:
+        return False
+    try:
+        extension = load_extension()
+    except ExtensionBuildError:
+        return False
+    python = python_path_digest()
+    return any(
+        entry.get("extension") == extension.sources_digest and entry.get("python") == python
+        for entry in native_passes.PASSES
+    )
+
+
+def python_checks_first() -> bool:
+    """Whether Python's input checks must run in front of the C++ path's own: where the loaded
+    extension links libstdc++ statically (:mod:`.link_record`), an ostream in torch's headers
+    formatting a number there would crash the process instead of raising."""
+    return bool(load_extension().static_libstdcxx)

@@ -8,8 +8,9 @@ from typing import Any
 __all__ = ["IMPL_ENV", "NATIVE_CUDA_ENV", "check_impl", "native_cuda_requested"]
 
 IMPL_ENV = "SYNCBN_IMPL"
-#: Whether CUDA layers take the C++ path (``1``) or the Python Function (``0``, the default until
-#: ``benchmarks/gpu_check.sh native`` has passed on a GPU; ``docs/architecture.md``).
+#: Whether CUDA layers take the C++ path (``1``) or the Python Function (``0``); unset: the C++
+#: path only where this tree's sources passed ``benchmarks/gpu_check.sh native`` on a GPU
+#: (:mod:`.native_passes`; ``docs/architecture.md``).
 NATIVE_CUDA_ENV = "SYNCBN_NATIVE_CUDA"
 _IMPLS = ("auto", "ext", "ref")
 # The API spells the reference out; "ref" is the short form (and the environment variable's).
@@ -39,18 +40,22 @@ def check_impl(impl: Any, name: str = "impl") -> str | None:
     return value
 
 
-def native_cuda_requested(value: str | None) -> bool:
+def native_cuda_requested(value: str | None) -> bool | None:
     """Whether ``SYNCBN_NATIVE_CUDA`` set to ``value`` (``None``: unset) puts CUDA layers on the
-    C++ path: ``"1"`` yes, ``"0"`` or unset no.
+    C++ path: ``"1"`` yes, ``"0"`` no, unset or empty ``None`` (the recorded GPU passes decide:
+    :func:`~syncbn_lightning.ops.dispatch.native_cuda_default`).
 
     Raises:
         ValueError: on any other value, naming the variable and its two values.
     """
-    if value is None or value.strip() in ("", "0"):
+    if value is None or value.strip() == "":
+        return None
+    if value.strip() == "0":
         return False
     if value.strip() == "1":
         return True
     raise ValueError(
         f"{NATIVE_CUDA_ENV}={value!r} is not valid: use 1 (CUDA layers take the C++ path, "
-        f"syncbn::sync_batch_norm) or 0 (the Python Function, the default)"
+        f"syncbn::sync_batch_norm) or 0 (the Python Function); unset, the C++ path only where "
+        f"these sources passed benchmarks/gpu_check.sh native on a GPU"
     )
