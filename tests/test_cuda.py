@@ -377,38 +377,71 @@ def test_cuda_a_layer_unused_in_one_ranks_loss_raises_call_order_error(ext, tmp_
     assert "'body.1' (call #1)" in text, text
 
 
-def _cuda_skipped_layer_worker(rank: int, world: int, device: str = "cuda") -> tuple[str, int, int]:
+def _cuda_skipped_layer_worker(
+    rank: int, world: int, device: str = "cuda", synchronize: bool = False
+) -> tuple[str, int, int, float]:
     """Three forward steps where rank 1 skips `mid` (its `tail` meets rank 0's `mid`): the flags
     are copied to pinned memory and read at later calls once their events complete. Returns the
-    error and the (step, call) of the layer call that raised it; ``(-1, -1)``: only the syncing
-    ``check_call_order`` after the steps found it; ``(-2, -2)``: nothing did. (``device="cpu"``
-    with ``set_queue_order_flags_on_cpu`` runs the same logic without a GPU.)"""
-    from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
+    error, the (step, call) of the layer call that raised it (``(-1, -1)``: only the syncing
+    ``check_call_order`` after the steps found it; ``(-2, -2)``: nothing did), and the seconds
+    from the first call to the error. ``synchronize``: the device finishes each call before the
+    next (then every flag has landed by the next call's poll). SyncBN's groups time out after
+    :data:`SKIPPED_TIMEOUT_S`. (``device="cpu"`` with ``set_queue_order_flags_on_cpu`` runs the
+    same logic without a GPU.)"""
+    from datetime import timedelta
 
+    from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
+    from syncbn_lightning.distributed.groups import set_sync_timeout
+
+    set_sync_timeout(timedelta(seconds=SKIPPED_TIMEOUT_S))
     torch.manual_seed(0)
     names = ["stem", "mid", "tail"] if rank == 0 else ["stem", "tail"]
     net = convert_sync_batchnorm(
         nn.ModuleDict({name: nn.BatchNorm1d(4) for name in ("stem", "mid", "tail")})
     ).to(device)
+    started = time.monotonic()
     try:
         for step in range(3):  # noqa: B007 - the except clause reads step and number
             for number, name in enumerate(names):  # noqa: B007
                 net[name](torch.randn(3, 4, device=device))
+                if synchronize:
+                    torch.cuda.current_stream().synchronize()
     except CallOrderError as exc:
-        return str(exc), step, number
+        return str(exc), step, number, time.monotonic() - started
     try:
         check_call_order()
     except CallOrderError as exc:
-        return str(exc), -1, -1
-    return "", -2, -2
+        return str(exc), -1, -1, time.monotonic() - started
+    return "", -2, -2, time.monotonic() - started
+
+
+#: SyncBN's collective timeout in the skipped-layer tests (the default group's is 60 s).
+SKIPPED_TIMEOUT_S = 10.0
 
 
 @pytest.mark.distributed
-def test_cuda_a_skipped_layer_is_found_at_later_calls_without_a_sync(ext) -> None:
-    """Both ranks raise CallOrderError naming the two layers from a layer call within the three
-    steps (the queued flags read without a host sync), not from the syncing
-    ``check_call_order`` after them."""
-    results = run_distributed(_cuda_skipped_layer_worker, 2, timeout=120, pg_timeout_s=60)
-    for rank, (text, step, _number) in enumerate(results):
+def test_cuda_a_skipped_layer_is_found_at_later_calls_when_each_call_has_landed(ext) -> None:
+    """Each call synchronized: every queued flag has landed by the next call's poll, so both
+    ranks raise CallOrderError naming the two layers from a layer call within the three steps
+    (the flags read without a host sync of their own), never from ``check_call_order``."""
+    results = run_distributed(
+        _cuda_skipped_layer_worker, 2, "cuda", True, timeout=120, pg_timeout_s=60
+    )
+    for rank, (text, step, _number, _seconds) in enumerate(results):
         assert "'mid'" in text and "'tail'" in text, (rank, text)
         assert step >= 0, f"rank {rank}: found only by check_call_order (-1) or never (-2): {step}"
+
+
+@pytest.mark.distributed
+def test_cuda_a_skipped_layer_ends_both_ranks_with_call_order_error_without_a_sync(ext) -> None:
+    """No sync per call: whether a flag has landed by the next poll is a race between host and
+    device, so one rank may find the mismatch while the other goes on into a collective that
+    will never complete. Both ranks still end with CallOrderError naming the two layers, within
+    SyncBN's collective timeout and a margin (the one left waiting gets the error the other
+    published: ``distributed/group_abort.py``), never the backend's timeout error."""
+    started = time.monotonic()
+    results = run_distributed(_cuda_skipped_layer_worker, 2, timeout=120, pg_timeout_s=60)
+    for rank, (text, step, _number, seconds) in enumerate(results):
+        assert "'mid'" in text and "'tail'" in text, (rank, step, text)
+        assert seconds < SKIPPED_TIMEOUT_S + 10, (rank, seconds)
+    assert time.monotonic() - started < 60

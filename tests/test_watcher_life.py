@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_distributed
 from _lightning import BNNet, quiet_trainer
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -288,3 +289,47 @@ def test_a_watcher_that_outlasts_its_stop_is_named(
         watcher.thread.join()
     assert watcher.stop_event.is_set()
     assert "stuck-job" in caplog.text and "did not end" in caplog.text
+
+
+def _left_alone_rank(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 publishes a mismatch for two groups (as a rank that read a failed queued flag
+    does) and calls nothing more; rank 1 calls a layer on each group, the C++ path on one and
+    the Python path on the other, and waits alone in the collective until SyncBN's timeout."""
+    from datetime import timedelta
+
+    from syncbn_lightning.distributed.groups import set_sync_timeout
+    from syncbn_lightning.nn.sync_plan import forward_function
+
+    set_sync_timeout(timedelta(seconds=3))
+    groups = {path: dist.new_group([0, 1], timeout=timedelta(seconds=3)) for path in ("cpp", "py")}
+    if rank == 0:
+        for group in groups.values():
+            group_abort.publish_mismatch(group.group_name, "layer 'mid' against 'tail'")
+        return {}
+    errors = {}
+    for path, group in groups.items():
+        layer = SyncBatchNorm(4, process_group=group)
+        started = time.monotonic()
+        try:
+            if path == "cpp":
+                layer(torch.randn(3, 4))
+            else:
+                forward_function(layer, torch.randn(3, 4), 2, None, None)
+        except call_order.CallOrderError as exc:
+            errors[path] = f"{time.monotonic() - started:.1f} s: {exc}"
+        else:
+            errors[path] = "no error"
+    return errors
+
+
+@pytest.mark.distributed
+def test_a_rank_left_alone_in_a_collective_ends_with_the_published_call_order_error() -> None:
+    """The rank that did not see the mismatch itself waits in a collective the other rank will
+    never join; when it fails (SyncBN's timeout here, 3 s; at once where an abort ends it), the
+    error is the CallOrderError the other rank published, on both paths, not the backend's."""
+    errors = run_distributed(_left_alone_rank, 2, timeout=90, pg_timeout_s=60)[1]
+    for path in ("cpp", "py"):
+        seconds, _, text = errors[path].partition(" s: ")
+        assert "found a call-order mismatch and ended the group" in text, (path, errors[path])
+        assert "global rank 0 found: layer 'mid' against 'tail'" in text, (path, text)
+        assert float(seconds) < 20, (path, seconds)

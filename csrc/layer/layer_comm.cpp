@@ -64,6 +64,14 @@ void report_failure(const at::Tensor& sent, const char* op, const std::exception
   }
 }
 
+// Another rank's published call-order mismatch (distributed/group_abort.py) is why a collective
+// failed: the rank that found it aborted its member of the group, or left. Its CallOrderError then
+// replaces the backend's error (Python asks the job's store: an error path only).
+void raise_if_published_for(const Settings& s) {
+  static const auto handoff = python_op("syncbn::raise_if_published_for");
+  call_python(handoff, {group_value(s.group)});
+}
+
 flight::Op op_code(bool gather) { return gather ? flight::kAllGather : flight::kAllReduce; }
 
 void record(const at::Tensor& tensor, const Settings& s, const Note& note, bool gather) {
@@ -87,6 +95,7 @@ at::Tensor all_gather(const at::Tensor& tensor, const Settings& s, const Note& n
     issue_and_wait([&] { return group->_allgather_base(gathered, input); });
   } catch (const std::exception& error) {
     report_failure(tensor, "all_gather", error);
+    raise_if_published_for(s);
     throw;
   }
   return gathered;
@@ -107,6 +116,7 @@ at::Tensor sum_over_group(
     issue_and_wait([&] { return group->allreduce(summed); });
   } catch (const std::exception& error) {
     report_failure(tensor, "all_reduce", error);
+    raise_if_published_for(s);
     throw;
   }
   return summed[0];
@@ -165,6 +175,7 @@ TORCH_LIBRARY_FRAGMENT(syncbn, m) {
       "queued_order_failed(int kind, Tensor data, Tensor aux, int width, str? group, "
       "int world_size, int layer_tag) -> ()");
   m.def("raise_if_published() -> ()");
+  m.def("raise_if_published_for(str? group) -> ()");
   m.def("collective_failed(Tensor sent, str op, str reason) -> ()");
   m.def("flight_open(Tensor like) -> ()");
   // The test switch of sum_over_group's rule: returns the previous limit.

@@ -40,7 +40,7 @@ import torch
 
 from .._shared import ORDER_FLAG_SLOTS
 from . import group_abort
-from .collectives import Group, group_ranks
+from .collectives import Group, group_ranks, on_failure
 from .order_errors import (
     CallOrderError,
     call_order_error,
@@ -60,6 +60,7 @@ __all__ = [
     "queue_order_check",
     "raise_if_out_of_order",
     "raise_if_published",
+    "raise_if_published_for",
     "register_queue",
     "report_queued_failure",
     "note_order_flag",
@@ -345,6 +346,20 @@ def _clear_queues() -> None:
         clear()
 
 
+def raise_if_published_for(group: str | None) -> None:
+    """After a collective of ``group`` failed: raise :class:`CallOrderError` with the mismatch
+    another rank published for it (asking the job's store at once, not waiting for the
+    watcher), the reason the collective failed; nothing if none (the caller re-raises the
+    collective's own error)."""
+    message = group_abort.published_for(group) if group is not None else None
+    if message is not None:
+        _clear_queues()
+        raise CallOrderError(
+            f"A SyncBatchNorm collective failed because another rank of its sync group found a "
+            f"call-order mismatch and ended the group: {message}"
+        )
+
+
 def raise_if_published() -> None:
     """Raise :class:`CallOrderError` with the mismatch another rank of one of this process's
     sync groups published (:mod:`.group_abort`), dropping every queued flag; nothing if none."""
@@ -355,3 +370,6 @@ def raise_if_published() -> None:
             f"Another rank of this rank's SyncBatchNorm sync group found a call-order mismatch "
             f"and ended the group: {message}"
         )
+
+
+on_failure(raise_if_published_for)  # the Python path's collectives (the C++ path asks itself)

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ __all__ = [
     "gather_rows",
     "gather_sums_up_to",
     "group_ranks",
+    "on_failure",
     "process_group",
     "report_collective_failure",
     "sum_over_group",
@@ -110,7 +111,7 @@ def all_gather(
         _run(process_group, process_group._allgather_base, (gathered, tensor, _GATHER_OPTIONS))
         return gathered
     except RuntimeError as exc:
-        _report(exc, "all_gather")
+        _report(exc, "all_gather", group)
         raise
 
 
@@ -134,7 +135,7 @@ def all_reduce(
         _run(process_group, process_group.allreduce, ([summed], _SUM_OPTIONS))
         return summed
     except RuntimeError as exc:
-        _report(exc, "all_reduce")
+        _report(exc, "all_reduce", group)
         raise
 
 
@@ -216,9 +217,27 @@ def _until_released(tensors: list[torch.Tensor], holders: list[int]) -> None:
                 time.sleep(_RELEASE_POLL_S)
 
 
-def _report(exc: RuntimeError, op: str) -> None:
+def _report(exc: RuntimeError, op: str, group: Group) -> None:
+    """Log a failed collective, then run the failure checks on its ``group`` (the call-order
+    check raises the CallOrderError another rank published, where that is why it failed); the
+    caller re-raises ``exc`` otherwise."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     report_collective_failure(op, first[:200])
+    if isinstance(group, str):
+        for check in _failure_checks:
+            check(group)
+
+
+#: Run with a failed collective's group before its error propagates (:func:`on_failure`).
+_failure_checks: list[Callable[[str], None]] = []
+
+
+def on_failure(check: Callable[[str], None]) -> None:
+    """Run ``check(group)`` when a collective of ``group`` fails, before its error propagates
+    (``check`` may raise an error that says why it failed: :mod:`.call_order` registers the
+    published mismatch's)."""
+    if check not in _failure_checks:
+        _failure_checks.append(check)
 
 
 def report_collective_failure(op: str, reason: str) -> None:

@@ -175,6 +175,21 @@ def published_message() -> str | None:
     return None
 
 
+def published_for(group: str) -> str | None:
+    """The mismatch another rank published for ``group``, asked of the job's store now (a
+    failed collective's error path: the watcher may not have looked yet); ``None`` when none
+    was, when this rank published it itself, or without a store."""
+    store, job = default_store(), current_job(create=False)
+    if store is None or job is None or group in job.published:
+        return None
+    try:
+        if store.check([_KEY + group]):
+            return bytes(store.get(_KEY + group)).decode()
+    except Exception as exc:  # the store is gone: the job is ending anyway
+        _log.debug("syncbn_lightning: could not ask for a published mismatch: %s", exc)
+    return None
+
+
 def on_signal(hook: Callable[[bool], None]) -> None:
     """Call ``hook(signalled())`` now and each time it changes (once per hook)."""
     if hook not in _signal_hooks:

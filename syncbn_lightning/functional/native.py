@@ -7,7 +7,7 @@ forward is one call from Python, and its backward is an autograd node in C++, wh
 only through the hand-off operators below. Which layer calls take it is the layer's plan's choice
 (:mod:`syncbn_lightning.nn.sync_plan`): eager CPU tensors with the extension's kernels.
 
-Python runs during such a call only through five operators whose schemas the extension
+Python runs during such a call only through six operators whose schemas the extension
 declares and whose kernels are registered here (:func:`register_python_kernels`):
 
 * ``syncbn::call_order_failed``: the ranks' call-order tags disagree; raises
@@ -21,7 +21,9 @@ declares and whose kernels are registered here (:func:`register_python_kernels`)
 * ``syncbn::raise_if_published``: another rank published a mismatch (the watcher said so through
   ``syncbn::order_signal``); raises its error before this rank joins another collective;
 * ``syncbn::collective_failed``: a collective raised; logs what the flight recorder knows, then
-  the C++ code rethrows the collective's own error;
+  ``syncbn::raise_if_published_for`` raises the CallOrderError another rank published for the
+  group, if one did (the reason the collective failed), else the C++ code rethrows the
+  collective's own error;
 * ``syncbn::flight_open``: the first collective of a job makes this process's flight recorder.
 
 The queued flags themselves never reach Python: they wait in the C++ path's order ring
@@ -43,6 +45,7 @@ from ..distributed import flight, group_abort
 from ..distributed.call_order import (
     raise_if_out_of_order,
     raise_if_published,
+    raise_if_published_for,
     register_queue,
     report_queued_failure,
 )
@@ -147,6 +150,7 @@ def register_python_kernels() -> None:
             ("call_order_failed", _call_order_failed),
             ("queued_order_failed", _queued_order_failed),
             ("raise_if_published", raise_if_published),
+            ("raise_if_published_for", raise_if_published_for),
             ("collective_failed", _collective_failed),
             ("flight_open", _flight_open),
         ):
