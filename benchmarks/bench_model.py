@@ -45,6 +45,7 @@ fast as torch_sync; with ``ours_native``: eager ours_native <= 1.3x plain and to
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -234,6 +235,7 @@ def _measure_interleaved(
         out[impl] = {
             "eager": statistics.median(medians),
             "eager_spread": (max(medians) - min(medians)) / statistics.median(medians),
+            "eager_rounds": medians,
         }
         if "graph" in args.modes and device.type == "cuda":
             out[impl].update(
@@ -312,6 +314,37 @@ def _report(args: argparse.Namespace, results: Results) -> None:
             goals.append(f"{verdict} {config} b{batch}: eager torch_sync/ours {ratio:.2f} (>= 1.0)")
     if goals:
         print("\n" + "\n".join(goals))
+    paired = paired_ratios(results, "ours_native", "ours")
+    for (config, batch), ratios in paired.items():
+        print(
+            f"\npaired rounds, eager ours_native/ours {config} b{batch}: median "
+            f"{statistics.median(ratios):.3f} of {len(ratios)} rounds "
+            f"({', '.join(f'{r:.3f}' for r in ratios)})"
+        )
+
+
+def paired_ratios(results: Results, name: str, base: str) -> dict[tuple[str, int], list[float]]:
+    """Per (config, batch): ``name``'s eager step over ``base``'s, round by round (the two
+    measured back to back in each interleaved round); only where both have rounds."""
+    out = {}
+    for (config, batch, impl), times in results.items():
+        other = results.get((config, batch, base), {})
+        if impl == name and "eager_rounds" in times and "eager_rounds" in other:
+            pairs = zip(times["eager_rounds"], other["eager_rounds"], strict=True)
+            out[(config, batch)] = [a / b for a, b in pairs]
+    return out
+
+
+def write_json(path: str, results: Results) -> None:
+    """The results as JSON (a list of rows: config, batch, impl and the mode's figures), with
+    the device line: what ``benchmarks/native_check.py`` reads."""
+    rows = [
+        {"config": config, "batch": batch, "impl": impl, **times}
+        for (config, batch, impl), times in results.items()
+    ]
+    device = _device_line(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    with open(path, "w") as out:
+        json.dump({"device": device, "rows": rows}, out, indent=1)
 
 
 def _spread(value: float | None) -> str:
@@ -334,6 +367,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=1, help="eager: interleaved rounds (models built once)"
     )
+    parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     cuda = not args.device.startswith("cpu")
     args.impls = args.impls or [i for i in IMPLS if cuda or i not in CUDA_ONLY]
@@ -369,6 +403,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for impl in args.impls:
                     results[(config, batch, impl)] = _measure(args, config, batch, impl)
     _report(args, results)
+    if args.json:
+        write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,15 @@
 # syncs with their Python stacks, traces and tables in $OUT/profile.tgz), sanitize (compute-
 # sanitizer over the non-slow tests of test_cuda.py, test_cuda_act.py, test_cuda_fused.py and
 # test_cuda_residual.py, the
-# two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"), native (CUDA layers
-# on the C++ path, SYNCBN_NATIVE_CUDA=1, in at most 8 minutes on one H100 or H200, the build's
-# ~35 s included: its tests, -m "gpu and not slow" over test_cuda_native.py (bitwise the Python
-# path, 0 host syncs per step on NCCL, graph replay equal to eager, a skipped layer found before
-# the step's last call, one compiled graph) and the layer's GPU test files again on that path
-# (GPU_NATIVE_FILES, default test_cuda.py and test_cuda_residual.py), within 150 s; the host
-# goal, bench_host.py --device cuda: unprofiled µs per layer step, plain BatchNorm / the floor
-# (plain BatchNorm + the same two collectives straight on the ProcessGroup) / ours / ours_native,
-# goal ours_native <= 1.1x the floor; profile_eager.py with ours_native (where the host time goes,
-# no verdict); bench_model.py ResNet-50 eager, medians of 5 interleaved rounds at bf16-cl b32 and
-# fp32 b64, plain / ours_native / ours / torch SyncBatchNorm, goals ours_native <= 1.3x plain and
-# torch_sync >= 2x ours_native (only the ours_native lines decide). The last line says whether
-# CUDA layers may take the C++ path by default). No step: only the build. Full outputs go to $OUT
-# (default ./gpu_out); the console gets tails.
+# two-rank spawn test left out; SANITIZE_TOOLS, default "memcheck racecheck"), native
+# (benchmarks/native_check.py: may CUDA layers take the C++ path by default? Its own build,
+# tests, speed and figures in at most 7 minutes, each step's result written under $OUT as it
+# ends, the verdict from those files; see that file's docstring). No step: only the build. Full
+# outputs go to $OUT (default ./gpu_out); the console gets tails.
 # Exits 1 naming the steps that failed (a test, a sanitizer finding, a benchmark that crashed).
-# The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0).
+# The extension is built first, for the GPU's architecture (TORCH_CUDA_ARCH_LIST, default 9.0),
+# with SYNCBN_REQUIRE_CUDA_BUILD=1: a build without its CUDA kernels ends the run at once, naming
+# why, instead of every GPU test failing on it.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -36,8 +29,18 @@ export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi -L; python -c "import torch; print(torch.__version__, torch.version.cuda)"; } 2>&1 |
   tee "$OUT/env.txt"
+if [ "$*" = native ]; then
+  # Its own build, within its deadline; NATIVE_CHECK_ARGS: a dry run's --canned and --timeout.
+  # shellcheck disable=SC2086
+  exec python benchmarks/native_check.py --out "$OUT" ${NATIVE_CHECK_ARGS:-}
+fi
 t0=$(date +%s)
-python -c "from syncbn_lightning.ops import build as b; print(b.load_extension())" >"$OUT/build.txt" 2>&1
+if ! SYNCBN_REQUIRE_CUDA_BUILD=1 python -c "from syncbn_lightning.ops import build as b; print(b.load_extension())" \
+  >"$OUT/build.txt" 2>&1; then
+  tail -5 "$OUT/build.txt"
+  echo "FAILED: build (outputs in $OUT): nothing else runs"
+  exit 1
+fi
 echo "build $(($(date +%s) - t0)) s" >>"$OUT/build.txt"
 tail -2 "$OUT/build.txt"
 failed=()
@@ -91,39 +94,8 @@ for step in "$@"; do
     done
     ;;
   native)
-    export SYNCBN_NATIVE_CUDA=1
-    # The budget (8 min at most, the build's ~35 s included): 150 s of tests, 45 s of host
-    # timings, 80 s of profile, 2 x 85 s of whole-network timings.
-    read -r -a files <<<"${GPU_NATIVE_FILES:-tests/test_cuda.py tests/test_cuda_residual.py}"
-    timeout 150 python -m pytest -q -p no:cacheprovider -m "gpu and not slow" \
-      tests/test_cuda_native.py "${files[@]}" >"$OUT/native_tests.txt" 2>&1 ||
-      failed+=("native tests")
-    tail -4 "$OUT/native_tests.txt"
-    timeout 45 python benchmarks/bench_host.py --device cuda --rounds 7 --steps 300 \
-      >"$OUT/native_host.md" 2>&1 || failed+=("native host")
-    tail -16 "$OUT/native_host.md"
-    grep -q "^PASS ours_native" "$OUT/native_host.md" || failed+=("native host goal")
-    timeout 80 python benchmarks/profile_eager.py --impls plain,ours,ours_native,torch_sync \
-      --out "$OUT/native_profile" >"$OUT/native_profile.md" 2>&1 || failed+=("native profile")
-    tar -czf "$OUT/native_profile.tgz" -C "$OUT" native_profile && rm -rf "$OUT/native_profile"
-    grep -v "^USDT\|profiler_st" "$OUT/native_profile.md" | tail -22
-    for cfg in "bf16-cl 32" "fp32-nchw 64"; do
-      read -r config batch <<<"$cfg"
-      timeout 85 python benchmarks/bench_model.py --configs "$config" --batch "$batch" \
-        --modes eager --rounds 5 --steps 10 --warmup 3 \
-        --impls plain,ours,ours_native,ours_native_fused,torch_sync \
-        >"$OUT/native_model_$config.md" 2>&1 || failed+=("native model $config")
-      tail -12 "$OUT/native_model_$config.md"
-      # Only the C++ path's goals decide (the Python path's lines are printed, not judged here).
-      ! grep -q "^FAIL .*ours_native" "$OUT/native_model_$config.md" ||
-        failed+=("native goals $config")
-    done
-    unset SYNCBN_NATIVE_CUDA
-    if [[ " ${failed[*]:-} " == *" native"* ]]; then
-      echo "native: NOT passed: CUDA layers keep the Python path by default"
-    else
-      echo "native: PASSED: CUDA layers may take the C++ path by default"
-    fi
+    # shellcheck disable=SC2086
+    python benchmarks/native_check.py --out "$OUT" ${NATIVE_CHECK_ARGS:-} || failed+=("native")
     ;;
   *)
     echo "unknown step $step (tests, layer, model, profile, sanitize, native)"

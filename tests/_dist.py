@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import _path_report
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -49,6 +50,7 @@ def _worker(
     pg_timeout_s: float,
 ) -> None:
     os.environ.update(env)
+    _path_report.install()  # (SYNCBN_PATH_REPORT only)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(

@@ -1,4 +1,6 @@
-"""Shared test configuration: GPU auto-skip, the session's flight folder, queued call-order flags.
+"""Shared test configuration: GPU auto-skip, the session's flight folder, queued call-order flags,
+and (with ``SYNCBN_PATH_REPORT``) the report of which path each test's layers took
+(``_path_report.py``).
 
 Every SyncBN flight record the suite writes (``distributed/flight.py``), in this process and in
 every process it starts, goes to one temporary folder made for the session
@@ -22,6 +24,9 @@ _session_flight_dir: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    import _path_report
+
+    _path_report.install()  # SYNCBN_PATH_REPORT only: which path each test's layers took
     folder = tempfile.mkdtemp(prefix="syncbn-flight-")
     _session_flight_dir.append(folder)
     os.environ[FLIGHT_DIR_ENV] = folder

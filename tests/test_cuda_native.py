@@ -15,7 +15,9 @@ Run by ``benchmarks/gpu_check.sh native`` (with the other GPU test files under
   algorithms inside a capture);
 * a rank that skips a layer is found before the step's last call, without a sync (2 gloo ranks
   sharing the GPU);
-* ``torch.compile(fullgraph=True)`` traces a converted model in one graph.
+* ``torch.compile(fullgraph=True)`` traces a converted model in one graph;
+* a user's mistakes, and a wrong call of the CUDA kernels, are Python exceptions (in a process
+  of its own: the GPU image's extension once crashed formatting a number).
 
 The one-rank NCCL group is made once per module (each group costs NCCL's setup); a test sets
 ``SYNCBN_NATIVE_CUDA`` itself, read when a layer makes its plan.
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -295,40 +299,90 @@ def test_a_skipped_layer_is_found_before_the_step_s_last_call() -> None:
         assert step >= 0 and (step, number) < last, (rank, step, number)
 
 
+_BAD_INPUTS = """
+import os, sys, torch, torch.distributed as dist
+dist.init_process_group("nccl", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from syncbn_lightning import SyncBatchNorm
+layer = SyncBatchNorm(4, force_sync=True).cuda()
+layer(torch.randn(2, 4, 3, device="cuda"))
+assert layer._sync_plan.native, "not on the C++ path"
+cases = [
+    (torch.randn(2, 3, 3, device="cuda"), ValueError, "3 channels"),
+    (torch.randint(0, 3, (2, 4, 3), device="cuda"), TypeError, "must be floating point"),
+    (torch.randn(2, 4, 3), ValueError, "model.to('cpu')"),
+    (torch.randn(1, 4, device="cuda"), ValueError, "more than 1 value per channel"),
+]
+for bad, kind, text in cases:
+    try:
+        layer(bad)
+    except kind as exc:
+        assert text in str(exc), str(exc)
+    else:
+        raise AssertionError(f"no {kind.__name__} for {text}")
+try:  # a check of the extension's own kernels, on CUDA tensors
+    torch.ops.syncbn.local_stats(torch.zeros(3, device="cuda"))
+except RuntimeError as exc:
+    assert "got 1-D input of shape [3]" in str(exc), str(exc)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_cpp_errors_are_python_errors_on_cuda(tmp_path) -> None:
+    """A user's mistakes on the C++ path of CUDA layers (wrong channels, dtype, device, one value
+    per channel) and a wrong call of the extension's CUDA kernels raise Python's exceptions with
+    their messages. Run in a process of its own: on an image whose extension links libstdc++
+    statically, formatting a number through an ostream crashes (the known defect); the crash
+    then fails this test alone, naming the signal."""
+    env = {**os.environ, "SYNCBN_NATIVE_CUDA": "1", "SYNCBN_IMPL": "ext"}
+    done = subprocess.run(
+        [sys.executable, "-c", _BAD_INPUTS, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (
+        f"exit {done.returncode} (a negative exit is a signal: -11 the crash)\n"
+        f"{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    )
+
+
 @pytest.mark.parametrize("native", ["0", "1"], ids=["python_path", "cpp_path"])
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
-def test_a_checkpoint_recompute_repeats_nothing_on_the_gpu(one_rank_nccl, native, exchange):
+def test_a_checkpoint_recompute_repeats_nothing_on_the_gpu(
+    one_rank_nccl, monkeypatch, native, exchange
+):
     """Activation checkpointing on CUDA (``nn/recompute.py``): 3 steps of a float32
     channels-last net, reentrant and non-reentrant, equal the unchecked steps (outputs bitwise,
     the same running statistics, gradients within 1e-5; cuDNN deterministic) and count each step
     once."""
     from _checkpoint_nets import forward, net
 
-    os.environ["SYNCBN_NATIVE_CUDA"] = native
-    try:
-        g = torch.Generator().manual_seed(3)
-        inputs = [torch.randn(4, 3, 6, 6, generator=g) for _ in range(3)]
+    # monkeypatch restores the variable as it was: gpu_check's SYNCBN_NATIVE_CUDA=1 stays for
+    # the tests after this one (popping it here once put them on the Python path).
+    monkeypatch.setenv("SYNCBN_NATIVE_CUDA", native)
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(4, 3, 6, 6, generator=g) for _ in range(3)]
 
-        def run(mode: str) -> list[torch.Tensor]:
-            model = net(exchange, force_sync=True).float().cuda()
-            model = model.to(memory_format=torch.channels_last)
-            got = []
-            for x in inputs:
-                x = x.cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
-                y = forward(model, x, mode)
-                (y * y).sum().backward()
-                got += [y.detach(), x.grad]
-            assert int(model[1].num_batches_tracked) == 3, mode
-            return got + [p.grad for p in model.parameters()] + list(model.buffers())
+    def run(mode: str) -> list[torch.Tensor]:
+        model = net(exchange, force_sync=True).float().cuda()
+        model = model.to(memory_format=torch.channels_last)
+        got = []
+        for x in inputs:
+            x = x.cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+            y = forward(model, x, mode)
+            (y * y).sum().backward()
+            got += [y.detach(), x.grad]
+        assert int(model[1].num_batches_tracked) == 3, mode
+        return got + [p.grad for p in model.parameters()] + list(model.buffers())
 
-        with torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False):
-            plain = run("plain")
-            checked_runs = {mode: run(mode) for mode in ("reentrant", "non_reentrant")}
-        for mode, checked in checked_runs.items():
-            for i, (a, b) in enumerate(zip(checked, plain, strict=True)):
-                if i < 6 and i % 2 == 0:  # the outputs
-                    assert torch.equal(a, b), (mode, i)
-                else:
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    finally:
-        os.environ.pop("SYNCBN_NATIVE_CUDA", None)
+    with torch.backends.cudnn.flags(enabled=True, deterministic=True, benchmark=False):
+        plain = run("plain")
+        checked_runs = {mode: run(mode) for mode in ("reentrant", "non_reentrant")}
+    for mode, checked in checked_runs.items():
+        for i, (a, b) in enumerate(zip(checked, plain, strict=True)):
+            if i < 6 and i % 2 == 0:  # the outputs
+                assert torch.equal(a, b), (mode, i)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
