@@ -54,6 +54,7 @@ def _steps(out: Path) -> dict[str, dict]:
     return {entry["step"]: entry for entry in map(json.loads, lines)}
 
 
+@pytest.mark.slow
 def test_a_build_without_cuda_kernels_fails_at_once_naming_why(tmp_path: Path) -> None:
     done = _check(tmp_path, None)
     out = tmp_path / "out"
@@ -109,6 +110,7 @@ def _canned(tmp: Path, **override: str) -> Path:
     return canned
 
 
+@pytest.mark.slow
 def test_a_pass_is_decided_by_correctness_and_speed_and_a_crashed_profile_only_reported(
     tmp_path: Path,
 ) -> None:
@@ -133,6 +135,7 @@ def test_a_pass_is_decided_by_correctness_and_speed_and_a_crashed_profile_only_r
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_timeout_a_slow_figure_and_a_file_off_the_path_each_fail_by_name(
     tmp_path: Path,
 ) -> None:

@@ -428,6 +428,7 @@ def _all_reduced_rank(rank: int, world: int, sizes: list[int], exchange: str) ->
     return {"reduced": reduced, "gathered": gathered["cpp"]}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
 def test_the_all_reduce_branch_of_cpu_groups_runs_under_the_test_switch(exchange: str) -> None:

@@ -322,6 +322,7 @@ def _left_alone_rank(rank: int, world: int) -> dict[str, str]:
     return errors
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_left_alone_in_a_collective_ends_with_the_published_call_order_error() -> None:
     """The rank that did not see the mismatch itself waits in a collective the other rank will
