@@ -109,3 +109,23 @@ def test_a_lightning_checkpoint_resumes_with_the_callback(tmp_path: Path) -> Non
         # 3 steps in the checkpoint (15 samples), 2 more of 3 + 2 samples each.
         assert got["callback_metrics"]["SyncBNCallback"]["bn/samples_seen"] == 25
         assert got["sync_layers"] == 2
+
+
+def test_a_whole_model_pickled_before_the_redesign_loads_and_runs() -> None:
+    """``tests/data/before_redesign/model.pt`` (made before the library was rebuilt around one
+    synchronized call): its layers keep their options and their last batch's record, and the
+    model computes what it computed then, in eval and in training mode, and trains on."""
+    saved = torch.load(DATA.parent / "before_redesign" / "model.pt", weights_only=False)
+    model = saved["model"]
+    bn, act = model[1], model.act
+    assert type(bn) is SyncBatchNorm and type(act) is SyncBatchNormAct
+    assert (bn.momentum, bn.exchange, bn.force_sync) == (0.2, "reduce", True)
+    record = bn.last_batch
+    assert record.local_samples == 5 and record.mean.shape == (4,) and int(record.count) == 180
+    model.eval()
+    torch.testing.assert_close(model(saved["input"]), saved["eval_output"], rtol=1e-6, atol=1e-6)
+    model.train()
+    out = model(saved["input"])
+    torch.testing.assert_close(out.detach(), saved["train_output"], rtol=1e-6, atol=1e-6)
+    out.square().mean().backward()
+    assert bn.weight.grad is not None and int(bn.num_batches_tracked) == 3
