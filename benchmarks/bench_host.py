@@ -50,6 +50,7 @@ from syncbn_lightning import SyncBatchNorm
 from syncbn_lightning._shared import GRAD_HEADER
 from syncbn_lightning.distributed import flight
 from syncbn_lightning.distributed.collectives import sums_gathered
+from syncbn_lightning.distributed.flight import recorder as flight_recorder
 from syncbn_lightning.ops.reference_steps import row_width
 
 SHAPE = (2, 8, 4, 4)
@@ -298,7 +299,7 @@ def flight_cost(rounds: int, steps: int) -> dict[str, float]:
     costs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for where, path in (("memory", None), ("file", f"{tmp}/flight_rank0.bin")):
-            flight._recorder = flight.FlightRecorder(path=path)
+            flight_recorder._recorder = flight.FlightRecorder(path=path)
 
             def one() -> None:
                 call = flight.next_call(7)

@@ -28,7 +28,7 @@ from syncbn_lightning.distributed.flight import (
     read_flight_file,
     read_layer_names,
 )
-from syncbn_lightning.distributed.flight_report import describe_flight, first_divergence
+from syncbn_lightning.distributed.flight.report import describe_flight, first_divergence
 
 
 def _record(rec: FlightRecorder, layer: int, call: int, direction: int = FORWARD) -> None:
@@ -134,7 +134,7 @@ def test_syncbn_flight_prints_the_divergence_and_exits_1(tmp_path: Path) -> None
         [
             sys.executable,
             "-c",
-            "from syncbn_lightning.distributed.flight_report import main; "
+            "from syncbn_lightning.distributed.flight.report import main; "
             f"raise SystemExit(main([{str(tmp_path)!r}]))",
         ],
         capture_output=True,
@@ -152,7 +152,7 @@ def _killed_peer_worker(rank: int, world: int, directory: str, report: str) -> s
     """Rank 1 is SIGKILLed before its 4th layer call; rank 0's next collective fails at once and
     its report (every rank's file, read after the kill) names where each rank stopped."""
     handler = logging.FileHandler(report)
-    logging.getLogger("syncbn_lightning.distributed.flight_report").addHandler(handler)
+    logging.getLogger("syncbn_lightning.distributed.flight.report").addHandler(handler)
     net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3)))
     for step in range(3):
         if rank == 1 and step == 2:

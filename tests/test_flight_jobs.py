@@ -27,9 +27,11 @@ from _dist import run_distributed
 from _lightning import BNNet, trainer
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
-from syncbn_lightning.distributed import flight, flight_writer
-from syncbn_lightning.distributed.flight_file import HEADER, jobs_in, read_flight_dir
-from syncbn_lightning.distributed.flight_folder import in_use, node_folder, prune_jobs
+from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight_recorder
+from syncbn_lightning.distributed.flight import writer as flight_writer
+from syncbn_lightning.distributed.flight.file import HEADER, jobs_in, read_flight_dir
+from syncbn_lightning.distributed.flight.folder import in_use, node_folder, prune_jobs
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +117,7 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
     monkeypatch.setattr(flight_writer.os, "posix_fallocate", full)
     monkeypatch.setattr(flight_writer, "_warned", set())
     flight.set_flight_dir(tmp_path / "records")
-    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+    with caplog.at_level(logging.WARNING, logger=flight_recorder.log.name):
         for name in ("a", "b"):
             _job(tmp_path, name)
     recorder = flight.current_recorder()
@@ -135,7 +137,7 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
             raise OSError(30, "Read-only file system")
 
         monkeypatch.setattr("builtins.open", no_names)
-        with caplog.at_level(logging.WARNING, logger=flight.log.name):
+        with caplog.at_level(logging.WARNING, logger=flight_recorder.log.name):
             # New names (a name this process registered before is not written again).
             for name in ("unwritable_first", "unwritable_second"):
                 model = torch.nn.ModuleDict({name: torch.nn.BatchNorm1d(3)})
@@ -153,7 +155,7 @@ def test_syncbn_flight_reads_a_folder_without_torch_in_under_a_second(tmp_path: 
     code = (
         "import sys, time\n"
         "start = time.perf_counter()\n"
-        "from syncbn_lightning.distributed.flight_report import main\n"
+        "from syncbn_lightning.distributed.flight.report import main\n"
         "code = main([sys.argv[1]])\n"
         "print('torch' in sys.modules, round(time.perf_counter() - start, 3), code)\n"
     )
@@ -236,7 +238,7 @@ def test_a_folder_keeps_the_last_jobs_and_removes_older_ones_when_a_job_opens(
     finally:
         flight.set_flight_dir(None, keep_jobs=flight.DEFAULT_KEEP_JOBS)
     assert flight.flight_keep_jobs() == flight.DEFAULT_KEEP_JOBS == 10
-    monkeypatch.setattr(flight, "_keep_jobs", None)
+    monkeypatch.setattr(flight_recorder, "_keep_jobs", None)
     monkeypatch.setenv(flight.KEEP_JOBS_ENV, "1")
     assert flight.flight_keep_jobs() == 1
     flight.set_flight_dir(folder)
@@ -291,7 +293,7 @@ def test_running_out_of_file_names_warns_once_and_records_in_memory(
     monkeypatch.setattr(os, "open", taken)
     monkeypatch.setattr(flight_writer, "_warned", set())
     flight.set_flight_dir(tmp_path / "records")
-    with caplog.at_level(logging.WARNING, logger=flight.log.name):
+    with caplog.at_level(logging.WARNING, logger=flight_recorder.log.name):
         for name in ("a", "b"):
             _job(tmp_path, name)
     assert flight.current_recorder().path is None
@@ -302,7 +304,8 @@ def test_running_out_of_file_names_warns_once_and_records_in_memory(
 def test_syncbn_flight_and_the_failure_report_read_only_the_job_they_report(
     tmp_path: Path, monkeypatch
 ) -> None:
-    from syncbn_lightning.distributed import flight_file, flight_report
+    from syncbn_lightning.distributed.flight import file as flight_file
+    from syncbn_lightning.distributed.flight import report as flight_report
 
     folder = tmp_path / "records"
     flight.set_flight_dir(folder)
@@ -352,7 +355,7 @@ def _dead_pid() -> int:
 def test_without_flock_a_file_whose_writer_lives_is_kept(tmp_path: Path, monkeypatch, lock) -> None:
     """Where flock cannot be asked (Lustre without -o flock, some NFS), a ring file counts as in
     use while the process its header names lives: a live job's file stays, a dead one's goes."""
-    from syncbn_lightning.distributed import flight_folder
+    from syncbn_lightning.distributed.flight import folder as flight_folder
 
     folder = tmp_path / "node"
     folder.mkdir()

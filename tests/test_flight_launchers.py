@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_faults import QUICK, ROOT, _env
 
-from syncbn_lightning.distributed.flight_file import jobs_in, read_flight_dir
+from syncbn_lightning.distributed.flight.file import jobs_in, read_flight_dir
 
 
 @pytest.mark.distributed

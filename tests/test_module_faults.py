@@ -15,7 +15,7 @@ from torch import nn
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, convert_sync_batchnorm
 from syncbn_lightning.distributed.flight import read_flight_dir, read_layer_names
-from syncbn_lightning.distributed.flight_report import describe_flight
+from syncbn_lightning.distributed.flight.report import describe_flight
 
 
 def _order_worker(rank: int, world: int, plan: dict[int, list[str]], channels: int) -> str:
@@ -129,7 +129,7 @@ def _unused_branch_worker(rank: int, world: int, channels: int, report: str) -> 
     import logging
 
     handler = logging.FileHandler(report)
-    logging.getLogger("syncbn_lightning.distributed.flight_report").addHandler(handler)
+    logging.getLogger("syncbn_lightning.distributed.flight.report").addHandler(handler)
     torch.manual_seed(0)
     net = convert_sync_batchnorm(_AuxNet(channels))
     out, aux = net(torch.randn(2, 3, 4, 4))

@@ -20,7 +20,7 @@ import torch
 
 import syncbn_lightning
 from syncbn_lightning import _shared
-from syncbn_lightning.distributed import flight_file
+from syncbn_lightning.distributed.flight import file as flight_file
 from syncbn_lightning.ops.build import ExtensionBuildError, check_shared_header
 from syncbn_lightning.ops.reference import acc_dtype
 

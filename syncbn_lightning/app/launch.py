@@ -358,7 +358,7 @@ class RankLauncher:
 def _report_flight(reason: str, directory: Path) -> None:
     """Log where the ranks' SyncBN collectives parted, from their flight records in ``directory``
     (once per process: a rank's own failure may have logged it already)."""
-    from syncbn_lightning.distributed import flight_report
+    from syncbn_lightning.distributed.flight import report as flight_report
 
     with contextlib.suppress(Exception):  # a report must never hide the failure itself
         flight_report.report_directory(reason, directory)

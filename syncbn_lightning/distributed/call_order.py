@@ -41,10 +41,10 @@ import torch
 from .._shared import ORDER_FLAG_SLOTS
 from . import group_abort
 from .collectives import Group, group_ranks, on_failure
+from .flight import layer_text
 from .order_errors import (
     CallOrderError,
     call_order_error,
-    layer_text,
     raise_if_out_of_order,
     register_layer_name,
 )
@@ -53,7 +53,6 @@ __all__ = [
     "CallOrderError",
     "call_order_error",
     "check_call_order",
-    "layer_text",
     "layers_with_status",
     "mark_status_used",
     "poll_order_checks",

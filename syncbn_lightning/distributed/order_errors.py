@@ -9,11 +9,11 @@ import torch
 
 from . import flight
 from .collectives import Group, group_ranks
+from .flight import layer_text
 
 __all__ = [
     "CallOrderError",
     "call_order_error",
-    "layer_text",
     "raise_if_out_of_order",
     "register_layer_name",
 ]
@@ -44,11 +44,6 @@ def register_layer_name(tag: int, name: str) -> None:
     """Remember that layer tag ``tag`` is the layer called ``name`` (for error messages and the
     flight records, which keep the names beside the tags)."""
     flight.register_layer_name(tag, name)
-
-
-def layer_text(tag: float) -> str:
-    """The name of the layer whose tag is ``tag``, quoted, for messages."""
-    return flight.layer_text(tag)
 
 
 def call_order_error(what: str, ranks: list[int], backward: bool = False) -> CallOrderError:

@@ -32,12 +32,12 @@ import torch
 from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
-    layer_text,
     note_order_flag,
     queue_order_check,
     raise_if_out_of_order,
 )
 from ..distributed.collectives import Group, all_gather, group_ranks
+from ..distributed.flight import layer_text
 from ..ops import reference_steps
 from ..ops.reference import CALL_ORDER_MARK, queues_order_flag
 from ..ops.reference_steps import GRAD_HEADER, header_tags

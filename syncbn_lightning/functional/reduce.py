@@ -47,12 +47,12 @@ from .._shared import SHIFT_MARK
 from ..distributed import flight
 from ..distributed.call_order import (
     call_order_error,
-    layer_text,
     note_order_flag,
     queue_order_check,
     raise_if_out_of_order,
 )
 from ..distributed.collectives import Group, all_gather, group_ranks
+from ..distributed.flight import layer_text
 from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
 from ..ops.reference_steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from .flight_file import FlightRecord, jobs_in, read_flight_dir, read_layer_names
+from .file import FlightRecord, jobs_in, read_flight_dir, read_layer_names
 
 __all__ = [
     "Divergence",

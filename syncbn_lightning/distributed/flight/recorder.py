@@ -1,53 +1,32 @@
-"""The flight recorder: every rank's last SyncBN collectives, for the error that names where the
-ranks' sequences parted.
-
-Collectives pair up by their order in a process group. When a job hangs or fails in one, the
-question is which call each rank was in, and the first one at which the ranks did different
-things. Every collective of a synchronized layer (forward exchange, backward sums, and the
-error-path gather of the call-order check) is recorded *before* it is issued: the group and its
-sequence number in that group, the op, the direction, the bytes, the layer tag and the layer's
-call number. Recording is one fixed-size write into a ring buffer of :data:`DEFAULT_CAPACITY`
-records (from C++ on the layer's C++ path, ``csrc/layer/flight.cpp``; its cost is in
-``benchmarks/bench_host.py``). Nothing is recorded while ``torch.compile`` traces or a CUDA
-graph replays.
-
-**A recorder belongs to a job** (:class:`~.job.SyncJob`, one default process group): the job's
-recorder is made on its first collective and closed when the job ends. Its ring is plain memory, or,
-when a flight directory is set (:func:`set_flight_dir`, or the ``SYNCBN_FLIGHT_DIR`` environment
-variable; :class:`~syncbn_lightning.SyncBNCallback` sets the trainer's log folder, the training
-service its run folder), a memory-mapped file in it (the kernel keeps its pages when the process is
-killed, and any process can read every rank's file while the job hangs), laid out as
-:mod:`.flight_file` says (one new file per rank and job, its blocks allocated up front); opening it
-removes the files of all but the last :func:`flight_keep_jobs` jobs in the folder, never a running
-job's. When the file or the names cannot be written, one warning says so and the ring stays in
-memory: recording never raises. :func:`report_failure` logs where the ranks' records parted.
-"""
+"""Which recorder a SyncBN job writes, and where, and what it records: the API of the flight
+recorder, which :mod:`syncbn_lightning.distributed.flight` re-exports (see it for what is
+recorded, when, and where the files go)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import flight_report
-from .flight_file import (
+from ..job import SyncJob, current_job, on_job_end, store_job_id
+from . import report
+from .file import (
     BACKWARD,
     CHECK,
     FORWARD,
     OP_CODES,
     FlightRecord,
+    layer_names,
+    layer_text,
     read_flight_dir,
     read_flight_file,
     read_layer_names,
 )
-from .flight_folder import node_folder, prune_jobs
-from .flight_writer import DEFAULT_CAPACITY, FlightRecorder, warn_once
-from .flight_writer import layer_names as _layer_names
-from .job import SyncJob, current_job, on_job_end, store_job_id
+from .folder import node_folder, prune_jobs
+from .writer import DEFAULT_CAPACITY, FlightRecorder, warn_once
 
 __all__ = [
     "BACKWARD",
@@ -66,6 +45,7 @@ __all__ = [
     "flight_keep_jobs",
     "flight_recorder",
     "job_id",
+    "layer_names",
     "layer_text",
     "next_call",
     "read_flight_dir",
@@ -90,18 +70,12 @@ KEEP_JOBS_ENV = "SYNCBN_FLIGHT_KEEP_JOBS"
 def register_layer_name(tag: int, name: str) -> None:
     """Remember that layer tag ``tag`` is the layer called ``name`` (in this process and in the
     recorder's names file)."""
-    if _layer_names.get(tag) == name:
+    if layer_names.get(tag) == name:
         return
-    _layer_names[tag] = name
+    layer_names[tag] = name
     recorder = _live_recorder()
     if recorder is not None:
         recorder.write_names({tag: name})
-
-
-def layer_text(tag: float, names: Mapping[int, str] | None = None) -> str:
-    """The name of the layer whose tag is ``tag``, quoted, from ``names`` or this process's."""
-    name = (names or {}).get(int(tag)) or _layer_names.get(int(tag))
-    return repr(name or f"<SyncBatchNorm tag {int(tag)}>")
 
 
 # --------------------------------------------------- The process's recorder, and where it writes
@@ -233,14 +207,14 @@ def reset_flight_recorder() -> None:
     for recorder in recorders:
         if recorder is not None:
             recorder.close()  # type: ignore[union-attr]
-    flight_report.reset_report()
+    report.reset_report()
 
 
 def _job_ended(job: SyncJob, had_signal: bool) -> None:
     global _last_job_recorder
     if job.recorder is not None:  # closed by the job: kept for reading until the next job's
         _last_job_recorder = job.recorder  # type: ignore[assignment]
-    flight_report.reset_report()  # the next job reports its own failure
+    report.reset_report()  # the next job reports its own failure
 
 
 on_job_end(_job_ended)
@@ -279,7 +253,7 @@ def report_failure(reason: str, directory: str | os.PathLike[str] | None = None)
     directory = directory or flight_dir()
     job = own.job if own is not None else None
     by_rank = read_flight_dir(directory, job) if directory else {}
-    names = {**_layer_names, **(read_layer_names(directory, job) if directory else {})}
+    names = {**layer_names, **(read_layer_names(directory, job) if directory else {})}
     if own is not None and own.rank not in by_rank:
         by_rank[own.rank] = own.records()
-    return flight_report.report_once(reason, by_rank, names, directory)
+    return report.report_once(reason, by_rank, names, directory)

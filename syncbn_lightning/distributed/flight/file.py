@@ -1,7 +1,7 @@
 """The flight recorder's files: their layout, and reading them (no torch: ``syncbn-flight`` reads a
 job's records in a fraction of a second, in a process that never imports torch). The writer is
-:mod:`.flight_writer`; a folder's housekeeping (which node's folder, pruning old jobs) is
-:mod:`.flight_folder`.
+:mod:`.writer`; a folder's housekeeping (which node's folder, pruning old jobs) is
+:mod:`.folder`.
 
 A flight directory holds one folder per node (``node<N>``) and in it, per rank and job, a ring
 file ``flight_<job>_rank<R>.bin`` (a header and fixed-size little-endian records, written by
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from .._shared import (
+from ..._shared import (
     FLIGHT_DIRECTIONS,
     FLIGHT_HEADER_FORMAT,
     FLIGHT_HEADER_SIZE,
@@ -39,6 +39,8 @@ __all__ = [
     "decode",
     "job_files",
     "jobs_in",
+    "layer_names",
+    "layer_text",
     "names_path",
     "read_flight_dir",
     "read_flight_file",
@@ -59,9 +61,17 @@ HEADER_SIZE = FLIGHT_HEADER_SIZE
 RECORD = struct.Struct(FLIGHT_RECORD_FORMAT)
 
 
-def layer_text(tag: float, names: Mapping[int, str]) -> str:
-    """The layer whose tag is ``tag``, quoted, named from ``names`` (tag -> name)."""
-    return repr(names.get(int(tag)) or f"<SyncBatchNorm tag {int(tag)}>")
+#: Tag -> qualified name of every layer this process named (the converter names them, through
+#: :func:`~syncbn_lightning.distributed.flight.register_layer_name`); a file-backed recorder writes
+#: them beside its records, for readers in other processes.
+layer_names: dict[int, str] = {}
+
+
+def layer_text(tag: float, names: Mapping[int, str] | None = None) -> str:
+    """The layer whose tag is ``tag``, quoted, for messages and reports: named from ``names``
+    (tag -> name, e.g. a flight folder's), else from this process's :data:`layer_names`."""
+    name = (names if names is not None else layer_names).get(int(tag))
+    return repr(name or f"<SyncBatchNorm tag {int(tag)}>")
 
 
 class FlightRecord(NamedTuple):

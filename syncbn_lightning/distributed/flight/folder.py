@@ -19,7 +19,7 @@ try:
 except ImportError:  # Windows: a running job's files are told by their header's pid alone
     fcntl = None  # type: ignore[assignment]
 
-from .flight_file import HEADER, MAGIC, job_files, jobs_in, names_path
+from .file import HEADER, MAGIC, job_files, jobs_in, names_path
 
 __all__ = ["in_use", "node_folder", "prune_jobs"]
 

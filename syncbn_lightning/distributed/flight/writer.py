@@ -1,5 +1,5 @@
 """The flight recorder's writer: a ring of fixed-size records in memory or in a memory-mapped
-file, laid out as :mod:`.flight_file` says, written from Python or handed to the C++ writer
+file, laid out as :mod:`.file` says, written from Python or handed to the C++ writer
 (``csrc/layer/flight.cpp``). Which recorder a job writes to, and where, is :mod:`.flight`'s."""
 
 from __future__ import annotations
@@ -20,28 +20,25 @@ try:
 except ImportError:  # Windows: pruning tells a running job's files by their header's pid alone
     fcntl = None  # type: ignore[assignment]
 
-from .._shared import FLIGHT_WRITTEN_OFFSET
-from .flight_file import (
+from ..._shared import FLIGHT_WRITTEN_OFFSET
+from .file import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
     RECORD,
     FlightRecord,
     decode,
+    layer_names,
     names_path,
 )
 
-__all__ = ["DEFAULT_CAPACITY", "FlightRecorder", "layer_names", "map_new_file", "warn_once"]
+__all__ = ["DEFAULT_CAPACITY", "FlightRecorder", "map_new_file", "warn_once"]
 
 log = logging.getLogger("syncbn_lightning.distributed.flight")
 
 #: Records each rank keeps (the oldest are overwritten).
 DEFAULT_CAPACITY = 256
 _warned: set[str] = set()
-#: Layer tag -> qualified name of every layer this process named (the converter names them,
-#: through :func:`.flight.register_layer_name`); a file-backed recorder writes them beside its
-#: records, for readers in other processes.
-layer_names: dict[int, str] = {}
 
 
 def warn_once(key: str, message: str, *args: Any) -> None:
@@ -55,7 +52,7 @@ def map_new_file(path: Path, size: int) -> mmap.mmap:
     """A new file at ``path`` (exclusively: never another recorder's) with ``size`` bytes of
     allocated blocks, mapped; on any failure the file is removed and the error raised (the file
     descriptor is closed either way: the map holds its own). The file is share-locked
-    (``flock``) while the map lives, so that :func:`~.flight_folder.prune_jobs` in another
+    (``flock``) while the map lives, so that :func:`~.folder.prune_jobs` in another
     process never removes a running job's file."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
