@@ -37,7 +37,7 @@ from _common import cpu_model, csv_list, init_affine
 from syncbn_lightning import SyncBatchNorm
 from syncbn_lightning.distributed.collectives import GATHER_SUM_MAX_RANKS
 from syncbn_lightning.functional.reduce import reduce_payload_numel
-from syncbn_lightning.ops.reference_steps import row_width
+from syncbn_lightning.ops.reference.steps import row_width
 
 EXCHANGES = ("gather", "reduce")
 

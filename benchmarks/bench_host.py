@@ -51,7 +51,7 @@ from syncbn_lightning._shared import GRAD_HEADER
 from syncbn_lightning.distributed import flight
 from syncbn_lightning.distributed.collectives import sums_gathered
 from syncbn_lightning.distributed.flight import recorder as flight_recorder
-from syncbn_lightning.ops.reference_steps import row_width
+from syncbn_lightning.ops.reference.steps import row_width
 
 SHAPE = (2, 8, 4, 4)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from syncbn_lightning.distributed import group_abort
+from syncbn_lightning.distributed.call_order import watcher as group_abort
 
 _OLD_POLL_S = 0.2  # group_abort.POLL_S at fcb894c
 

@@ -6,7 +6,7 @@ gathered (concatenated, as the all-gather would) or summed (as the all-reduce wo
 ``exchange="reduce_gathered"``, the merge summing them), each rank's
 merge (``merge_normalize`` or ``reduce_merge_normalize``) with its own copy of the running
 statistics, ``grad_sums``, the sums of all ranks, ``grad_input``. The implementations
-(``torch.ops.syncbn``, :mod:`syncbn_lightning.ops.reference_steps`, the CUDA kernels under
+(``torch.ops.syncbn``, :mod:`syncbn_lightning.ops.reference.steps`, the CUDA kernels under
 emulation) are compared on its results by ``tests/test_ops.py`` and
 ``tests/test_cuda_emu_fused.py``.
 """

@@ -43,8 +43,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def queued_flags() -> Iterator[None]:
     """CPU calls leave their call-order flags for later, as CUDA calls do (the device path's
     logic on CPU tensors); the queue is emptied after the test."""
-    from syncbn_lightning.distributed import call_order
-    from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+    from syncbn_lightning.distributed.call_order import checks as call_order
+    from syncbn_lightning.distributed.call_order.policy import set_queue_order_flags_on_cpu
 
     set_queue_order_flags_on_cpu(True)
     try:

@@ -227,8 +227,8 @@ def test_a_recompute_that_calls_other_layers_raises_on_every_rank() -> None:
 def test_renormalize_is_the_merges_output_bitwise(impl: str, exchange: str) -> None:
     """The recompute's normalize, from the statistics a merge returned, is the merge's output
     bit for bit (float32 channels-last with a fused residual and SiLU; both exchanges)."""
-    from syncbn_lightning.ops import reference_steps
     from syncbn_lightning.ops.build import load_extension
+    from syncbn_lightning.ops.reference import steps as reference_steps
 
     if impl == "ext":
         load_extension()

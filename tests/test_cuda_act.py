@@ -17,8 +17,8 @@ from torch import nn
 
 from syncbn_lightning import SyncBatchNormAct
 from syncbn_lightning.ops import build as ops_build
-from syncbn_lightning.ops import reference_steps
 from syncbn_lightning.ops.activations import by_name
+from syncbn_lightning.ops.reference import steps as reference_steps
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ from cuda_emu.build import load_emulator
 
 from syncbn_lightning.ops.activations import ACTIVATIONS
 from syncbn_lightning.ops.build import load_extension
-from syncbn_lightning.ops.reference_steps import GRAD_HEADER, row_width
+from syncbn_lightning.ops.reference.steps import GRAD_HEADER, row_width
 
 # Needs the emulation build (minutes on 2 cores): outside the fast check.
 pytestmark = [pytest.mark.cuda_emu, pytest.mark.slow]

@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from syncbn_lightning import SyncBatchNorm, SyncBatchNormAct
 from syncbn_lightning.distributed.collectives import GATHER_SUM_MAX_RANKS
 from syncbn_lightning.functional.reduce import reduce_payload_numel
-from syncbn_lightning.ops.reference_backward import GRAD_HEADER
-from syncbn_lightning.ops.reference_steps import row_width
+from syncbn_lightning.ops.reference.backward import GRAD_HEADER
+from syncbn_lightning.ops.reference.steps import row_width
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # processes: outside the fast check
 # The layers run the reference twins of the fused steps (the same collectives and payloads as the

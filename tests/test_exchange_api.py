@@ -168,7 +168,7 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(mismatc
     mismatch the running means."""
     from syncbn_lightning.distributed.call_order import queue_order_check, register_layer_name
     from syncbn_lightning.functional.reduce import _report_mismatch
-    from syncbn_lightning.ops import reference_steps
+    from syncbn_lightning.ops.reference import steps as reference_steps
 
     register_layer_name(77, "trunk.bn7")
     x, shift = torch.randn(2, 3, 4), torch.zeros(3)

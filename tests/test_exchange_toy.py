@@ -32,7 +32,8 @@ from syncbn_lightning.functional import (
     exchange_names,
     register_exchange,
 )
-from syncbn_lightning.ops import reference, reference_steps
+from syncbn_lightning.ops import reference
+from syncbn_lightning.ops.reference import steps as reference_steps
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from syncbn_lightning import CallOrderError, convert_sync_batchnorm
 from syncbn_lightning._shared import CALL_ORDER_MARK
-from syncbn_lightning.nn.layer_state import name_tag
+from syncbn_lightning.distributed.call_order.tags import name_tag
 
 # Two names whose tags collide (found by search; crc32 modulo 2^24).
 FIRST, SECOND = "h324079092367", "b547068720973"

@@ -25,11 +25,12 @@ import torch.distributed as dist
 from _package_calls import PLAN_CALLS, package_calls
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
-from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.call_order import checks as call_order
+from syncbn_lightning.distributed.call_order import watcher as group_abort
 from syncbn_lightning.distributed.job import current_job
 from syncbn_lightning.functional import native
 from syncbn_lightning.nn import sync_plan
-from syncbn_lightning.ops.reference_steps import ROW_HEADER
+from syncbn_lightning.ops.reference.steps import ROW_HEADER
 
 
 @pytest.fixture
@@ -167,9 +168,9 @@ def test_a_stale_signal_is_cleared_by_the_first_check(one_rank, queued_flags) ->
     layer(torch.randn(3, 4, 5))
     group_abort._set_signalled(True)
     first = package_calls(lambda: layer(torch.randn(3, 4, 5)))
-    assert "call_order.py:raise_if_published" in first and not group_abort.signalled()
+    assert "checks.py:raise_if_published" in first and not group_abort.signalled()
     later = package_calls(lambda: layer(torch.randn(3, 4, 5)))
-    assert "call_order.py:raise_if_published" not in later
+    assert "checks.py:raise_if_published" not in later
 
 
 def test_a_full_ring_is_drained_before_the_next_flag(queued_flags) -> None:

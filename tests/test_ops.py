@@ -1,5 +1,5 @@
 """The ``syncbn::`` operators (CPU kernels) against their pure-PyTorch twins
-(``syncbn_lightning.ops.reference_steps``), for both exchanges.
+(``syncbn_lightning.ops.reference.steps``), for both exchanges.
 
 Each case plays W ranks in one process (``tests/_fused_cases.py``): uneven and empty batches,
 channels-first and channels-last, every input dtype, running statistics in float32, float16 or
@@ -22,10 +22,10 @@ from _fused_cases import (
     run_fused,
 )
 
-from syncbn_lightning.ops import reference_steps as reference
 from syncbn_lightning.ops.activations import ACTIVATIONS
 from syncbn_lightning.ops.build import load_extension
 from syncbn_lightning.ops.dispatch import uses_extension
+from syncbn_lightning.ops.reference import steps as reference
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 # Every fused activation, leaky_relu with a slope of its own.

@@ -24,9 +24,10 @@ from _dist import run_distributed
 from torch import nn
 
 from syncbn_lightning import CallOrderError, check_call_order, convert_sync_batchnorm
-from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.call_order import checks as call_order
+from syncbn_lightning.distributed.call_order import watcher as group_abort
+from syncbn_lightning.distributed.call_order.policy import set_queue_order_flags_on_cpu
 from syncbn_lightning.distributed.job import current_job
-from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
 
 _REFERENCE = {"SYNCBN_IMPL": "reference"}  # the C++ CPU kernels always check at once
 
@@ -347,7 +348,7 @@ def worker(rank, port, delay):
     os.environ["SYNCBN_IMPL"] = "reference"
     torch.set_num_threads(1)
     from syncbn_lightning import check_call_order, convert_sync_batchnorm
-    from syncbn_lightning.ops.reference import set_queue_order_flags_on_cpu
+    from syncbn_lightning.distributed.call_order.policy import set_queue_order_flags_on_cpu
     set_queue_order_flags_on_cpu(True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=60))

@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from syncbn_lightning.nn.residual import FUSED_FROM
-from syncbn_lightning.ops import reference_steps as reference
 from syncbn_lightning.ops.activations import ACTIVATIONS
 from syncbn_lightning.ops.build import load_extension
+from syncbn_lightning.ops.reference import steps as reference
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 FUSABLE = {a.name: a for a in ACTIVATIONS}

@@ -32,7 +32,8 @@ from syncbn_lightning import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
-from syncbn_lightning.distributed import call_order, group_abort
+from syncbn_lightning.distributed.call_order import checks as call_order
+from syncbn_lightning.distributed.call_order import watcher as group_abort
 from syncbn_lightning.distributed.job import current_job
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import group_abort
+from .call_order import watcher
 from .collectives import backend_for_device
 from .collectives import process_group as group_named
 from .group_sizes import (
@@ -175,7 +175,7 @@ def sync_world_group() -> dist.ProcessGroup:
 
 
 def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
-    """Have the job's call-order watcher (:mod:`.group_abort`) watch the group a layer with
+    """Have the job's call-order watcher (:mod:`.call_order.watcher`) watch the group a layer with
     ``process_group`` synchronizes through, in a running job (a group of the caller's, or the
     world's twin once made: this never makes a group), where its calls may queue their flags:
     the group carries device tensors (:func:`carries_device_tensors`), or ``cpu_queues`` (CPU
@@ -184,7 +184,7 @@ def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
     too."""
     name = made_group_name(process_group)
     if name is not None and (cpu_queues or carries_device_tensors(name)):
-        group_abort.watch_group(name)
+        watcher.watch_group(name)
 
 
 def carries_device_tensors(group: Any) -> bool:

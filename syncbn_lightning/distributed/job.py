@@ -5,14 +5,14 @@ A job is the life of one torch default process group (``init_process_group`` to
 ``destroy_process_group``). :func:`current_job` makes its :class:`SyncJob` when SyncBN first needs
 it (its first group, a conversion, a synchronized call, the flight recorder) and ends it when the
 default group it was made in is no longer torch's: at the next use after ``destroy_process_group``,
-within :data:`~.group_abort.LIVE_S` where the job runs a watcher (it looks), and at interpreter
+within :data:`~.watcher.LIVE_S` where the job runs a watcher (it looks), and at interpreter
 exit. A job owns:
 
 * its **id**, shared by every rank through the default group's store (:attr:`SyncJob.id`);
 * **SyncBN's groups**: the world's twin (:func:`.groups.sync_world_group`) and the timeout SyncBN
   made its groups with (:func:`.groups.set_sync_timeout` checks a late change against it);
-* the **call-order watcher** (:mod:`.group_abort`): at most one thread and one store connection
-  for all of the job's groups, and the mismatches published and seen;
+* the **call-order watcher** (:mod:`.call_order.watcher`): at most one thread and one store
+  connection for all of the job's groups, and the mismatches published and seen;
 * the **flight recorder** (:mod:`.flight`);
 * the **exit drain** (:mod:`.exit_drain`): at interpreter exit the running job ends (its watcher
   joined, its recorder closed), then the drain waits for gloo's workers.
@@ -64,7 +64,7 @@ class SyncJob:
         world_twin: SyncBN's twin of the default group, once made.
         groups_timeout: the collective timeout SyncBN's groups of this job were made with, once
             it made one (``(timeout,)``; the timeout itself may be ``None``, torch's default).
-        watcher: the job's call-order watcher (:mod:`.group_abort`), once started.
+        watcher: the job's call-order watcher (:mod:`.call_order.watcher`), once started.
         recorder: the job's flight recorder (:mod:`.flight`), once made.
         published: the groups whose mismatch this rank published.
         signalled: group -> the mismatch another rank published and this rank's watcher read.

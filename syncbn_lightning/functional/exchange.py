@@ -36,11 +36,12 @@ from ..distributed.call_order import (
     queue_order_check,
     raise_if_out_of_order,
 )
+from ..distributed.call_order.policy import queues_order_flag
 from ..distributed.collectives import Group, all_gather, group_ranks
 from ..distributed.flight import layer_text
-from ..ops import reference_steps
-from ..ops.reference import CALL_ORDER_MARK, queues_order_flag
-from ..ops.reference_steps import GRAD_HEADER, header_tags
+from ..ops.reference import CALL_ORDER_MARK
+from ..ops.reference import steps as reference_steps
+from ..ops.reference.steps import GRAD_HEADER, header_tags
 from .options import SyncOptions
 
 __all__ = [
@@ -213,7 +214,7 @@ class Exchange(ABC):
 
 def kernels(call: SyncCall) -> Any:
     """The fused steps ``call`` runs: the ``syncbn::`` operators, or their pure-PyTorch twins
-    (:mod:`syncbn_lightning.ops.reference_steps`, the same names and signatures)."""
+    (:mod:`syncbn_lightning.ops.reference.steps`, the same names and signatures)."""
     return torch.ops.syncbn if call.fused else reference_steps
 
 

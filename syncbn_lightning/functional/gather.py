@@ -1,7 +1,7 @@
 """The gather exchange: every rank's statistics row, all-gathered (``auto`` up to 8 ranks).
 
 Per layer call, forward (the ``syncbn::`` operators, or their twins in
-:mod:`syncbn_lightning.ops.reference_steps`):
+:mod:`syncbn_lightning.ops.reference.steps`):
     1. ``stats_row``: this rank's row ``[count, samples, layer_tag, call_tag, mean[C],
        mean_lo[C], m2[C]]`` (Welford statistics; the local mean as two acc-dtype numbers, exact to
        float64; ``count`` values per channel, ``samples`` = ``N``; the tags say which layer and
@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch
 
 from ..distributed.call_order import note_order_flag, queue_order_check, raise_if_out_of_order
+from ..distributed.call_order.policy import queues_order_flag
 from ..distributed.collectives import Group
-from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
-from ..ops.reference_steps import ROW_HEADER, row_width
+from ..ops.reference import CALL_ORDER_MARK, check_group_count
+from ..ops.reference.steps import ROW_HEADER, row_width
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
 

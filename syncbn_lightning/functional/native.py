@@ -17,7 +17,7 @@ declares and whose kernels are registered here (:func:`register_python_kernels`)
 * ``syncbn::queued_order_failed``: a call-order flag the C++ path queued (a call on a device
   whose flags would cost a host sync to read: CUDA) read 0 when a later call or
   :func:`~syncbn_lightning.check_call_order` read it; raises the error from what this rank holds,
-  after telling the group's other ranks (:mod:`~syncbn_lightning.distributed.group_abort`);
+  after telling the group's other ranks (:mod:`~syncbn_lightning.distributed.call_order.watcher`);
 * ``syncbn::raise_if_published``: another rank published a mismatch (the watcher said so through
   ``syncbn::order_signal``); raises its error before this rank joins another collective;
 * ``syncbn::collective_failed``: a collective raised; logs what the flight recorder knows, then
@@ -41,16 +41,17 @@ from typing import Any
 import torch
 
 from .._shared import ROW_HEADER
-from ..distributed import flight, group_abort
+from ..distributed import flight
 from ..distributed.call_order import (
     raise_if_out_of_order,
     raise_if_published,
     raise_if_published_for,
     register_queue,
     report_queued_failure,
+    watcher,
 )
 from ..distributed.collectives import all_gather, report_collective_failure
-from ..ops.reference_steps import own_tags
+from ..ops.reference.steps import own_tags
 from .exchange import SyncCall, raise_backward_order
 from .gather import _report_order
 from .options import SyncOptions
@@ -157,7 +158,7 @@ def register_python_kernels() -> None:
             library.impl(name, kernel, "CompositeExplicitAutograd")
         _library.append(library)
         register_queue(torch.ops.syncbn.order_ring_drain, torch.ops.syncbn.order_ring_clear)
-        group_abort.on_signal(_order_signal)
+        watcher.on_signal(_order_signal)
         _registered = True
 
 

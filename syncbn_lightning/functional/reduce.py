@@ -36,7 +36,7 @@ sum(dy * xmu)]``, ONE collective summing them (the Function's), the elementwise 
 
 Each step is one ``syncbn::`` operator (``reduce_sums``: one pass over the input accumulating in
 float64; ``reduce_merge_normalize``: the checks, the merge, the running statistics and the output),
-or its twin in :mod:`syncbn_lightning.ops.reference_steps` (``impl="reference"``).
+or its twin in :mod:`syncbn_lightning.ops.reference.steps` (``impl="reference"``).
 """
 
 from __future__ import annotations
@@ -51,10 +51,11 @@ from ..distributed.call_order import (
     queue_order_check,
     raise_if_out_of_order,
 )
+from ..distributed.call_order.policy import queues_order_flag
 from ..distributed.collectives import Group, all_gather, group_ranks
 from ..distributed.flight import layer_text
-from ..ops.reference import CALL_ORDER_MARK, check_group_count, queues_order_flag
-from ..ops.reference_steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
+from ..ops.reference import CALL_ORDER_MARK, check_group_count
+from ..ops.reference.steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
 from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
 

@@ -17,8 +17,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ..distributed.call_order.watcher import stop_watchers
 from ..distributed.collectives import gather_rows
-from ..distributed.group_abort import stop_watchers
 from ..distributed.group_sizes import (
     DEFAULT_TARGET_NORM_BATCH,
     GroupSize,

@@ -30,10 +30,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._compat import current_graph_task
+from ..distributed.call_order.policy import cpu_queues_order_flags
 from ..distributed.groups import check_process_group, sync_group_size, watch_sync_group
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
-from ..ops.reference import cpu_queues_order_flags
 from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
 from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState

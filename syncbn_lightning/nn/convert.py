@@ -20,10 +20,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from ..distributed.call_order import layers_with_status
-from ..distributed.group_abort import stop_watchers
+from ..distributed.call_order.policy import cpu_queues_order_flags
+from ..distributed.call_order.watcher import stop_watchers
 from ..distributed.groups import check_process_group, made_group_name, watch_sync_group
 from ..functional.options import KEEP, SyncOptions
-from ..ops.reference import cpu_queues_order_flags
 from .checks import FuseResidual, check_fuse_residual
 from .layer_state import name_sync_layers
 

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-import zlib
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..distributed.call_order import register_layer_name, register_order_status
+from ..distributed.call_order.policy import queues_order_flags_on
+from ..distributed.call_order.tags import TAG_LIMIT, name_tag
 from ..distributed.groups import group_name_of
-from ..ops.reference import TAG_LIMIT, queues_order_flags_on
 
 __all__ = [
     "OPTION_ATTRIBUTES",
     "BatchRecord",
     "SyncCallState",
     "name_sync_layers",
-    "name_tag",
     "option_property",
 ]
 
@@ -49,14 +48,6 @@ def option_property(name: str, doc: str) -> property:
             self.sync_options = self.sync_options.replace(**{name: value})
 
     return property(get, set_, doc=doc)
-
-
-def name_tag(name: str, salt: int = 0) -> int:
-    """The call-order tag of a layer called ``name``: a hash below ``TAG_LIMIT`` (floats carry it
-    exactly), the same on every rank; ``salt`` > 0 gives the alternatives tried when two layers of
-    one model would share a tag."""
-    key = name if salt == 0 else f"{name}#{salt}"
-    return zlib.crc32(key.encode()) % TAG_LIMIT
 
 
 log = logging.getLogger("syncbn_lightning")

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 
 from .._compat import current_graph_task, functorch_active, top_saved_tensors_hooks
-from ..distributed import flight, group_abort
-from ..distributed.call_order import mark_status_used, poll_order_checks
+from ..distributed import flight
+from ..distributed.call_order import mark_status_used, poll_order_checks, watcher
+from ..distributed.call_order.policy import queues_order_flag, queues_order_flags_on
 from ..distributed.groups import group_name_of, sync_group_size
 from ..functional.exchange import LayerState, SyncCall
 from ..functional.function import SyncBatchNormFunction
@@ -42,7 +43,6 @@ from ..functional.native import native_op, register_python_kernels
 from ..functional.registry import BUILTIN, get_exchange, resolve_exchange
 from ..ops.dispatch import IMPL_ENV, native_cuda_default, python_checks_first, uses_extension
 from ..ops.impl_choice import NATIVE_CUDA_ENV, native_cuda_requested
-from ..ops.reference import queues_order_flag, queues_order_flags_on
 from .checks import check_input, functorch_error
 from .layer_state import BatchRecord
 from .recompute import Kept, find_kept, keep, keeping, recompute_task
@@ -125,7 +125,7 @@ class SyncPlan:
             Python binding ~4 us less per call than the same by keyword
             (``benchmarks/bench_op_args.py``).
         watched: for a C++ plan whose calls queue their call-order flags in a group, the
-            :data:`~syncbn_lightning.distributed.group_abort.watch_epoch` at which it had the
+            :data:`~syncbn_lightning.distributed.call_order.watcher.watch_epoch` at which it had the
             job's watcher watch the group (again when the watcher was stopped since); else
             ``None``.
     """
@@ -195,10 +195,10 @@ class SyncPlan:
 
     def watch(self) -> None:
         """Have the job's watcher watch the plan's group (a queued flag that reads 0 on another
-        rank is published there, :mod:`~syncbn_lightning.distributed.group_abort`): the C++ path
-        queues its flags without Python, so the plan asks for it."""
-        self.watched = group_abort.watch_epoch
-        group_abort.watch_group(self.settings["group"])
+        rank is published there, :mod:`~syncbn_lightning.distributed.call_order.watcher`): the C++
+        path queues its flags without Python, so the plan asks for it."""
+        self.watched = watcher.watch_epoch
+        watcher.watch_group(self.settings["group"])
 
 
 def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -267,7 +267,7 @@ def forward_native(
     else:
         running = (running_mean, buffers["running_var"], buffers["num_batches_tracked"], nonfinite)
     act, act_param = activation or _NO_ACT
-    if plan.watched is not None and plan.watched != group_abort.watch_epoch:
+    if plan.watched is not None and plan.watched != watcher.watch_epoch:
         plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
     # A checkpoint's recompute, or forward (nn/recompute.py); torch's C functions tell, without
     # a Python frame on other calls.

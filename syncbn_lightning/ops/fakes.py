@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from . import reference, reference_steps
+from . import reference
+from .reference import steps as reference_steps
 
 __all__ = ["register_fakes"]
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from .._shared import GRAD_HEADER
-from .activations import activation_grad, check_activation
-from .reference import (
+from ..._shared import GRAD_HEADER
+from ...distributed.call_order.policy import queues_order_flag
+from ..activations import activation_grad, check_activation
+from . import (
     CALL_ORDER_MARK,
     affine,
     centered,
     check_residual,
     per_channel,
-    queues_order_flag,
     reduce_dims,
     scale,
 )

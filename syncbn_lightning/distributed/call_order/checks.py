@@ -1,33 +1,6 @@
-"""The call-order check: ranks of a sync group must call their SyncBatchNorm layers, forward and
-backward, in the same order.
-
-Collectives pair up by order, so a rank that skips a layer, takes another branch or runs a layer a
-different number of times would silently merge statistics of different layers. Every exchange
-strategy sends each call's layer and call tags with its statistics, and the backward sends them back
-with its sums (a 16-value header, see ``ops.reference_steps.grad_sums``), at no extra collective;
-both are checked when the payload arrives: when the ranks' tags disagree, every rank of the group
-raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same payload, so they
-all raise at the same call, and none is left waiting). A backward mismatch usually means a layer's
-output was not used in the loss on some rank (its backward never runs there); the error says so and
-how to fix it. On CPU tensors the check runs at once (the payload is in host memory); compiled code
-raises the kernel's RuntimeError with the same facts, since a compiled graph cannot re-raise a
-Python exception type. On CUDA tensors a check would cost a host sync per layer, so the strategy
-leaves a flag on the device and queues it with :func:`queue_order_check`, which copies it to pinned
-host memory behind the call's kernels and records an event. Every later synchronized call polls the
-queue (:func:`poll_order_checks`: an event query per flag, no host sync), so a mismatch is found a
-few layer calls after the device reached it, within the same step (the C++ path keeps its flags in a
-queue of its own, in C++, polled the same way and registered here with :func:`register_queue`);
-:func:`check_call_order` reads whatever is left at once (one host sync; the callback calls it before
-each optimizer step, so a step with mixed statistics is never applied). The rank that finds a
-mismatch this way tells its group's other ranks through the job's store and aborts the group
-(:mod:`.group_abort`), since they may be waiting in a collective it will never join. Compiled calls
-cannot queue anything at run time: they note their flags on the layer's status tensor instead
-(:func:`note_order_flag`), which :func:`check_call_order` reads. The errors and their messages are
-:mod:`.order_errors`'. A mismatch that changes the payload size (e.g. the skipped layer has another
-channel count) cannot be told apart by the payload: gloo then aborts the rank whose receive size
-does not match within seconds, NCCL fails the collective at its timeout; the flight recorder
-(:mod:`.flight`) names the first collective at which the ranks differed.
-"""
+"""The call-order checks: at once where the flag is on the host, queued where reading it would
+cost a host sync (and read at later calls or by :func:`check_call_order`), and the raise that
+names each rank's layer (the package's docstring says why and how)."""
 
 from __future__ import annotations
 
@@ -38,11 +11,11 @@ from typing import Any
 
 import torch
 
-from .._shared import ORDER_FLAG_SLOTS
-from . import group_abort
-from .collectives import Group, group_ranks, on_failure
-from .flight import layer_text
-from .order_errors import (
+from ..._shared import ORDER_FLAG_SLOTS
+from ..collectives import Group, group_ranks, on_failure
+from ..flight import layer_text
+from . import watcher
+from .errors import (
     CallOrderError,
     call_order_error,
     raise_if_out_of_order,
@@ -177,7 +150,7 @@ def layers_with_status() -> list[Any]:
 
 def check_call_order() -> None:
     """Check every call-order flag queued by CUDA layers and not yet read (one host sync), and
-    whether another rank published a mismatch (:mod:`.group_abort`).
+    whether another rank published a mismatch (:mod:`.watcher`).
 
     Raises:
         CallOrderError: on every rank of a group whose ranks called layers in different orders.
@@ -264,7 +237,7 @@ def poll_order_checks() -> None:
     Runs before each synchronized call's collective, forward and backward, so a mismatch is
     found within the calls of the step it happened in, a few layers after the device got
     there."""
-    if torch.compiler.is_compiling() or not (_pending or group_abort.signalled()):
+    if torch.compiler.is_compiling() or not (_pending or watcher.signalled()):
         return
     raise_if_published()
     if not _poll_lock.acquire(blocking=False):
@@ -307,14 +280,14 @@ def queue_order_check(
     then; ``report`` a module-level function, so that compiled code can queue it too). The flag
     is read by :func:`poll_order_checks` once the device has written it, or by
     :func:`check_call_order`. ``group``: the call's group name, whose ranks learn of a mismatch
-    this rank finds (:mod:`.group_abort`)."""
+    this rank finds (:mod:`.watcher`)."""
     if torch.compiler.is_compiling():
         _pending.append((flags, index, report, args, group, None))
         return
     if flags.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # a captured graph's flags hold nothing yet, and each replay rewrites them
     if isinstance(group, str):
-        group_abort.watch_group(group)
+        watcher.watch_group(group)
     entry = (flags, index, report, args, group, _FlagCopy.of(flags, index))
     with _queue_lock:
         _pending.append(entry)
@@ -332,7 +305,7 @@ def _fail(entry: _Entry) -> None:
         report(*args)
     except Exception as exc:
         if isinstance(group, str):
-            group_abort.publish_mismatch(group, str(exc))
+            watcher.publish_mismatch(group, str(exc))
         raise
 
 
@@ -350,7 +323,7 @@ def raise_if_published_for(group: str | None) -> None:
     another rank published for it (asking the job's store at once, not waiting for the
     watcher), the reason the collective failed; nothing if none (the caller re-raises the
     collective's own error)."""
-    message = group_abort.published_for(group) if group is not None else None
+    message = watcher.published_for(group) if group is not None else None
     if message is not None:
         _clear_queues()
         raise CallOrderError(
@@ -361,8 +334,8 @@ def raise_if_published_for(group: str | None) -> None:
 
 def raise_if_published() -> None:
     """Raise :class:`CallOrderError` with the mismatch another rank of one of this process's
-    sync groups published (:mod:`.group_abort`), dropping every queued flag; nothing if none."""
-    message = group_abort.published_message()
+    sync groups published (:mod:`.watcher`), dropping every queued flag; nothing if none."""
+    message = watcher.published_message()
     if message is not None:
         _clear_queues()
         raise CallOrderError(

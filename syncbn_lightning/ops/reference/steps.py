@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .._shared import INFO_FIELDS, REDUCE_HEADER, ROW_HEADER, SHIFT_MISMATCH
-from .activations import check_activation
-from .reference import (
+from ..._shared import INFO_FIELDS, REDUCE_HEADER, ROW_HEADER, SHIFT_MISMATCH
+from ...distributed.call_order.policy import queues_order_flag
+from ..activations import check_activation
+from . import (
     CALL_ORDER_MARK,
     TAG_LIMIT,
     acc_dtype,
@@ -33,7 +34,6 @@ from .reference import (
     local_count,
     merge_infos,
     per_channel,
-    queues_order_flag,
     reduce_dims,
     split_mean,
     update_state,
@@ -342,7 +342,7 @@ def own_tags(sent: torch.Tensor) -> tuple[float, float]:
 
 
 # The backward of both exchanges, with the call-order header its sums carry.
-from .reference_backward import (  # noqa: E402  (after the constants it imports)
+from .backward import (  # noqa: E402  (after the constants it imports)
     GRAD_HEADER,
     grad_input,
     grad_sums,

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from .._shared import CALL_ORDER_MARK, TAG_LIMIT
-from .activations import activate
+from ..._shared import CALL_ORDER_MARK, TAG_LIMIT
+from ..activations import activate
 
 __all__ = [
     "CALL_ORDER_MARK",
     "TAG_LIMIT",
     "acc_dtype",
     "check_residual",
-    "cpu_queues_order_flags",
     "finish_merge",
     "local_count",
     "merge_infos",
@@ -40,45 +39,10 @@ __all__ = [
     "merge_stats",
     "normalize",
     "per_channel",
-    "queues_order_flag",
-    "queues_order_flags_on",
     "reduce_dims",
     "scale",
-    "set_queue_order_flags_on_cpu",
     "update_running",
 ]
-
-
-# Tests run the device path of the call-order check on CPU tensors (see queues_order_flag).
-_QUEUE_ON_CPU = False
-
-
-def queues_order_flag(input: torch.Tensor) -> bool:
-    """Whether a call on ``input`` leaves its call-order flag on the device, to be read later
-    (:mod:`syncbn_lightning.distributed.call_order`), instead of checking at once: true off CPU,
-    where a check would cost a host sync per call. On CPU the payload is in host memory, so a
-    mismatch raises at the call, except while :func:`set_queue_order_flags_on_cpu` is on (tests
-    run the device path on gloo ranks with it)."""
-    return queues_order_flags_on(input.device)
-
-
-def queues_order_flags_on(device: torch.device) -> bool:
-    """:func:`queues_order_flag` for calls on ``device``."""
-    return device.type != "cpu" or _QUEUE_ON_CPU
-
-
-def cpu_queues_order_flags() -> bool:
-    """Whether CPU calls leave their call-order flags for later (only while
-    :func:`set_queue_order_flags_on_cpu` is on)."""
-    return _QUEUE_ON_CPU
-
-
-def set_queue_order_flags_on_cpu(enabled: bool) -> None:
-    """Make CPU calls of the pure-PyTorch kernels (``impl="reference"``) leave their call-order
-    flags for later, as calls on CUDA tensors do (for tests; the C++ CPU kernels always check
-    at once)."""
-    global _QUEUE_ON_CPU
-    _QUEUE_ON_CPU = enabled
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -49,9 +49,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._compat import default_store, store_connection
-from .collectives import process_group
-from .job import SyncJob, current_job, on_job_end
+from ..._compat import default_store, store_connection
+from ..collectives import process_group
+from ..job import SyncJob, current_job, on_job_end
 
 __all__ = [
     "CHECK_S",

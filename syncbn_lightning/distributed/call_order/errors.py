@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from . import flight
-from .collectives import Group, group_ranks
-from .flight import layer_text
+from .. import flight
+from ..collectives import Group, group_ranks
+from ..flight import layer_text
 
 __all__ = [
     "CallOrderError",
