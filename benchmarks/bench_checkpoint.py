@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from syncbn_lightning import convert_sync_batchnorm
 from syncbn_lightning.distributed import flight
-from syncbn_lightning.nn.recompute import RECOMPUTE_ENV
+from syncbn_lightning.functional.recompute import RECOMPUTE_ENV
 
 VARIANTS = ("torch_bn", "torch_bn_ckpt", "ours", "ours_ckpt", "ours_ckpt_repeat")
 REFERENCE = {"torch_bn_ckpt": "torch_bn", "ours_ckpt": "ours", "ours_ckpt_repeat": "ours"}

@@ -66,7 +66,7 @@ from _common import (
 from torch import nn
 
 import syncbn_lightning
-from syncbn_lightning.ops.impl_choice import IMPL_ENV, NATIVE_CUDA_ENV
+from syncbn_lightning.ops.impl_names import IMPL_ENV, NATIVE_CUDA_ENV
 
 CONFIGS = ("fp32-nchw", "bf16-cl")
 IMPLS = (

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from syncbn_lightning.nn.sync_plan import settings_in_schema_order
+from syncbn_lightning.functional.layer_call import settings_in_schema_order
 from syncbn_lightning.ops.build import load_extension
 
 

@@ -43,7 +43,7 @@ from _common import OpCounter, csv_list, env_var, one_rank_group
 from bench_model import CUDA_ONLY, IMPLS, _device_line, _model, _train_step, _with_impl, impl_env
 from torch import nn
 
-from syncbn_lightning.ops.impl_choice import IMPL_ENV
+from syncbn_lightning.ops.impl_names import IMPL_ENV
 
 CATEGORIES = (
     "sync",

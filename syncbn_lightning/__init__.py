@@ -29,6 +29,7 @@ _torch.check_torch()  # below the supported floor: one ImportError naming both r
 if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __getattr__ below
     from .distributed.call_order import CallOrderError, check_call_order
     from .distributed.groups import new_sync_group
+    from .functional.recompute import RecomputeOrderError
     from .lightning.callback import SyncBNCallback
     from .lightning.layer_sync import SyncBNLayerSync
     from .nn.batchnorm import SyncBatchNorm
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __get
     )
     from .nn.data_parallel import SyncDataParallel, join_replicas
     from .nn.precise_bn import update_bn_stats
-    from .nn.recompute import RecomputeOrderError
 
 __all__ = [
     "SyncBatchNorm",
@@ -73,7 +73,7 @@ _WHERE = {
     "name_sync_layers": "nn.convert",
     "BatchNormXd": "nn.convert",
     "CallOrderError": "distributed.call_order",
-    "RecomputeOrderError": "nn.recompute",
+    "RecomputeOrderError": "functional.recompute",
     "check_call_order": "distributed.call_order",
     "new_sync_group": "distributed.groups",
     "update_bn_stats": "nn.precise_bn",

@@ -35,6 +35,7 @@ __all__ = [
     "HEADER_PATH",
     "TEXT_DIGEST_LINE",
     "INFO_FIELDS",
+    "KEPT_PER_CHANNEL",
     "ORDER_FLAG_SLOTS",
     "REDUCE_HEADER",
     "ROW_HEADER",
@@ -72,6 +73,9 @@ ROW_HEADER = 4
 REDUCE_HEADER = 3 + 2 * 6
 #: Values of a merge's info (and grad_info): count, samples, order_ok, finite, layer tag, call tag.
 INFO_FIELDS = 6
+#: What a checkpointed forward keeps for its recompute, one vector of the acc dtype: mean,
+#: mean_lo, invstd and var (this many vectors of one value per channel), then info and grad_info.
+KEPT_PER_CHANNEL = 4
 #: Values in front of the backward's sums (the call-order header): four 6-bit chunks of the layer
 #: tag, then four of the call tag, every chunk followed by its square.
 GRAD_HEADER = 16

@@ -31,14 +31,19 @@ def package_calls(fn: Callable[[], Any]) -> list[str]:
 
 
 #: The package's Python a training forward on the C++ path runs, its plan made: the layer's
-#: forward, the plan's checks, one operator call.
+#: forward, the plan's checks, the kind of call, one operator call and the batch's record.
 PLAN_CALLS = frozenset(
     {
         "batchnorm.py:forward",
         "batchnorm.py:_forward",
-        "sync_plan.py:plan_of",
-        "sync_plan.py:_impl_env",
-        "sync_plan.py:_world",
-        "sync_plan.py:forward_native",
+        "layer_call.py:synchronizes",
+        "layer_call.py:plan_of",
+        "layer_call.py:sync_forward",
+        "recompute.py:call_kind",
+        "layer_call.py:_native_call",
+        "layer_call.py:affine_of",
+        "layer_call.py:_state",
+        "layer_call.py:_counters",
+        "layer_call.py:_record",
     }
 )

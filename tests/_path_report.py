@@ -24,7 +24,7 @@ def install() -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    from syncbn_lightning.nn import sync_plan
+    from syncbn_lightning.functional import layer_call as sync_plan
 
     made = sync_plan.SyncPlan.__init__
     if getattr(made, "_reports_paths", False):

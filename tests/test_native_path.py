@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import syncbn_lightning
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
 from syncbn_lightning.distributed import flight
-from syncbn_lightning.nn.sync_plan import forward_function
+from syncbn_lightning.functional.layer_call import forward_function
 
 PACKAGE = str(Path(syncbn_lightning.__file__).resolve().parent)
 
@@ -98,7 +98,7 @@ def test_a_forward_runs_only_the_python_that_picks_the_path(one_rank) -> None:
     layer(x)  # the plan is made once
     calls = package_calls(lambda: layer(x))
     assert set(calls) <= PLAN_CALLS, calls
-    assert len(calls) == 6, calls
+    assert len(calls) == len(PLAN_CALLS), calls  # each once
 
 
 @pytest.mark.parametrize("exchange", ["gather", "reduce"])
@@ -269,11 +269,14 @@ def test_the_operators_pass_opcheck() -> None:
         "equal_rank_weights": False,
         "num_features": 4,
     }
-    args = (x, weight, bias, *state, counters[0], counters[1], counters[2], None, 0, 0.0)
-    for name in ("sync_batch_norm", "sync_batch_norm_forward", "sync_batch_norm_kept"):
+    # The call's tensors, its activation, then its kind: no kept statistics, none to keep.
+    args = (x, weight, bias, *state, *counters, None, 0, 0.0, None, -1, False)
+    keeping = (*args[:-1], True)  # a checkpoint's forward: it returns what it keeps
+    calls = [("sync_batch_norm", args), ("sync_batch_norm_forward", args)]
+    for name, call in [*calls, ("sync_batch_norm", keeping)]:
         torch.library.opcheck(
             getattr(torch.ops.syncbn, name).default,
-            args,
+            call,
             settings,
             test_utils=("test_schema", "test_faketensor"),
         )
@@ -285,13 +288,15 @@ def test_the_operators_pass_opcheck() -> None:
         {**group, "act": 0, "act_param": 0.0, "flight_call": -1, "input_grad": True},
         test_utils=("test_schema", "test_faketensor"),
     )
-    # A checkpoint's recompute: the forward's statistics again (output, mean, var, info,
-    # mean_lo, invstd, grad_info, flight_call), and the normalize step it runs.
-    kept = (out[1], out[4], out[5], out[2], out[3], out[6], -1)
+    # A checkpoint's recompute: the same operator with what the forward kept (and its flight
+    # number), nothing to update (no running statistics, a copy of the counter), and the
+    # normalize step it runs.
+    kept = torch.ops.syncbn.sync_batch_norm.default(*keeping, **settings)[4]
+    recompute = (x, weight, bias, None, None, None, None, counters[0].clone(), None, 0, 0.0)
     torch.library.opcheck(
-        torch.ops.syncbn.sync_batch_norm_again.default,
-        (x, weight, bias, None, *kept, 0, 0.0),
-        {**group, "num_features": 4},
+        torch.ops.syncbn.sync_batch_norm.default,
+        (*recompute, kept, -1, False),
+        settings,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
     torch.library.opcheck(

@@ -28,8 +28,9 @@ from syncbn_lightning import CallOrderError, SyncBatchNorm, check_call_order
 from syncbn_lightning.distributed.call_order import checks as call_order
 from syncbn_lightning.distributed.call_order import watcher as group_abort
 from syncbn_lightning.distributed.job import current_job
+from syncbn_lightning.functional import layer_call as sync_plan
 from syncbn_lightning.functional import native
-from syncbn_lightning.nn import sync_plan
+from syncbn_lightning.ops import dispatch
 from syncbn_lightning.ops.reference.steps import ROW_HEADER
 
 
@@ -212,13 +213,13 @@ def test_native_cuda_reads_its_variable(monkeypatch, value, expected) -> None:
         monkeypatch.delenv("SYNCBN_NATIVE_CUDA", raising=False)
     else:
         monkeypatch.setenv("SYNCBN_NATIVE_CUDA", value)
-    assert sync_plan.native_cuda() is expected
+    assert dispatch.native_cuda() is expected
 
 
 def test_a_bad_native_cuda_value_names_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "yes")
     with pytest.raises(ValueError, match=r"SYNCBN_NATIVE_CUDA='yes' is not valid: use 1 .* or 0"):
-        sync_plan.native_cuda()
+        dispatch.native_cuda()
 
 
 def test_a_plan_is_made_per_kind_of_device(one_rank, monkeypatch) -> None:
@@ -263,14 +264,14 @@ def test_cuda_layers_default_to_the_cpp_path_only_on_a_recorded_pass(
 
     here = {"extension": build.load_extension().sources_digest}
     here["python"] = dispatch.python_path_digest()
-    assert sync_plan.native_cuda() is False  # nothing recorded
+    assert dispatch.native_cuda() is False  # nothing recorded
     for stale in ({**here, "python": "0" * 16}, {**here, "extension": "f" * 16}):
         record_passes(stale)
-        assert sync_plan.native_cuda() is False, stale
+        assert dispatch.native_cuda() is False, stale
     record_passes({**here, "device": "NVIDIA H200", "date": "2026-12-01"})
-    assert sync_plan.native_cuda() is True
+    assert dispatch.native_cuda() is True
     monkeypatch.setenv("SYNCBN_NATIVE_CUDA", "0")
-    assert sync_plan.native_cuda() is False
+    assert dispatch.native_cuda() is False
 
 
 def test_the_python_digest_follows_the_library_s_files(monkeypatch, tmp_path) -> None:
@@ -290,7 +291,7 @@ def test_the_python_digest_follows_the_library_s_files(monkeypatch, tmp_path) ->
     assert before == dispatch.python_path_digest()
     (package / "ops" / "native_passes.py").write_text("PASSES = ({'a': 'b'},)\n")
     assert dispatch.python_path_digest() == before
-    plan = package / "nn" / "sync_plan.py"
+    plan = package / "functional" / "layer_call.py"
     plan.write_text(plan.read_text() + "\n")
     assert dispatch.python_path_digest() != before
 
@@ -321,7 +322,7 @@ def test_a_static_libstdcxx_puts_python_s_checks_in_front(one_rank, monkeypatch)
 
 
 def test_a_setting_the_schema_names_but_the_plan_lacks_is_named(one_rank) -> None:
-    from syncbn_lightning.nn.sync_plan import settings_in_schema_order
+    from syncbn_lightning.functional.layer_call import settings_in_schema_order
 
     with pytest.raises(KeyError, match="world_size"):
         settings_in_schema_order(torch.ops.syncbn.sync_batch_norm.default, {"group": None})

@@ -299,7 +299,7 @@ def _left_alone_rank(rank: int, world: int) -> dict[str, str]:
     from datetime import timedelta
 
     from syncbn_lightning.distributed.groups import set_sync_timeout
-    from syncbn_lightning.nn.sync_plan import forward_function
+    from syncbn_lightning.functional.layer_call import forward_function
 
     set_sync_timeout(timedelta(seconds=3))
     groups = {path: dist.new_group([0, 1], timeout=timedelta(seconds=3)) for path in ("cpp", "py")}

@@ -46,6 +46,7 @@ _CPP_NAMES = {
     "ROW_HEADER": ("syncbn", "kRowHeader"),
     "REDUCE_HEADER": ("syncbn", "kReduceHeader"),
     "INFO_FIELDS": ("syncbn", "kInfoFields"),
+    "KEPT_PER_CHANNEL": ("syncbn", "kKeptPerChannel"),
     "GRAD_HEADER": ("syncbn", "kGradHeader"),
     "GATHER_SUM_MAX_RANKS": ("syncbn", "kGatherSumMaxRanks"),
     "ORDER_FLAG_SLOTS": ("syncbn", "kOrderFlagSlots"),

@@ -2,8 +2,8 @@
 // do not edit by hand. Change the value there and rerun it (`--check` exits 1, the
 // extension's build refuses this file and tests/test_shared_constants.py fails, while
 // it is stale).
-// values digest: fdc29f79a4971205
-// text digest: 3ddf3ae78e466bb6
+// values digest: 51cd806987caab62
+// text digest: 73faae58b4df3ffd
 #pragma once
 
 #include <cstdint>
@@ -51,6 +51,10 @@ constexpr int64_t kReduceHeader = 15;
 
 // Values of a merge's info (and grad_info): count, samples, order_ok, finite, layer tag, call tag.
 constexpr int64_t kInfoFields = 6;
+
+// What a checkpointed forward keeps for its recompute, one vector of the acc dtype: mean,
+// mean_lo, invstd and var (this many vectors of one value per channel), then info and grad_info.
+constexpr int64_t kKeptPerChannel = 4;
 
 // Values in front of the backward's sums (the call-order header): four 6-bit chunks of the layer
 // tag, then four of the call tag, every chunk followed by its square.

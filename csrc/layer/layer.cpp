@@ -3,6 +3,7 @@
 //
 //   forward   stats_row -> all_gather -> merge_normalize            (gather exchange)
 //             reduce_sums -> sum over the group -> reduce_merge_normalize  (reduce exchange)
+//             or, a checkpoint's recompute: renormalize from what its forward kept (no collective)
 //   backward  grad_sums[_residual] -> sum over the group -> grad_input
 //
 // The same steps, kernels and collectives as the Python Function (functional/function.py), called
@@ -11,10 +12,11 @@
 // call-order flags are read: CPU kernels raise a mismatch at once, CUDA calls queue their flags in
 // C++ (queue_order_flag, order_flags.cpp), read before later calls' collectives
 // (check_before_collective). The whole call runs on the input's device (a device guard). Which
-// layers take this path on CUDA is the Python plan's choice (nn/sync_plan.py: opt-in until
-// benchmarks/gpu_check.sh native passes).
+// layers take this path on CUDA is the Python plan's choice (functional/sync.py, as
+// ops/dispatch.py answers: on a recorded pass of benchmarks/gpu_check.sh native, or opted in).
 #include "layer.h"
 
+#include <ATen/ops/cat.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -104,13 +106,55 @@ Forward forward_steps(
   return f;
 }
 
-// `syncbn::sync_batch_norm_forward` on one device's tensors: the forward's steps (no autograd).
+const auto& renormalize_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("syncbn::renormalize", "")
+          .typed<at::Tensor(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const OptTensor&, const OptTensor&, int64_t, double, const OptTensor&)>();
+  return op;
+}
+
+// A checkpoint's recompute: the output again from what the call's forward kept (`kept`, laid out
+// as kKeptPerChannel says; `kept_call`, its flight-recorder call number), with the forward's
+// statistics: no collective, nothing updated or counted (renormalize: the merges' normalize).
+ForwardOutputs recompute(
+    const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
+    const OptTensor& residual, const at::Tensor& kept, int64_t kept_call, int64_t act,
+    double act_param) {
+  const int64_t C = input.size(1);
+  SYNCBN_CHECK(
+      kept.dim() == 1 && kept.numel() == kKeptPerChannel * C + 2 * kInfoFields,
+      "syncbn: sync_batch_norm: `kept` must be what the forward kept for ", C, " channels");
+  // Copies: an operator's outputs alias neither its inputs nor each other (O(C) values).
+  const auto part = [&](int64_t start, int64_t size) { return kept.narrow(0, start, size).clone(); };
+  const at::Tensor mean = part(0, C), mean_lo = part(C, C), invstd = part(2 * C, C);
+  const at::Tensor var = part(3 * C, C), info = part(kKeptPerChannel * C, kInfoFields);
+  const at::Tensor grad_info = part(kKeptPerChannel * C + kInfoFields, kInfoFields);
+  const at::Tensor output =
+      renormalize_op().call(input, mean, mean_lo, invstd, weight, bias, act, act_param, residual);
+  return {output, mean, var, info, mean_lo, invstd, grad_info, kept_call};
+}
+
+// What a checkpointed forward keeps for its recompute (`kept`'s layout, kKeptPerChannel).
+at::Tensor pack_kept(const ForwardOutputs& out) {
+  return at::cat(
+      {std::get<1>(out), std::get<4>(out), std::get<5>(out), std::get<2>(out), std::get<3>(out),
+       std::get<6>(out)});
+}
+
+// `syncbn::sync_batch_norm_forward` on one device's tensors: the forward's steps, or a
+// checkpoint's recompute (no autograd).
 template <const StepKernels& K>
 ForwardOutputs forward_kernel(SYNCBN_LAYER_ARGS) {
   // The input's device for the whole call, hand-off included: a kernel, a collective or a queued
   // flag's copy on another current device would use that device's stream.
   const c10::DeviceGuard guard(input.device());
   check_layer_input(input, num_features, weight, running_mean);  // the call's one input check
+  if (kept.has_value()) {
+    return recompute(input, weight, bias, residual, *kept, kept_call, act, act_param);
+  }
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   const Settings s = forward_settings(SYNCBN_LAYER_PASS);
   Forward f = forward_steps(K, input, weight, bias, state, residual, s);
@@ -167,26 +211,38 @@ Outputs backward_kernel(
   return {grad_input, affine ? grad_weight : at::Tensor(), affine ? grad_bias : at::Tensor(), grad};
 }
 
+// The layer call's outputs: output, mean, var, info, what a checkpointed forward keeps (`keep`;
+// undefined otherwise) and the call's flight-recorder number (which its recompute takes back).
+using CallOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
+CallOutputs call_outputs(const ForwardOutputs& out, bool keep) {
+  return {std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out),
+          keep ? pack_kept(out) : at::Tensor(), std::get<7>(out)};
+}
+
 // `syncbn::sync_batch_norm` with autograd: the layer's node around the forward operator.
-Outputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
+CallOutputs sync_batch_norm_autograd(SYNCBN_LAYER_ARGS) {
   // The input is checked once, by the forward operator's kernel.
-  const ForwardOutputs out = forward_with_node(SYNCBN_LAYER_PASS);
-  return {std::get<0>(out), std::get<1>(out), std::get<2>(out), std::get<3>(out)};
+  return call_outputs(forward_with_node(SYNCBN_LAYER_PASS), keep);
 }
 
 // `syncbn::sync_batch_norm` below autograd (inference mode): the forward operator alone.
-Outputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
-  auto outputs = forward_op().call(SYNCBN_LAYER_PASS);
-  return {std::get<0>(outputs), std::get<1>(outputs), std::get<2>(outputs), std::get<3>(outputs)};
+CallOutputs sync_batch_norm_below_autograd(SYNCBN_LAYER_ARGS) {
+  return call_outputs(forward_op().call(SYNCBN_LAYER_PASS), keep);
 }
 
 }  // namespace
 }  // namespace syncbn::layer
 
 TORCH_LIBRARY_FRAGMENT(syncbn, m) {
-  // The layer call: (output, mean, var, info) as the Python Function returns them. `group` is
-  // the process group's name (None: no collective); the rest are the fused steps' (syncbn.h).
-  m.def("sync_batch_norm(" SYNCBN_LAYER_SCHEMA_ARGS ") -> (Tensor, Tensor, Tensor, Tensor)");
+  // The layer call: (output, mean, var, info) as the Python Function returns them, what a
+  // checkpointed forward keeps (`keep`; None otherwise) and its flight-recorder number. `group`
+  // is the process group's name (None: no collective); `kept` makes the call a recompute; the
+  // rest are the fused steps'.
+  m.def(
+      "sync_batch_norm(" SYNCBN_LAYER_SCHEMA_ARGS
+      ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
   // Its two steps, below autograd: the forward (the four, then mean_lo, invstd, grad_info and
   // the flight recorder's call number) and the backward.
   m.def(

@@ -1,9 +1,8 @@
-// The C++ path's autograd node and what its operators share (layer.cpp: a layer call;
-// recompute.cpp: the calls of an activation checkpoint): the layer operator's argument list, the
-// settings made from it, the forward and backward operators as the dispatcher calls them, and the
-// node (with_node makes it around a given forward), whose backward is the layer's (the gradient
-// sums, their collective, the input gradient). Every operator that makes this node saves the same
-// tensors, which a checkpoint's recompute relies on.
+// The C++ path's autograd node and what the layer operator needs to make it (layer.cpp): the
+// operator's argument list, the settings made from it, the forward and backward operators as the
+// dispatcher calls them, and the node (with_node makes it around the forward), whose backward is
+// the layer's (the gradient sums, their collective, the input gradient). A checkpoint's recompute
+// makes the same node, saving the same tensors, from what its forward kept.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -51,11 +50,12 @@ Settings group_settings(
   return s;
 }
 
-// The arguments of `sync_batch_norm`, `sync_batch_norm_forward` and `sync_batch_norm_kept`,
-// listed once: NEXT(C++ type, name, schema type) each, the first through FIRST. The call's
-// tensors and its fused activation, then (from `group` on) the layer's settings, which Python
-// builds by name once per plan and passes in the schema's order, read from the schema
-// (nn/sync_plan.py); forward_settings gathers them into one Settings. The kernels' parameter
+// The arguments of `sync_batch_norm` and `sync_batch_norm_forward`, listed once: NEXT(C++ type,
+// name, schema type) each, the first through FIRST. The call's tensors, its fused activation and
+// what kind of call it is (`kept`, `kept_call`: a checkpoint's recompute from what its forward
+// kept; `keep`: a checkpointed forward, which returns that), then (from `group` on) the layer's
+// settings, which Python builds by name once per plan and passes in the schema's order, read from
+// the schema (functional/sync.py); forward_settings gathers them into one Settings. The kernels' parameter
 // lists (SYNCBN_LAYER_ARGS), the calls that pass them on (SYNCBN_LAYER_PASS) and the schema
 // (SYNCBN_LAYER_SCHEMA_ARGS) are made from this one list, so they cannot disagree. Macros, not a
 // struct: the dispatcher's unboxed kernels take the schema's arguments one by one.
@@ -71,6 +71,9 @@ Settings group_settings(
   NEXT(const OptTensor&, residual, "Tensor?")                     \
   NEXT(int64_t, act, "int")                                       \
   NEXT(double, act_param, "float")                                \
+  NEXT(const OptTensor&, kept, "Tensor?")                         \
+  NEXT(int64_t, kept_call, "int")                                 \
+  NEXT(bool, keep, "bool")                                        \
   NEXT(const c10::optional<c10::string_view>&, group, "str?")     \
   NEXT(int64_t, world_size, "int")                                \
   NEXT(int64_t, layer_tag, "int")                                 \
@@ -210,8 +213,7 @@ ForwardOutputs with_node(
   return out;
 }
 
-// The forward operator under the layer's node: `sync_batch_norm` and `sync_batch_norm_kept` with
-// autograd (the first returns its four public outputs, the second all of them).
+// The forward operator under the layer's node: `sync_batch_norm` with autograd.
 ForwardOutputs forward_with_node(SYNCBN_LAYER_ARGS) {
   return with_node(input, weight, bias, residual, forward_settings(SYNCBN_LAYER_PASS), [&] {
     return forward_op().call(SYNCBN_LAYER_PASS);

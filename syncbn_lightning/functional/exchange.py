@@ -95,8 +95,7 @@ class SyncCall(NamedTuple):
     act: int = 0
     act_param: float = 0.0
     #: a checkpoint's recompute of a call whose forward kept its statistics
-    #: (:class:`~syncbn_lightning.nn.recompute.Kept`): the call is :meth:`Exchange.again`, no
-    #: collective.
+    #: (:class:`~.recompute.Kept`): the call is :meth:`Exchange.again`, no collective.
     kept: Any = None
     #: a checkpointed forward's list, which the Function extends with what the strategy keeps
     #: (:meth:`Exchange.kept_stats`) and the call's flight-recorder number.
@@ -180,8 +179,8 @@ class Exchange(ABC):
         self, inputs: Inputs, kept: Any, call: SyncCall, residual: torch.Tensor | None = None
     ) -> Merged:
         """A checkpoint's recompute of a call from what its forward kept (``kept``:
-        :class:`~syncbn_lightning.nn.recompute.Kept`): the same output, the same saved tensors,
-        no collective, nothing updated (only for strategies that :attr:`keeps`)."""
+        :class:`~syncbn_lightning.functional.recompute.Kept`): the same output, the same saved
+        tensors, no collective, nothing updated (only for strategies that :attr:`keeps`)."""
         raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
 
     @abstractmethod

@@ -5,7 +5,7 @@ The built-in exchanges (gather, reduce) run the same steps as :class:`~.function
 .SyncBatchNormFunction`, with the same kernels, collectives and flight records, from C++: the
 forward is one call from Python, and its backward is an autograd node in C++, which runs Python
 only through the hand-off operators below. Which layer calls take it is the layer's plan's choice
-(:mod:`syncbn_lightning.nn.sync_plan`): eager CPU tensors with the extension's kernels.
+(:mod:`syncbn_lightning.functional.layer_call`): eager CPU tensors with the extension's kernels.
 
 Python runs during such a call only through six operators whose schemas the extension
 declares and whose kernels are registered here (:func:`register_python_kernels`):

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ..ops.impl_choice import check_impl
+from ..ops.impl_names import check_impl
 from .registry import check_exchange
 
 __all__ = ["KEEP", "STATS_MODES", "SyncOptions", "check_stats_mode"]

@@ -29,17 +29,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._compat import current_graph_task
 from ..distributed.call_order.policy import cpu_queues_order_flags
-from ..distributed.groups import check_process_group, sync_group_size, watch_sync_group
+from ..distributed.groups import check_process_group, watch_sync_group
+from ..functional.layer_call import (
+    BatchRecord,  # noqa: F401  (pickles of 0.1 name it here)
+    SyncPlan,
+    check_dims,
+    plain_forward,
+    sync_forward,
+    synchronizes,
+)
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
-from .checks import check_dims, check_input, check_num_features, refuse_scripting, same_operands
+from .checks import check_num_features, refuse_scripting, same_operands
 from .convert import BatchNormXd, convert_sync_batchnorm, register_sync_class, torch_forward
-from .layer_state import OPTION_ATTRIBUTES, BatchRecord, SyncCallState
+from .layer_state import OPTION_ATTRIBUTES, SyncCallState
 from .layer_state import option_property as _option
-from .recompute import plain_again, reuse_enabled
-from .sync_plan import SyncPlan, affine_of, forward_function, forward_native, plan_of
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class", "traced_call"]
 
@@ -266,50 +271,13 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     ) -> tuple[torch.Tensor, bool]:
         """The normalized ``input``, and whether ``activation`` (a code and parameter of
         :mod:`syncbn_lightning.ops.activations`) was applied too, after adding ``residual`` when
-        one is given: by the synchronized kernels, never on the local path (plain
-        ``F.batch_norm``), which leaves both to the caller."""
-        replicas, plan = self.replica_group, None
-        training = self.training
-        if training and replicas is None and not torch.compiler.is_compiling():
-            if type(input) is torch.Tensor:
-                # The C++ path checks the input itself (the device type: read off the CPU only).
-                plan = plan_of(self, "cpu" if input.is_cpu else input.device.type)
-                # A CUDA graph's capture takes the Python path (its functional collectives, as
-                # capture on NCCL needs; a replay runs no host code, so its host cost is moot).
-                if plan.native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
-                    return forward_native(
-                        self, plan, input, activation, residual
-                    ), activation is not None
-            else:
-                plan = plan_of(self)
-        # Buffers read from their dict: Module.__getattr__ costs ~0.7 us of host time per name, a
-        # tenth of the layer's own host cost on a small tensor.
-        weight, running_mean = affine_of(self)[0], self._buffers["running_mean"]
-        if weight is not None:
-            check_input(input, self.num_features, weight, "weight")
-        else:
-            check_input(input, self.num_features, running_mean, "running_mean")
-        if not training:
-            world_size = 1
-        elif replicas is not None:
-            world_size = replicas.size
-        elif plan is not None:
-            world_size = plan.world_size
-        else:
-            world_size = sync_group_size(self.process_group)
-        if world_size == 1 and not (training and self.sync_options.force_sync):
-            if training:
-                if (
-                    replicas is None
-                    and not torch.compiler.is_compiling()
-                    and current_graph_task() != -1  # (a C function: no Python frame)
-                    and reuse_enabled()
-                ):
-                    # a checkpoint's recompute (nn/recompute.py): nothing updated or counted
-                    return plain_again(self, input, weight, affine_of(self)[1]), False
-                self.last_batch = BatchRecord(int(input.shape[0]))
-            return super().forward(input), False
-        return forward_function(self, input, world_size, activation, residual)
+        one is given: by the synchronized call, never by plain BatchNorm, which leaves both to
+        the caller. A training call synchronizes where :func:`synchronizes` says; every other
+        call is plain BatchNorm."""
+        device = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+        if self.training and synchronizes(self, device):
+            return sync_forward(self, input, activation, residual)
+        return plain_forward(self, input), False
 
     def _load_from_state_dict(
         self,

@@ -1,5 +1,6 @@
-"""The layer's checks of what it is built with and what it is called on: each failure names the
-argument and the fix, before any kernel or collective runs."""
+"""The layer's checks of what it is built with (and of a residual operand the fused kernels can
+take): each failure names the argument and the fix. What a call's input must be is checked by
+the call (:mod:`syncbn_lightning.functional.layer_call`)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,14 @@ from torch import nn
 
 __all__ = [
     "FuseResidual",
-    "check_dims",
     "check_fuse_residual",
-    "check_input",
     "check_num_features",
-    "functorch_error",
     "refuse_scripting",
     "same_operands",
 ]
 
 #: What ``fuse_residual=`` takes: ``False``, ``True`` or block classes (or their import paths).
 FuseResidual = bool | Sequence[type[nn.Module] | str]
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def check_num_features(num_features: Any) -> None:
@@ -38,56 +34,6 @@ def check_num_features(num_features: Any) -> None:
         raise ValueError(f"num_features must be > 0 (the number of channels), got {num_features}")
 
 
-def check_dims(input: torch.Tensor) -> None:
-    """Raise a ValueError unless ``input`` has the shape ``(N, C, *)``."""
-    if input.dim() < 2:
-        raise ValueError(
-            f"SyncBatchNorm expects input of shape (N, C, *) with at least 2 dims, got "
-            f"{input.dim()}-D input of shape {tuple(input.shape)}"
-        )
-
-
-def check_input(
-    input: Any, num_features: int, reference: torch.Tensor | None, reference_name: str
-) -> None:
-    """Raise a TypeError/ValueError naming the fix unless ``input`` fits a layer of
-    ``num_features`` channels whose first tensor is ``reference`` (its weight, else its running
-    mean, named ``reference_name``; ``None``: nothing to match)."""
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"SyncBatchNorm input must be a torch.Tensor, got {type(input).__name__}")
-    check_dims(input)
-    if not input.is_floating_point():
-        raise TypeError(
-            f"SyncBatchNorm input must be floating point (float16, bfloat16, float32, "
-            f"float64), got {input.dtype}: convert it, e.g. input.float()"
-        )
-    # While torch.jit.trace records, the comparison of a traced size would only warn that it
-    # becomes a constant of the trace (it is one: the layer's channel count).
-    if not torch.jit.is_tracing() and input.shape[1] != num_features:
-        raise ValueError(
-            f"SyncBatchNorm input has {input.shape[1]} channels (dim 1) but the layer was "
-            f"built with num_features={num_features}: use "
-            f"SyncBatchNorm({input.shape[1]}) or fix the preceding layer "
-            f"(input shape {tuple(input.shape)})"
-        )
-    if reference is None:
-        return
-    if reference.device != input.device:
-        raise ValueError(
-            f"SyncBatchNorm input is on {input.device} but the layer's parameters/buffers are "
-            f"on {reference.device}: move the model with model.to({str(input.device)!r})"
-        )
-    if input.dtype != reference.dtype and not (
-        input.dtype in _HALF_DTYPES and reference.dtype == torch.float32
-    ):
-        raise TypeError(
-            f"SyncBatchNorm input dtype {input.dtype} does not match the layer's "
-            f"{reference_name} dtype {reference.dtype}: cast the model "
-            f"(model.to({input.dtype})) or the input; float16/bfloat16 inputs may also use "
-            f"float32 parameters"
-        )
-
-
 def same_operands(input: torch.Tensor, residual: Any) -> bool:
     """Whether ``residual`` can be the fused kernels' residual operand for ``input``: a tensor of
     the same shape, dtype and device (anything else is added by torch, broadcasting and
@@ -98,21 +44,6 @@ def same_operands(input: torch.Tensor, residual: Any) -> bool:
         and residual.shape == input.shape
         and residual.dtype == input.dtype
         and residual.device == input.device
-    )
-
-
-def functorch_error() -> RuntimeError:
-    """The error of a synchronized call inside a ``torch.func`` transform
-    (``syncbn_lightning._compat.functorch_active``), which no synchronized call can run in: its
-    statistics are a collective over the process group, which a transform can neither batch
-    (``vmap``) nor differentiate functionally (``grad``: the layer's autograd nodes, C++ and
-    Python, are not functorch-aware)."""
-    return RuntimeError(
-        "SyncBatchNorm cannot synchronize its batch statistics inside a torch.func transform "
-        "(grad, vmap, jacrev, vjp, ...): the exchange is a collective over the process group, "
-        "which these transforms can neither batch nor differentiate. Inside the transform, put "
-        "the layer in eval mode: it normalizes with its running statistics and communicates "
-        "nothing."
     )
 
 

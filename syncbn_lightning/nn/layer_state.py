@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,6 +14,7 @@ from ..distributed.call_order import register_layer_name, register_order_status
 from ..distributed.call_order.policy import queues_order_flags_on
 from ..distributed.call_order.tags import TAG_LIMIT, name_tag
 from ..distributed.groups import group_name_of
+from ..functional.layer_call import BatchRecord  # (its home; pickles name it here)
 
 __all__ = [
     "OPTION_ATTRIBUTES",
@@ -55,38 +56,6 @@ log = logging.getLogger("syncbn_lightning")
 # Construction order of layers built directly (not by the converter): their call-order tag until
 # they get a name. Models built the same way on every rank get the same numbers.
 _SERIALS = itertools.count(1)
-
-
-class BatchRecord(NamedTuple):
-    """What a :class:`SyncBatchNorm` layer saw in its last training forward.
-
-    Kept for monitoring (batch-size tracking, train/test-gap metrics) without any extra
-    communication or host synchronization: the tensors are the ones the forward computed anyway.
-
-    Attributes:
-        local_samples: ``N`` of this rank's input.
-        mean: the group's batch mean per channel (``None`` without synchronization, i.e. a group
-            of one rank, in which case the group is this rank alone).
-        var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
-            ``unbiased_running_var=False``; ``None`` without synchronization).
-        info: the merge's ``[count, samples, order_ok, finite, layer_tag, call_tag]`` tensor
-            (``None`` without sync); read through :attr:`samples` and :attr:`count`.
-    """
-
-    local_samples: int
-    mean: torch.Tensor | None = None
-    var: torch.Tensor | None = None
-    info: torch.Tensor | None = None
-
-    @property
-    def samples(self) -> torch.Tensor | None:
-        """0-d tensor, the sum of ``N`` over the sync group (``None`` without sync)."""
-        return None if self.info is None else self.info[1]
-
-    @property
-    def count(self) -> torch.Tensor | None:
-        """0-d tensor, the group's number of values per channel (``None`` without sync)."""
-        return None if self.info is None else self.info[0]
 
 
 class SyncCallState:
@@ -156,14 +125,6 @@ class SyncCallState:
             self._nonfinite = self._nonfinite.to(device)
         return self._nonfinite.view(())
 
-    def _counters(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call and non-finite counters on ``device`` (moved there with their values)."""
-        if self._calls is None or self._calls.device != device:
-            self._calls = _counter_on(self._calls, device)
-        if self._nonfinite is None or self._nonfinite.device != device:
-            self._nonfinite = _counter_on(self._nonfinite, device)
-        return self._calls, self._nonfinite
-
     def _place_order_status(self, device: torch.device | None) -> None:
         """Make the layer's call-order status, or move it, onto ``device`` (the layer's, ``None``
         without tensors) when calls there queue their order flags; compiled calls note their
@@ -184,13 +145,6 @@ class SyncCallState:
             getattr(self, "process_group", None)
         )
         return self._order, self.layer_tag, group
-
-
-def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0."""
-    if counter is None:
-        return torch.zeros(1, dtype=torch.long, device=device)
-    return counter.reshape(1).to(device)
 
 
 def name_sync_layers(module: nn.Module) -> None:

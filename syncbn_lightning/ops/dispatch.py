@@ -8,9 +8,11 @@ given, by the ``SYNCBN_IMPL`` environment variable:
 * ``ext``: the extension or an error (a failed build raises instead of falling back).
 * ``reference`` (``ref`` for short): always the reference (:mod:`.reference`).
 
-The extension is built on first use by :mod:`.build`. Whether CUDA layers take the C++ path
-when ``SYNCBN_NATIVE_CUDA`` is unset is :func:`native_cuda_default`'s answer: only where the
-sources match a recorded GPU pass (:mod:`.native_passes`).
+The extension is built on first use by :mod:`.build`. Whether a synchronized call with a
+built-in exchange is one C++ operator per direction (the C++ path) or the Python Function with
+these kernels is :func:`cpp_path`'s answer: on CPU tensors whenever the extension serves them; on
+CUDA tensors where ``SYNCBN_NATIVE_CUDA=1``, or, unset, where the sources match a recorded GPU
+pass (:func:`native_cuda_default`, :mod:`.native_passes`).
 """
 
 from __future__ import annotations
@@ -27,12 +29,21 @@ import torch
 
 from . import native_passes, reference
 from .build import ExtensionBuildError, describe_build_dir, load_extension
-from .impl_choice import _IMPL_ALIASES, _IMPLS, IMPL_ENV, check_impl
+from .impl_names import (
+    _IMPL_ALIASES,
+    _IMPLS,
+    IMPL_ENV,
+    NATIVE_CUDA_ENV,
+    check_impl,
+    native_cuda_requested,
+)
 
 __all__ = [
     "IMPL_ENV",
     "check_impl",
+    "cpp_path",
     "get_impl",
+    "native_cuda",
     "native_cuda_default",
     "ops_for",
     "ops_for_device",
@@ -191,3 +202,31 @@ def python_checks_first() -> bool:
     extension links libstdc++ statically (:mod:`.link_record`), an ostream in torch's headers
     formatting a number there would crash the process instead of raising."""
     return bool(load_extension().static_libstdcxx)
+
+
+def cpp_path(device_type: str, impl: str | None = None) -> bool:
+    """Whether a synchronized call with a built-in exchange on ``device_type`` tensors takes the
+    C++ path (one operator per direction): with the extension's kernels (:func:`uses_extension`
+    for ``impl``), on the CPU, and on CUDA where ``SYNCBN_NATIVE_CUDA`` says so (unset: where
+    these sources passed the GPU check, :func:`native_cuda_default`). Read when a layer makes its
+    plan.
+
+    Raises:
+        ValueError: on a ``SYNCBN_NATIVE_CUDA`` other than 0 and 1 (read for any device but the
+            CPU).
+    """
+    if device_type == "cpu":
+        return uses_extension("cpu", impl)
+    cuda = native_cuda()
+    return device_type == "cuda" and cuda and uses_extension("cuda", impl)
+
+
+def native_cuda() -> bool:
+    """Whether CUDA layers take the C++ path: ``SYNCBN_NATIVE_CUDA`` (read now), and unset, where
+    these sources passed the GPU check (:func:`native_cuda_default`).
+
+    Raises:
+        ValueError: on a value other than 0 and 1.
+    """
+    requested = native_cuda_requested(os.environ.get(NATIVE_CUDA_ENV))
+    return native_cuda_default() if requested is None else requested

@@ -27,11 +27,10 @@ call, with CPU and CUDA kernels:
 added before it (``act(z + residual)``, a residual block's tail).
 
 The C++ path of a layer call (``csrc/layer/layer.cpp``) adds three: ``syncbn::sync_batch_norm`` (the
-whole call, with its autograd node in C++) and its two steps below autograd,
-``syncbn::sync_batch_norm_forward`` and ``syncbn::sync_batch_norm_backward``; and two for
-activation checkpointing (``csrc/layer/recompute.cpp``): ``syncbn::sync_batch_norm_kept`` (the
-forward, with what its recompute takes) and ``syncbn::sync_batch_norm_again`` (the recompute);
-fakes below too, so that fake tensors and dispatch modes can run them.
+whole call, with its autograd node in C++: a checkpointed forward and its recompute too) and its
+two steps below autograd, ``syncbn::sync_batch_norm_forward`` and
+``syncbn::sync_batch_norm_backward``; fakes below too, so that fake tensors and dispatch modes can
+run them.
 
 Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .._shared import INFO_FIELDS, KEPT_PER_CHANNEL
 from . import reference
 from .reference import steps as reference_steps
 
@@ -149,19 +149,19 @@ def _layer_forward_fake(input: torch.Tensor, *_rest: Any) -> tuple[Any, ...]:
     return output, mean, var, info, mean_lo, invstd, grad_info, -1
 
 
-def _layer_fake(input: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, ...]:
-    """``syncbn::sync_batch_norm``: the forward's first four."""
-    return _layer_forward_fake(input, *rest)[:4]
+#: ``keep``'s position among ``syncbn::sync_batch_norm``'s arguments after ``input``.
+_KEEP_AT = 12
 
 
-def _layer_kept_fake(input: torch.Tensor, *rest: Any) -> tuple[Any, ...]:
-    """``syncbn::sync_batch_norm_kept``: the forward operator's outputs."""
-    return _layer_forward_fake(input, *rest)
-
-
-def _layer_again_fake(input: torch.Tensor, *_rest: Any) -> torch.Tensor:
-    """``syncbn::sync_batch_norm_again``: the output."""
-    return _dense_like(input)
+def _layer_fake(input: torch.Tensor, *rest: Any, **named: Any) -> tuple[torch.Tensor | None, ...]:
+    """``syncbn::sync_batch_norm``: the forward's first four, and what a checkpointed forward
+    keeps (``keep``; ``None`` otherwise): ``KEPT_PER_CHANNEL`` vectors of one value per channel
+    and two infos, in the acc dtype; and the flight recorder's call number (-1: none is recorded
+    under fake tensors)."""
+    output, mean, var, info, *_ = _layer_forward_fake(input, *rest)
+    keep = named["keep"] if "keep" in named else rest[_KEEP_AT]
+    size = KEPT_PER_CHANNEL * input.shape[1] + 2 * INFO_FIELDS
+    return output, mean, var, info, mean.new_empty(size) if keep else None, -1
 
 
 def _layer_backward_fake(
@@ -184,8 +184,6 @@ _FAKES = {
     "syncbn::sync_batch_norm": _layer_fake,
     "syncbn::sync_batch_norm_forward": _layer_forward_fake,
     "syncbn::sync_batch_norm_backward": _layer_backward_fake,
-    "syncbn::sync_batch_norm_kept": _layer_kept_fake,
-    "syncbn::sync_batch_norm_again": _layer_again_fake,
     "syncbn::stats_row": _stats_row_fake,
     "syncbn::merge_normalize": _merge_normalize_fake,
     "syncbn::reduce_sums": _reduce_sums_fake,

@@ -1,5 +1,6 @@
-"""The ``impl=`` choice's names and their check (no torch: the service checks a config with it
-before torch is imported; :mod:`.dispatch` uses it and re-exports its names)."""
+"""What a user may say about the implementation, and its check: the ``impl=`` values and the
+``SYNCBN_IMPL`` and ``SYNCBN_NATIVE_CUDA`` variables (no torch: the service checks a config with
+it before torch is imported). Which implementation then runs is :mod:`.dispatch`'s one answer."""
 
 from __future__ import annotations
 

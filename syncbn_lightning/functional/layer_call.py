@@ -1,0 +1,593 @@
+"""A synchronized layer's call, as its module ends in it: :func:`sync_forward` (the synchronized
+call) or :func:`plain_forward` (plain BatchNorm: eval, or training without a group).
+
+:class:`~syncbn_lightning.SyncBatchNorm` decides whether a training call synchronizes
+(:func:`synchronizes`) and makes one of these two calls. A synchronized call:
+
+1. takes the layer's **plan** (:func:`plan_of`): what does not change from call to call (the
+   group's name and size, the exchange, whether the C++ operator runs, the operator's settings
+   in its schema's order), made once and kept on the layer while the objects it came from are
+   the layer's current ones (its :class:`~.options.SyncOptions`, its process group, torch's
+   default group, its name, ``SYNCBN_IMPL``);
+2. asks what **kind of call** it is (:func:`~.recompute.call_kind`: plain, a checkpoint's
+   forward, or its recompute), which fixes what the call updates (:func:`_state`: the running
+   statistics and the call counter, or nothing in a recompute) and what it keeps;
+3. makes **one call**: the C++ operator ``syncbn::sync_batch_norm`` (eager CPU tensors, and CUDA
+   ones where :func:`~syncbn_lightning.ops.dispatch.cpp_path` says so: one operator per
+   direction, its autograd node in C++), or the Python
+   :class:`~.function.SyncBatchNormFunction` (compiled code, a CUDA graph's capture, a custom
+   exchange, the pure-PyTorch reference, DataParallel replicas);
+4. records the batch (``layer.last_batch``, a :class:`BatchRecord`) and keeps a checkpointed
+   forward's statistics.
+
+Both paths compute the same, bitwise (``tests/test_native_path.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._compat import functorch_active
+from ..distributed import flight
+from ..distributed.call_order import mark_status_used, poll_order_checks, watcher
+from ..distributed.call_order.policy import queues_order_flags_on
+from ..distributed.groups import group_name_of, sync_group_size
+from ..ops.dispatch import IMPL_ENV, cpp_path, python_checks_first, uses_extension
+from .exchange import LayerState, SyncCall
+from .function import SyncBatchNormFunction
+from .native import native_op, register_python_kernels
+from .recompute import PLAIN, CallKind, call_kind, keep, pack_kept
+from .registry import BUILTIN, get_exchange, resolve_exchange
+
+__all__ = [
+    "BatchRecord",
+    "PythonPath",
+    "check_dims",
+    "check_input",
+    "functorch_error",
+    "SyncPlan",
+    "affine_of",
+    "forward_function",
+    "plain_forward",
+    "plan_of",
+    "python_path",
+    "settings_in_schema_order",
+    "sync_forward",
+    "synchronizes",
+]
+
+_GROUPS: Any = dist.distributed_c10d.GroupMember if dist.is_available() else None
+_NO_ACT = (0, 0.0)
+_NO_RUNNING = (None, None, None, None)
+
+
+class BatchRecord(NamedTuple):
+    """What a :class:`~syncbn_lightning.SyncBatchNorm` layer saw in its last training forward.
+
+    Kept for monitoring (batch-size tracking, train/test-gap metrics) without any extra
+    communication or host synchronization: the tensors are the ones the forward computed anyway.
+
+    Attributes:
+        local_samples: ``N`` of this rank's input.
+        mean: the group's batch mean per channel (``None`` without synchronization, i.e. a group
+            of one rank, in which case the group is this rank alone).
+        var: the group's batch variance per channel as used for ``running_var`` (unbiased unless
+            ``unbiased_running_var=False``; ``None`` without synchronization).
+        info: the merge's ``[count, samples, order_ok, finite, layer_tag, call_tag]`` tensor
+            (``None`` without sync); read through :attr:`samples` and :attr:`count`.
+    """
+
+    local_samples: int
+    mean: torch.Tensor | None = None
+    var: torch.Tensor | None = None
+    info: torch.Tensor | None = None
+
+    @property
+    def samples(self) -> torch.Tensor | None:
+        """0-d tensor, the sum of ``N`` over the sync group (``None`` without sync)."""
+        return None if self.info is None else self.info[1]
+
+    @property
+    def count(self) -> torch.Tensor | None:
+        """0-d tensor, the group's number of values per channel (``None`` without sync)."""
+        return None if self.info is None else self.info[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The two calls a module ends in
+# ------------------------------------------------------------------------------------------------
+
+
+def synchronizes(layer: Any, device: str) -> bool:
+    """Whether ``layer``'s training calls on tensors of ``device`` (a device type) synchronize:
+    DataParallel replicas, a group of more than one rank, or ``force_sync``. Read from the
+    layer's plan for ``device`` (made once; :func:`sync_forward` then takes it), or, while
+    ``torch.compile`` traces, from the group itself."""
+    if layer.replica_group is not None:
+        return True
+    if torch.compiler.is_compiling():
+        return layer.sync_options.force_sync or sync_group_size(layer.process_group) > 1
+    return plan_of(layer, device).synchronizes
+
+
+def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
+    """Plain BatchNorm of ``input`` (torch's own forward: eval with the running statistics, or
+    training with the local batch's), after the layer's input checks. A checkpoint's recompute
+    of a training call updates nothing: the same kernels on the same input (so the same output),
+    with throwaway copies of the running statistics."""
+    weight, bias = affine_of(layer)
+    _check_call_input(layer, input, weight)
+    running_mean = layer._buffers["running_mean"]
+    if not layer.training:
+        return torch.nn.modules.batchnorm._BatchNorm.forward(layer, input)
+    kind = PLAIN if torch.compiler.is_compiling() else call_kind(layer, input, False)
+    if kind.recompute:
+        running_var = layer._buffers["running_var"]
+        if layer.track_running_stats and running_mean is not None:
+            running_mean, running_var = running_mean.clone(), running_var.clone()
+        else:
+            running_mean = running_var = None
+        momentum = 0.0 if layer.momentum is None else layer.momentum
+        return torch.nn.functional.batch_norm(
+            input, running_mean, running_var, weight, bias, True, momentum, layer.eps
+        )
+    layer.last_batch = BatchRecord(int(input.shape[0]))
+    return torch.nn.modules.batchnorm._BatchNorm.forward(layer, input)
+
+
+def sync_forward(
+    layer: Any,
+    input: torch.Tensor,
+    activation: tuple[int, float] | None,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """The synchronized training call of ``layer`` on ``input`` (the module docstring):
+    ``act(bn(input) + residual)`` with the fused ``activation`` (a code and parameter of
+    :mod:`syncbn_lightning.ops.activations`; ``None``: none) and ``residual`` (``None``: none);
+    returns the output and whether the activation (and residual) were applied, which a custom
+    exchange that fuses no residual leaves to the caller.
+
+    Raises:
+        RuntimeError: inside a ``torch.func`` transform, which no synchronized call can run in.
+        TypeError / ValueError: on an input the layer cannot take (the layer's checks).
+    """
+    if torch.compiler.is_compiling() or layer.replica_group is not None:
+        return forward_function(layer, input, None, activation, residual)
+    if functorch_active():  # a transform's wrapped tensors pass the layer's type check
+        raise functorch_error()
+    plan: SyncPlan = layer._sync_plan  # the one synchronizes() made for this call
+    kind = call_kind(layer, input)
+    # A CUDA graph's capture takes the Python path (its functional collectives, as capture on
+    # NCCL needs; a replay runs no host code, so its host cost is moot). A tensor subclass, or an
+    # input on another device than the plan's, takes it too (its checks name the fix).
+    native = plan.native and type(input) is torch.Tensor
+    if native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
+        return _native_call(layer, plan, input, activation, residual, kind)
+    return forward_function(layer, input, None, activation, residual, kind, plan)
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------------
+
+
+def affine_of(layer: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight and bias ``layer`` exposes, as ``layer.weight`` and ``layer.bias`` give them
+    (torch's BatchNorm reads those too): its Parameters, or what pruning (a plain attribute
+    recomputed by a pre-hook), a parametrization (a property) or ``functional_call`` put there.
+    The Parameters are read from their dict while both are there (``Module.__getattr__`` costs
+    ~0.7 us of host time per name)."""
+    params = layer.__dict__["_parameters"]
+    try:
+        return params["weight"], params["bias"]
+    except KeyError:  # pruned or parametrized: the name is no longer a Parameter of the layer
+        return layer.weight, layer.bias
+
+
+class PythonPath(NamedTuple):
+    """What a call on the Python path synchronizes through: the group's name (``None``: no
+    collective) or a DataParallel replica group, its size, the exchange strategy and whether it
+    runs the ``syncbn::`` step operators (else their pure-PyTorch twins)."""
+
+    group: Any
+    world_size: int
+    exchange: Any
+    fused: bool
+
+
+def python_path(layer: Any, device: str, world_size: int | None = None) -> PythonPath:
+    """:class:`PythonPath` of ``layer`` for tensors of ``device`` (``world_size`` ``None``: its
+    group's, or its replicas')."""
+    replicas = layer.replica_group
+    if world_size is None:
+        world_size = replicas.size if replicas is not None else sync_group_size(layer.process_group)
+    group = replicas or group_name_of(layer.process_group)
+    options = layer.sync_options
+    exchange = resolve_exchange(options.exchange, world_size, group, device)
+    return PythonPath(
+        group, world_size, exchange, exchange.uses_kernels and uses_extension(device, options.impl)
+    )
+
+
+class SyncPlan:
+    """A layer's decisions for its training calls on one kind of device (see the module
+    docstring).
+
+    Attributes:
+        synchronizes: whether training calls synchronize (a group of more than one rank, or
+            ``force_sync``).
+        python: what the Python path takes (:class:`PythonPath`; ``None`` when not
+            synchronizing).
+        native: whether calls take the C++ path.
+        checks_first: whether Python's input checks run in front of the C++ path's own (where
+            the extension links libstdc++ statically: :func:`~syncbn_lightning.ops.dispatch
+            .python_checks_first`).
+        device: the device type of the inputs the plan is for (``"cpu"``, ``"cuda"``, ...).
+        cpu: whether that is the CPU.
+        op: the C++ path's operator (``None`` on the Python path).
+        world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
+            layer forces synchronization).
+        settings: the C++ operator's settings by name (its schema's: ``csrc/layer/layer.cpp``),
+            made once: the group's name, its size, the call-order tag, the exchange, momentum,
+            eps, the running variance's, the ranks' weights, whether call-order flags are queued,
+            the channels. A call adds its tensors, its kind and its fused activation.
+        args: ``settings`` as the call passes them, in the order the operator's schema names
+            them (:func:`settings_in_schema_order`): positional arguments cost the operator's
+            Python binding ~4 us less per call than the same by keyword
+            (``benchmarks/bench_op_args.py``).
+        watched: for a C++ plan whose calls queue their call-order flags in a group, the
+            :data:`~syncbn_lightning.distributed.call_order.watcher.watch_epoch` at which it had
+            the job's watcher watch the group (again when the watcher was stopped since); else
+            ``None``.
+    """
+
+    __slots__ = (
+        "args",
+        "checks_first",
+        "cpu",
+        "device",
+        "exchange",
+        "fused",
+        "group",
+        "impl",
+        "name",
+        "native",
+        "op",
+        "options",
+        "process_group",
+        "python",
+        "settings",
+        "synchronizes",
+        "watched",
+        "world",
+        "world_size",
+    )
+
+    def __init__(self, layer: Any, world: Any, impl: Any, device: str) -> None:
+        options = layer.sync_options
+        self.options, self.process_group, self.world = options, layer.process_group, world
+        self.name, self.impl = layer.sync_name, impl
+        self.device, self.cpu = device, device == "cpu"
+        self.world_size = sync_group_size(layer.process_group)
+        self.synchronizes = self.world_size > 1 or options.force_sync
+        self.native = self.checks_first = False
+        self.op: Any = None
+        self.python: PythonPath | None = None
+        self.settings: dict[str, Any] = {}
+        self.args: tuple[Any, ...] = ()
+        self.watched: int | None = None
+        if not self.synchronizes:
+            return
+        self.python = python_path(layer, device, self.world_size)
+        exchange = self.python.exchange
+        builtin = exchange.name in BUILTIN and exchange is get_exchange(exchange.name)
+        # (cpp_path first: off the CPU it checks SYNCBN_NATIVE_CUDA, whatever the kernels)
+        if builtin and cpp_path(device, options.impl) and self.python.fused:
+            self._use_cpp(layer)
+
+    def _use_cpp(self, layer: Any) -> None:
+        """Take the C++ path: its operator, its settings in the schema's order, the hand-offs'
+        Python kernels, the job's recorder and (where calls queue their flags) the watcher."""
+        options = layer.sync_options
+        register_python_kernels()
+        flight.flight_recorder()  # a new job's recorder (the C++ writer follows it)
+        self.native, self.op = True, native_op()
+        self.checks_first = python_checks_first()
+        assert self.python is not None
+        self.settings = {
+            "group": self.python.group,
+            "world_size": self.world_size,
+            "layer_tag": layer.layer_tag,
+            "reduce": self.python.exchange.name == "reduce",
+            "momentum": options.momentum,
+            "eps": options.eps,
+            "unbiased": options.unbiased_running_var,
+            "equal_rank_weights": options.stats_mode == "default",
+            "queue_order_flags": queues_order_flags_on(torch.device(self.device)),
+            "num_features": layer.num_features,
+        }
+        self.args = settings_in_schema_order(self.op, self.settings)
+        if self.settings["queue_order_flags"] and self.python.group is not None:
+            self.watch()
+
+    def watch(self) -> None:
+        """Have the job's watcher watch the plan's group (a queued flag that reads 0 on another
+        rank is published there, :mod:`~syncbn_lightning.distributed.call_order.watcher`): the
+        C++ path queues its flags without Python, so the plan asks for it."""
+        self.watched = watcher.watch_epoch
+        watcher.watch_group(self.settings["group"])
+
+
+def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ...]:
+    """``settings`` (the trailing arguments of ``op``, by name) in the order ``op``'s schema
+    declares them, read from the schema.
+
+    Raises:
+        KeyError: naming a trailing argument of the schema that ``settings`` lacks.
+    """
+    names = [argument.name for argument in op._schema.arguments]
+    first = names.index("group")
+    return tuple(settings[name] for name in names[first:])
+
+
+def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
+    """``layer``'s plan for calls on tensors of ``device`` (a device type): the one it keeps
+    while it still holds (see the module docstring), else a new one. An input on another device
+    than the layer's tensors gets a plan too; the layer's input checks then refuse it."""
+    plan: SyncPlan | None = layer._sync_plan
+    world = _GROUPS.WORLD if _GROUPS is not None else None
+    impl = os.environ.get(IMPL_ENV) if layer.sync_options.impl is None else None
+    if (
+        plan is None
+        or plan.options is not layer.sync_options
+        or plan.process_group is not layer.process_group
+        or plan.world is not world
+        or plan.name is not layer.sync_name
+        or plan.impl != impl
+        or plan.device != device
+    ):
+        plan = layer._sync_plan = SyncPlan(layer, world, impl, device)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# What a call updates, and its two paths
+# ------------------------------------------------------------------------------------------------
+
+
+def _state(layer: Any, device: torch.device, kind: CallKind) -> LayerState:
+    """What the call updates in place (the running-statistics policy): the running statistics,
+    ``num_batches_tracked`` and the non-finite counter, and the call counter (the call-order
+    tag), or, in a checkpoint's recompute, nothing: no running statistic (``None``) and a copy of
+    the call counter (the call is not counted)."""
+    calls, nonfinite = _counters(layer, device)
+    buffers = layer._buffers
+    if kind.recompute or not layer.track_running_stats or buffers["running_mean"] is None:
+        running = _NO_RUNNING
+    else:
+        running = (
+            buffers["running_mean"],
+            buffers["running_var"],
+            buffers["num_batches_tracked"],
+            nonfinite,
+        )
+    return LayerState(*running, calls.clone() if kind.recompute else calls)
+
+
+def _counters(layer: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's call and non-finite counters on ``device`` (one int64 each, not state: made
+    at the first call, moved there with their values when the layer moves)."""
+    calls, nonfinite = layer._calls, layer._nonfinite
+    if calls is None or calls.device != device:
+        calls = layer._calls = _counter_on(calls, device)
+    if nonfinite is None or nonfinite.device != device:
+        nonfinite = layer._nonfinite = _counter_on(nonfinite, device)
+    return calls, nonfinite
+
+
+def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0."""
+    if counter is None:
+        return torch.zeros(1, dtype=torch.long, device=device)
+    return counter.reshape(1).to(device)
+
+
+def _native_call(
+    layer: Any,
+    plan: SyncPlan,
+    input: torch.Tensor,
+    activation: tuple[int, float] | None,
+    residual: torch.Tensor | None,
+    kind: CallKind,
+) -> tuple[torch.Tensor, bool]:
+    """The C++ path: one operator call (its input checks included) with the kind's state,
+    what a recompute takes (``kind.kept``) or whether to keep (``kind.keep``)."""
+    weight, bias = affine_of(layer)
+    if plan.checks_first:  # else the operator's own checks (the same messages) do
+        _check_call_input(layer, input, weight)
+    if plan.watched is not None and plan.watched != watcher.watch_epoch:
+        plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
+    act, act_param = activation or _NO_ACT
+    kept = kind.kept
+    stats, call = (kept.stats, kept.flight_call) if kept is not None else (None, -1)
+    output, mean, var, info, stats, flight_call = plan.op(
+        input,
+        weight,
+        bias,
+        *_state(layer, input.device, kind)[:5],
+        residual,
+        act,
+        act_param,
+        stats,
+        call,
+        kind.keep is not None,
+        *plan.args,
+    )
+    _record(layer, input, kind, mean, var, info, stats, flight_call)
+    return output, activation is not None
+
+
+def forward_function(
+    layer: Any,
+    input: torch.Tensor,
+    world_size: int | None,
+    activation: tuple[int, float] | None,
+    residual: torch.Tensor | None,
+    kind: CallKind = PLAIN,
+    plan: SyncPlan | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """The Python path: :class:`~.function.SyncBatchNormFunction` with the kind's state (the
+    layer's input checks first), through ``plan``'s :class:`PythonPath` (``None``: compiled
+    code, DataParallel replicas and direct calls, which find theirs per call; ``world_size``
+    ``None``: the group's).
+    Statistics over the group, running stats updated in place (non-finite group statistics skip
+    the update, see :meth:`~syncbn_lightning.SyncBatchNorm.nonfinite_skips`; an all-empty group
+    leaves them alone as torch does), and the fused ``activation`` after adding ``residual`` when
+    the exchange fuses residuals; returns the output and whether both were applied."""
+    weight, bias = affine_of(layer)
+    _check_call_input(layer, input, weight)
+    poll_order_checks()  # flags the device has written since the last call (no host sync)
+    if plan is not None and plan.python is not None and plan.device == input.device.type:
+        path = plan.python
+    else:  # compiled code, DataParallel replicas, a direct call
+        path = python_path(layer, input.device.type, world_size)
+    state = _state(layer, input.device, kind)
+    # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
+    # (made where the layer was placed, only on devices whose calls queue their flags).
+    order = layer._order if torch.compiler.is_compiling() else None
+    if order is not None and order.device == input.device:
+        mark_status_used()
+        state = state._replace(order=order)
+    if residual is not None and not path.exchange.fuses_residual:
+        activation = residual = None  # the caller adds and activates
+    act, act_param = activation or _NO_ACT
+    keeps: list[Any] | None = [] if kind.keep is not None and path.exchange.keeps else None
+    call = SyncCall(
+        path.group,
+        path.world_size,
+        layer.layer_tag,
+        path.exchange,
+        layer.sync_options,
+        path.fused,
+        act,
+        act_param,
+        kind.kept,
+        keeps,
+    )
+    args = (input, weight, bias, state, call) + (() if residual is None else (residual,))
+    output, mean, var, info = SyncBatchNormFunction.apply(*args)
+    stats, flight_call = None, -1
+    if keeps:
+        mean_lo, invstd, grad_info, flight_call = keeps
+        stats = pack_kept(mean, mean_lo, invstd, var, info, grad_info)
+    _record(layer, input, kind, mean, var, info, stats, flight_call)
+    return output, activation is not None
+
+
+def _record(
+    layer: Any,
+    input: torch.Tensor,
+    kind: CallKind,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    info: torch.Tensor,
+    stats: torch.Tensor | None,
+    flight_call: int,
+) -> None:
+    """After the call: a checkpointed forward keeps ``stats`` (:attr:`~.recompute.Kept.stats`)
+    and its ``flight_call`` on its checkpoint; every call but a recompute records the batch
+    (``last_batch``, a plain attribute: ``Module.__setattr__`` costs ~2 us of host time per
+    call)."""
+    if kind.recompute:
+        return
+    if stats is not None:
+        keep(kind.keep, layer, input, stats, flight_call)
+    layer.__dict__["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
+
+
+# ------------------------------------------------------------------------------------------------
+# What a call must be given: each failure names the argument and the fix, before any kernel or
+# collective runs (the C++ path checks the same, with the same messages, in
+# csrc/layer/layer_checks.cpp)
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_call_input(layer: Any, input: Any, weight: torch.Tensor | None) -> None:
+    """:func:`check_input` of a call of ``layer`` (its first tensor: the weight, else the running
+    mean)."""
+    if weight is not None:
+        check_input(input, layer.num_features, weight, "weight")
+    else:
+        check_input(input, layer.num_features, layer._buffers["running_mean"], "running_mean")
+
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_dims(input: torch.Tensor) -> None:
+    """Raise a ValueError unless ``input`` has the shape ``(N, C, *)``."""
+    if input.dim() < 2:
+        raise ValueError(
+            f"SyncBatchNorm expects input of shape (N, C, *) with at least 2 dims, got "
+            f"{input.dim()}-D input of shape {tuple(input.shape)}"
+        )
+
+
+def check_input(
+    input: Any, num_features: int, reference: torch.Tensor | None, reference_name: str
+) -> None:
+    """Raise a TypeError/ValueError naming the fix unless ``input`` fits a layer of
+    ``num_features`` channels whose first tensor is ``reference`` (its weight, else its running
+    mean, named ``reference_name``; ``None``: nothing to match)."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"SyncBatchNorm input must be a torch.Tensor, got {type(input).__name__}")
+    check_dims(input)
+    if not input.is_floating_point():
+        raise TypeError(
+            f"SyncBatchNorm input must be floating point (float16, bfloat16, float32, "
+            f"float64), got {input.dtype}: convert it, e.g. input.float()"
+        )
+    # While torch.jit.trace records, the comparison of a traced size would only warn that it
+    # becomes a constant of the trace (it is one: the layer's channel count).
+    if not torch.jit.is_tracing() and input.shape[1] != num_features:
+        raise ValueError(
+            f"SyncBatchNorm input has {input.shape[1]} channels (dim 1) but the layer was "
+            f"built with num_features={num_features}: use "
+            f"SyncBatchNorm({input.shape[1]}) or fix the preceding layer "
+            f"(input shape {tuple(input.shape)})"
+        )
+    if reference is None:
+        return
+    if reference.device != input.device:
+        raise ValueError(
+            f"SyncBatchNorm input is on {input.device} but the layer's parameters/buffers are "
+            f"on {reference.device}: move the model with model.to({str(input.device)!r})"
+        )
+    if input.dtype != reference.dtype and not (
+        input.dtype in _HALF_DTYPES and reference.dtype == torch.float32
+    ):
+        raise TypeError(
+            f"SyncBatchNorm input dtype {input.dtype} does not match the layer's "
+            f"{reference_name} dtype {reference.dtype}: cast the model "
+            f"(model.to({input.dtype})) or the input; float16/bfloat16 inputs may also use "
+            f"float32 parameters"
+        )
+
+
+def functorch_error() -> RuntimeError:
+    """The error of a synchronized call inside a ``torch.func`` transform
+    (``syncbn_lightning._compat.functorch_active``), which no synchronized call can run in: its
+    statistics are a collective over the process group, which a transform can neither batch
+    (``vmap``) nor differentiate functionally (``grad``: the layer's autograd nodes, C++ and
+    Python, are not functorch-aware)."""
+    return RuntimeError(
+        "SyncBatchNorm cannot synchronize its batch statistics inside a torch.func transform "
+        "(grad, vmap, jacrev, vjp, ...): the exchange is a collective over the process group, "
+        "which these transforms can neither batch nor differentiate. Inside the transform, put "
+        "the layer in eval mode: it normalizes with its running statistics and communicates "
+        "nothing."
+    )
