@@ -124,3 +124,14 @@ def test_every_cuda_kernel_declares_its_block_size() -> None:
     }
     assert len(kernels) >= 9
     assert {k for k in kernels if "__launch_bounds__(" not in k} == set()
+
+
+def test_the_built_in_strategies_compute_and_never_communicate() -> None:
+    """The exchange interface and the built-in strategies import no collective, no flight
+    recorder and no call-order queue: they say what travels and where a mismatch would be found,
+    and the call (functional/function.py, order_report.py) sends, checks and reports."""
+    graph = grimp.build_graph("syncbn_lightning")
+    for module in ("exchange", "gather", "reduce"):
+        imported = graph.find_modules_directly_imported_by(f"syncbn_lightning.functional.{module}")
+        talking = sorted(m for m in imported if m.startswith("syncbn_lightning.distributed"))
+        assert talking == [], (module, talking)

@@ -167,7 +167,7 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(mismatc
     summed one), run here on CPU tensors: a tag mismatch names this rank's layer and call, a shift
     mismatch the running means."""
     from syncbn_lightning.distributed.call_order import queue_order_check, register_layer_name
-    from syncbn_lightning.functional.reduce import _report_mismatch
+    from syncbn_lightning.functional.order_report import KINDS, report_queued
     from syncbn_lightning.ops.reference import steps as reference_steps
 
     register_layer_name(77, "trunk.bn7")
@@ -176,7 +176,8 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(mismatc
     tag, other_shift = (78, shift) if mismatch == "layer" else (77, shift + 1)
     other = reference_steps.reduce_sums(x, other_shift, tag, torch.full((1,), 4), False)
     info = torch.tensor([4.0, 2.0, 0.0, 1.0])
-    queue_order_check(info, 2, _report_mismatch, sent, sent + other, 2, None)
+    report = (KINDS.index("reduce_sums"), sent, sent + other, sent.numel(), None, 2, 77)
+    queue_order_check(info, 2, report_queued, *report)
     expected = CallOrderError if mismatch == "layer" else RuntimeError
     match = r"this rank ran 'trunk.bn7' \(call #5\)" if mismatch == "layer" else "running_mean"
     with pytest.raises(expected, match=match):

@@ -8,17 +8,22 @@ an :class:`Exchange` strategy fills in the steps that differ::
               merged = exchange.merge(inputs, sent, received, call)   statistics, output
     backward  local = exchange.local_grads(dy, saved, call)  what travels back (+ local dW, dB)
               summed = sum_over_group(local.sums)          (only when the input needs a gradient)
-              grad_input = exchange.grad_input(dy, summed, local, call)
+              grad_input, flag = exchange.checked_grad_input(dy, summed, local, call)
 
-Every collective is the Function's (:mod:`syncbn_lightning.distributed.collectives`), so a
-strategy computes, and never communicates except on an error path. A new strategy is one file
-with a subclass and one :func:`~.registry.register_exchange` line (``tests/test_exchange_toy.py``
-shows one that all-gathers float64 rows).
+Every collective is the Function's (:mod:`syncbn_lightning.distributed.collectives`), and so is
+the call-order check: a strategy computes, and says where a mismatch would be found
+(:meth:`Exchange.order_check`, :meth:`Exchange.backward_order_check`: an
+:class:`OrderCheck`); the Function reads the flag at once or queues it, and
+reports a mismatch (:mod:`.order_report`). The built-in strategies import no collective, no
+flight recorder and no call-order queue. A new strategy is one file with a subclass and one
+:func:`~.registry.register_exchange` line (``tests/test_exchange_toy.py`` shows one that
+all-gathers float64 rows and checks the order itself).
 
 Contract of every strategy: statistics of the group as one batch (count-weighted; ``stats_mode``
 as :class:`~syncbn_lightning.SyncBatchNorm` defines it); an empty local batch still takes part
 (its payload says it is empty); running statistics updated in place, skipped when the group
-statistics are not finite or the group is empty; the call-order tags checked (see
+statistics are not finite or the group is empty; the call-order tags checked (by the strategy
+itself, or by the call where the strategy says where: see
 :mod:`syncbn_lightning.distributed.call_order`); no host synchronization on CUDA tensors.
 """
 
@@ -29,19 +34,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..distributed import flight
-from ..distributed.call_order import (
-    call_order_error,
-    note_order_flag,
-    queue_order_check,
-    raise_if_out_of_order,
-)
-from ..distributed.call_order.policy import queues_order_flag
-from ..distributed.collectives import Group, all_gather, group_ranks
-from ..distributed.flight import layer_text
-from ..ops.reference import CALL_ORDER_MARK
 from ..ops.reference import steps as reference_steps
-from ..ops.reference.steps import GRAD_HEADER, header_tags
 from .options import SyncOptions
 
 __all__ = [
@@ -50,15 +43,27 @@ __all__ = [
     "LayerState",
     "LocalGrads",
     "Merged",
+    "OrderCheck",
     "Saved",
     "SplitMeanBackward",
     "SyncCall",
     "kernels",
-    "raise_backward_order",
 ]
 
 #: The tensors a strategy's forward keeps for its backward (saved by the Function).
 Saved = tuple[torch.Tensor | None, ...]
+
+
+class OrderCheck(NamedTuple):
+    """Where a call's call-order mismatch is found, as a strategy says it: ``kind`` (an index of
+    :data:`~.order_report.KINDS`), the data (the gathered rows; the reduce exchange's vector
+    sent; the backward's summed sums), ``aux`` (the summed vector; the merge's grad_info; else
+    ``None``) and ``width``, one rank's share of the data."""
+
+    kind: int
+    data: torch.Tensor
+    aux: torch.Tensor | None
+    width: int
 
 
 class LayerState(NamedTuple):
@@ -80,7 +85,7 @@ class SyncCall(NamedTuple):
     """Where one layer call synchronizes, and with what."""
 
     #: the group's name, a DataParallel replica group, or ``None`` (nothing to communicate).
-    group: Group
+    group: Any
     #: ranks in the group.
     world_size: int
     #: the layer's call-order tag (equal on every rank for the same layer).
@@ -142,9 +147,6 @@ class LocalGrads(NamedTuple):
     #: with a fused residual (:attr:`Exchange.fuses_residual`), the residual's gradient
     #: ``dy * act'(z + residual)``; ``None`` without one.
     grad_residual: torch.Tensor | None = None
-    #: set by the Function for compiled calls: :attr:`LayerState.order`, where the built-in
-    #: strategies' :meth:`Exchange.grad_input` notes the backward's flag.
-    order: torch.Tensor | None = None
 
 
 class Exchange(ABC):
@@ -182,6 +184,29 @@ class Exchange(ABC):
         :class:`~syncbn_lightning.functional.recompute.Kept`): the same output, the same saved
         tensors, no collective, nothing updated (only for strategies that :attr:`keeps`)."""
         raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
+
+    def order_check(
+        self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
+    ) -> OrderCheck | None:
+        """Where the call finds a call-order mismatch of the forward: the merge's flag is
+        ``info[2]``, and a mismatch is named from what this returns (``None``, the default: the
+        strategy checks the order itself, or not at all). Pure computation: the call reads,
+        queues and reports."""
+        return None
+
+    def backward_order_check(
+        self, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> OrderCheck | None:
+        """As :meth:`order_check`, for the backward, whose flag
+        :meth:`checked_grad_input` returns."""
+        return None
+
+    def checked_grad_input(
+        self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`grad_input` and the backward's call-order flag (a one-element tensor, nonzero
+        when the ranks' tags agreed; ``None``, the default: none to check)."""
+        return self.grad_input(grad_output, summed, local, call), None
 
     @abstractmethod
     def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
@@ -273,74 +298,34 @@ class SplitMeanBackward(Exchange):
         sums, grad_weight, grad_bias = kernels(call).grad_sums(*head, *tail)
         return LocalGrads(sums, grad_weight, grad_bias, saved)
 
-    def grad_input(
+    def backward_order_check(
+        self, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> OrderCheck:
+        grad_info = local.carry[5]  # the forward's tags, which this rank's sums carried
+        return OrderCheck(2, summed, grad_info, local.sums.numel())
+
+    def checked_grad_input(
         self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         input, weight, mean, mean_lo, invstd, grad_info, bias, _residual = local.carry
         # With a fused residual the activation's gradient is already in grad_residual.
         fused = local.grad_residual is not None
-        try:
-            grad, order_ok = kernels(call).grad_input(
-                local.grad_residual if fused else grad_output,
-                input,
-                mean,
-                invstd,
-                weight,
-                summed,
-                grad_info,
-                bias,
-                0 if fused else call.act,
-                call.act_param,
-                mean_lo,
-                call.world_size,
-            )
-        except RuntimeError as exc:
-            if CALL_ORDER_MARK not in str(exc):
-                raise
-            raise_backward_order(summed, local.sums.numel(), grad_info, call, gather=True)
-            raise
-        if local.order is not None:  # compiled: noted on the layer, read by check_call_order
-            note_order_flag(local.order, order_ok, grad_info[5], True)
-        elif queues_order_flag(input) and not torch.compiler.is_compiling():
-            width = local.sums.numel()
-            queue_order_check(
-                order_ok,
-                0,
-                raise_backward_order,
-                summed,
-                width,
-                grad_info,
-                call,
-                False,
-                group=call.group,
-            )
-        return grad
+        return kernels(call).grad_input(
+            local.grad_residual if fused else grad_output,
+            input,
+            mean,
+            invstd,
+            weight,
+            summed,
+            grad_info,
+            bias,
+            0 if fused else call.act,
+            call.act_param,
+            mean_lo,
+            call.world_size,
+        )
 
-
-def raise_backward_order(
-    summed: torch.Tensor, width: int, grad_info: torch.Tensor, call: SyncCall, gather: bool
-) -> None:
-    """The backward's tags disagree: raise :class:`~syncbn_lightning.CallOrderError` naming each
-    rank's layer, read from the gathered rows, or, for all-reduced sums, gathered now when
-    ``gather`` (an error path every rank of the group takes at the same call); from a queued
-    CUDA check (no collective there), this rank's. This rank's tags are its forward's
-    (``grad_info[4:6]``, the values its sums' header encodes: the sums may have been summed in
-    place); ``width``: one rank's sums."""
-    rows = summed.detach().cpu().view(-1, width)
-    if rows.shape[0] > 1:
-        tags = torch.tensor([header_tags(row[:GRAD_HEADER]) for row in rows], dtype=torch.float64)
-        raise_if_out_of_order(tags, call.group, backward=True)
-        return
-    own = grad_info.detach()[4:6].to("cpu", torch.float64)
-    if gather:
-        note = flight.check_note(call.layer_tag)
-        tags = all_gather(own.to(summed.device), call.group, call.world_size, note).cpu()
-        raise_if_out_of_order(tags.view(-1, 2), call.group, backward=True)
-        return
-    layer, number = (int(v) for v in own.tolist())
-    raise call_order_error(
-        f"this rank ran the backward of {layer_text(layer)} (call #{number + 1}) while another "
-        f"rank ran a different layer's or call's (its summed sums cannot name the others)",
-        group_ranks(call.group, 1) if isinstance(call.group, str) else [],
-        backward=True,
-    )
+    def grad_input(
+        self, grad_output: torch.Tensor, summed: torch.Tensor, local: LocalGrads, call: SyncCall
+    ) -> torch.Tensor:
+        return self.checked_grad_input(grad_output, summed, local, call)[0]

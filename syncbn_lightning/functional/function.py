@@ -22,18 +22,22 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .._shared import CALL_ORDER_MARK, SHIFT_MARK
 from ..distributed import flight
-from ..distributed.call_order import poll_order_checks
+from ..distributed.call_order import note_order_flag, poll_order_checks, queue_order_check
+from ..distributed.call_order.policy import queues_order_flag
 from ..distributed.collectives import all_gather, sum_over_group
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
+from ..ops.reference import check_group_count
 
 # The built-in exchanges register themselves when imported: here, with the Function, so that a
 # first call under torch.compile finds them registered (an import cannot be traced).
 from . import gather as _gather  # noqa: F401
 from . import reduce as _reduce  # noqa: F401
-from .exchange import Inputs, LayerState, LocalGrads, SyncCall
+from .exchange import Inputs, LayerState, OrderCheck, SyncCall
 from .options import SyncOptions
+from .order_report import report, report_queued
 from .registry import get_exchange
 
 __all__ = ["SyncBatchNormFunction", "sync_batch_norm"]
@@ -86,10 +90,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 received = all_gather(sent, call.group, call.world_size, note)
             else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
                 received = sum_over_group(sent, call.group, call.world_size, note)
-            if residual is None:
-                merged = exchange.merge(inputs, sent, received, call)
-            else:
-                merged = exchange.merge(inputs, sent, received, call, residual=residual)
+            check = exchange.order_check(sent, received, call)
+            try:
+                if residual is None:
+                    merged = exchange.merge(inputs, sent, received, call)
+                else:
+                    merged = exchange.merge(inputs, sent, received, call, residual=residual)
+            except RuntimeError as exc:
+                _report_at_once(exc, check, call)
+                raise
+            if check is not None:
+                _check_order(merged.info, 2, check, call, state.order, input, False)
             if call.keep is not None:  # a checkpoint's forward: what its recompute takes
                 call.keep.extend((*exchange.kept_stats(merged), note[2]))
         if state.order is None:
@@ -126,15 +137,21 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     if ctx.notes_order:
         saved, order = saved[:-1], saved[-1]
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-    local = call.exchange.local_grads(grad_output, saved, call)
-    if order is not None:
-        local = LocalGrads(*local[:5], order)
+    exchange = call.exchange
+    local = exchange.local_grads(grad_output, saved, call)
     grad_input = None
     if need_input:
         note = (flight.BACKWARD, call.layer_tag, ctx.flight_call)
         # In place: the local sums are not read again (their error path reads the saved tags).
         summed = sum_over_group(local.sums, call.group, call.world_size, note, in_place=True)
-        grad_input = call.exchange.grad_input(grad_output, summed, local, call)
+        check = exchange.backward_order_check(summed, local, call)
+        try:
+            grad_input, order_ok = exchange.checked_grad_input(grad_output, summed, local, call)
+        except RuntimeError as exc:
+            _report_at_once(exc, check, call)
+            raise
+        if check is not None and order_ok is not None:
+            _check_order(order_ok, 0, check, call, order, saved[0], True)
     return (
         grad_input,
         local.grad_weight if need_weight else None,
@@ -146,6 +163,43 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
 
 
 _backward_once = once_differentiable(_backward)
+
+
+def _report_at_once(exc: RuntimeError, check: OrderCheck | None, call: SyncCall) -> None:
+    """The kernels raised ``exc``: where it is their call-order error (found at once, on the
+    CPU, by every rank of the group at this call), raise the CallOrderError naming each rank's
+    layer instead (the caller re-raises ``exc`` otherwise: the reduce exchange's differing
+    running means name their own fix)."""
+    text = str(exc)
+    if check is not None and CALL_ORDER_MARK in text and SHIFT_MARK not in text:
+        report(*check, call.group, call.world_size, call.layer_tag, True)
+
+
+def _check_order(
+    flags: torch.Tensor,
+    index: int,
+    check: OrderCheck,
+    call: SyncCall,
+    order: torch.Tensor | None,
+    input: torch.Tensor,
+    backward: bool,
+) -> None:
+    """The call-order flag ``flags[index]`` of a call whose kernels did not check it at once
+    (a device whose flags would cost a host sync to read, or the tests' switch): compiled code
+    notes it on the layer's status ``order``; eager code queues it, with what :func:`report`
+    names a mismatch from, to be read by a later call or :func:`check_call_order`. A forward on
+    fewer than two values per channel also checks the group's count on the host (torch's error
+    when the whole group has just one)."""
+    if not queues_order_flag(input):
+        return  # the kernels checked it at once
+    if order is not None:
+        note_order_flag(order, flags[index], flags[5] if not backward else check.aux[5], backward)
+        return
+    args = (*check, call.group, call.world_size, call.layer_tag)
+    queue_order_check(flags, index, report_queued, *args, group=call.group)
+    tiny = not backward and input.numel() < 2 * input.shape[1]
+    if tiny and not torch.compiler.is_compiling():
+        check_group_count(int(flags[0].item()), input, call.world_size)
 
 
 def sync_batch_norm(

@@ -21,24 +21,21 @@ The split mean keeps outputs and gradients at float32's relative precision on th
 ``x - round(mean)`` would lose ``log10(|mean| / std)`` digits (the rows' ``mean_lo`` costs ``C``
 values per rank, 50 % more bytes, and no extra collective).
 
-Nothing reads device memory on the host, except on CUDA in eager mode when the local batch has
-fewer than 2 values per channel (to raise torch's error when the whole group has just one); the
-CPU kernels check it for free.
+The call-order check reads the merge's flag (``info[2]``); a mismatch is named from every rank's
+row (:meth:`order_check`; the call reports it, :mod:`.order_report`). Nothing reads device memory
+on the host, except on CUDA in eager mode when the local batch has fewer than 2 values per
+channel (to raise torch's error when the whole group has just one); the CPU kernels check it for
+free.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..distributed.call_order import note_order_flag, queue_order_check, raise_if_out_of_order
-from ..distributed.call_order.policy import queues_order_flag
-from ..distributed.collectives import Group
-from ..ops.reference import CALL_ORDER_MARK, check_group_count
-from ..ops.reference.steps import ROW_HEADER, row_width
-from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
+from .exchange import Inputs, Merged, OrderCheck, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
 
-__all__ = ["GatherExchange", "row_tags"]
+__all__ = ["GatherExchange"]
 
 
 class GatherExchange(SplitMeanBackward):
@@ -52,6 +49,9 @@ class GatherExchange(SplitMeanBackward):
     def payload(self, inputs: Inputs, call: SyncCall) -> torch.Tensor:
         return kernels(call).stats_row(inputs.input, call.layer_tag, inputs.state.calls)
 
+    def order_check(self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall) -> OrderCheck:
+        return OrderCheck(0, received, None, sent.numel())  # every rank's row names its layer
+
     def merge(
         self,
         inputs: Inputs,
@@ -61,48 +61,23 @@ class GatherExchange(SplitMeanBackward):
         residual: torch.Tensor | None = None,
     ) -> Merged:
         input, weight, bias, state = inputs
-        options, channels = call.options, input.shape[1]
-        try:
-            output, mean, mean_lo, invstd, var, info, grad_info = kernels(call).merge_normalize(
-                input,
-                received,
-                weight,
-                bias,
-                *state[:4],  # running_mean, running_var, num_batches_tracked, nonfinite
-                options.momentum,
-                options.eps,
-                options.unbiased_running_var,
-                call.act,
-                call.act_param,
-                options.stats_mode == "default",
-                residual,
-            )
-        except RuntimeError as exc:
-            if CALL_ORDER_MARK not in str(exc):
-                raise
-            raise_if_out_of_order(row_tags(received, channels), call.group)
-            raise
-        if queues_order_flag(input):
-            if state.order is not None:  # compiled: noted on the layer
-                note_order_flag(state.order, info[2], info[5], False)
-            else:
-                queue_order_check(
-                    info, 2, _report_order, received, channels, call.group, group=call.group
-                )
-            if input.numel() < 2 * channels and not torch.compiler.is_compiling():
-                check_group_count(int(info[0].item()), input, call.world_size)
+        options = call.options
+        output, mean, mean_lo, invstd, var, info, grad_info = kernels(call).merge_normalize(
+            input,
+            received,
+            weight,
+            bias,
+            *state[:4],  # running_mean, running_var, num_batches_tracked, nonfinite
+            options.momentum,
+            options.eps,
+            options.unbiased_running_var,
+            call.act,
+            call.act_param,
+            options.stats_mode == "default",
+            residual,
+        )
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
         return Merged(output, mean, var, info, saved)
-
-
-def row_tags(rows: torch.Tensor, channels: int) -> torch.Tensor:
-    """``[W, 2]``: every row's (layer_tag, call_tag)."""
-    return rows.view(-1, row_width(channels))[:, 2:ROW_HEADER]
-
-
-def _report_order(rows: torch.Tensor, channels: int, group: Group) -> None:
-    """A queued CUDA check failed: raise the error naming each rank's layer."""
-    raise_if_out_of_order(row_tags(rows, channels).cpu(), group)
 
 
 register_exchange(GatherExchange())

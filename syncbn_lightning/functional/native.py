@@ -40,72 +40,29 @@ from typing import Any
 
 import torch
 
-from .._shared import ROW_HEADER
 from ..distributed import flight
 from ..distributed.call_order import (
-    raise_if_out_of_order,
     raise_if_published,
     raise_if_published_for,
     register_queue,
     report_queued_failure,
     watcher,
 )
-from ..distributed.collectives import all_gather, report_collective_failure
-from ..ops.reference.steps import own_tags
-from .exchange import SyncCall, raise_backward_order
-from .gather import _report_order
-from .options import SyncOptions
-from .reduce import _report_mismatch
-from .registry import get_exchange
+from ..distributed.collectives import report_collective_failure
+from .order_report import KINDS, report, report_queued
 
 __all__ = ["KINDS", "native_op", "register_python_kernels"]
 
-#: ``csrc/layer/layer.h``'s ``Mismatch``: where a call-order mismatch was found.
-KINDS = ("gathered_rows", "reduce_sums", "backward_sums")
 
 _registered = False
 _lock = threading.Lock()
 _library: list[torch.library.Library] = []  # kept alive: dropping a Library deregisters it
 
 
-def _order_failed(
-    kind: int,
-    data: torch.Tensor,
-    aux: torch.Tensor,
-    width: int,
-    group: str | None,
-    world_size: int,
-    layer_tag: int,
-    at_once: bool,
-) -> None:
-    """Raise the CallOrderError of a mismatch the C++ path found (``KINDS[kind]``) in ``data``
-    (the gathered rows, the reduce exchange's vector sent, the backward's summed sums; ``aux``:
-    the summed vector, the merge's grad_info), one rank's share ``width`` values long.
-    ``at_once``: found by every rank of the group at this call, which may then gather the ranks'
-    tags to name each rank's layer; else a queued flag read later, reported from what this rank
-    holds, never through a collective (the other ranks are elsewhere by now)."""
-    if KINDS[kind] == "gathered_rows":
-        _report_order(data, (width - ROW_HEADER) // 3, group)
-    elif KINDS[kind] == "reduce_sums" and at_once:
-        own = torch.tensor(own_tags(data), dtype=torch.float64)
-        tags = all_gather(own, group, world_size, flight.check_note(layer_tag))
-        raise_if_out_of_order(tags.view(-1, 2), group)
-    elif KINDS[kind] == "reduce_sums":
-        _report_mismatch(data, aux, world_size, group)
-    else:
-        call = SyncCall(group, world_size, layer_tag, get_exchange("gather"), SyncOptions(), True)
-        raise_backward_order(data, width, aux, call, gather=at_once)
-
-
 def _call_order_failed(*args: Any) -> None:
-    """``syncbn::call_order_failed``: :func:`_order_failed` of a mismatch every rank found at
-    this call (the arguments: the operator's)."""
-    _order_failed(*args, at_once=True)
-
-
-def _report_queued(*args: Any) -> None:
-    """The report of a queued flag that read 0: :func:`_order_failed` from this rank's data."""
-    _order_failed(*args, at_once=False)
+    """``syncbn::call_order_failed``: the report of a mismatch every rank found at this call
+    (the arguments: the operator's, :func:`~.order_report.report`'s)."""
+    report(*args, at_once=True)
 
 
 def _queued_order_failed(
@@ -118,9 +75,10 @@ def _queued_order_failed(
     layer_tag: int,
 ) -> None:
     """``syncbn::queued_order_failed``: a flag of the C++ path's order ring read 0; raise its
-    error after telling the group's other ranks (the arguments: :func:`_order_failed`'s)."""
+    error after telling the group's other ranks (the arguments: :func:`~.order_report.report`'s,
+    without ``at_once``)."""
     args = (kind, data, aux, width, group, world_size, layer_tag)
-    report_queued_failure(_report_queued, args, group)
+    report_queued_failure(report_queued, args, group)
 
 
 def _order_signal(signalled: bool) -> None:

@@ -29,7 +29,8 @@ Call order: the layer and call tags (and a fingerprint of ``K``) travel as 12-bi
 their squares ``c^2``; every rank checks ``sum(c) == P c`` and ``sum(c^2) == P c^2``, which holds on
 one rank iff all ranks sent the same chunk (then the chunks' variance over ranks is 0), so all
 ranks detect a mismatch at the same call. Only then (an error path every rank takes) do they
-all-gather their tags to raise :class:`~syncbn_lightning.CallOrderError`.
+all-gather their tags to raise :class:`~syncbn_lightning.CallOrderError` (the call's report,
+:mod:`.order_report`: the strategy only says where the tags are, :meth:`order_check`).
 
 Backward is the gather exchange's (:class:`~.exchange.SplitMeanBackward`): local ``[sum(dy),
 sum(dy * xmu)]``, ONE collective summing them (the Function's), the elementwise input gradient.
@@ -43,20 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .._shared import SHIFT_MARK
-from ..distributed import flight
-from ..distributed.call_order import (
-    call_order_error,
-    note_order_flag,
-    queue_order_check,
-    raise_if_out_of_order,
-)
-from ..distributed.call_order.policy import queues_order_flag
-from ..distributed.collectives import Group, all_gather, group_ranks
-from ..distributed.flight import layer_text
-from ..ops.reference import CALL_ORDER_MARK, check_group_count
-from ..ops.reference.steps import REDUCE_HEADER, SHIFT_MISMATCH, own_tags
-from .exchange import Inputs, Merged, SplitMeanBackward, SyncCall, kernels
+from .._shared import REDUCE_HEADER
+from .exchange import Inputs, Merged, OrderCheck, SplitMeanBackward, SyncCall, kernels
 from .registry import BUILTIN, register_exchange
 
 __all__ = ["ReduceExchange", "reduce_payload_numel"]
@@ -81,6 +70,9 @@ class ReduceExchange(SplitMeanBackward):
             inputs.input, state.running_mean, call.layer_tag, state.calls, equal
         )
 
+    def order_check(self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall) -> OrderCheck:
+        return OrderCheck(1, sent, received, sent.numel())  # the tags were summed: this rank's
+
     def merge(
         self,
         inputs: Inputs,
@@ -90,63 +82,25 @@ class ReduceExchange(SplitMeanBackward):
         residual: torch.Tensor | None = None,
     ) -> Merged:
         input, weight, bias, state = inputs
-        options, world = call.options, call.world_size
-        try:
-            merge = kernels(call).reduce_merge_normalize
-            output, mean, mean_lo, invstd, var, info, grad_info = merge(
-                input,
-                received,
-                sent,
-                weight,
-                bias,
-                *state[:4],  # running_mean, running_var, num_batches_tracked, nonfinite
-                options.momentum,
-                options.eps,
-                options.unbiased_running_var,
-                options.stats_mode == "default",
-                world,
-                call.act,
-                call.act_param,
-                residual,
-            )
-        except RuntimeError as exc:
-            text = str(exc)
-            if CALL_ORDER_MARK not in text or SHIFT_MARK in text:
-                raise
-            # Every rank detects the mismatch at the same call: every rank joins this collective
-            # (the error path only) to name each rank's layer.
-            own = torch.tensor(own_tags(sent), dtype=torch.float64)
-            tags = all_gather(own, call.group, world, flight.check_note(call.layer_tag))
-            raise_if_out_of_order(tags.view(-1, 2), call.group)
-            raise
-        if queues_order_flag(input):
-            if state.order is not None:  # compiled: noted on the layer
-                note_order_flag(state.order, info[2], info[5], False)
-            else:
-                queue_order_check(
-                    info, 2, _report_mismatch, sent, received, world, call.group, group=call.group
-                )
-            if input.numel() < 2 * input.shape[1] and not torch.compiler.is_compiling():
-                check_group_count(int(info[0].item()), input, world)
+        options = call.options
+        output, mean, mean_lo, invstd, var, info, grad_info = kernels(call).reduce_merge_normalize(
+            input,
+            received,
+            sent,
+            weight,
+            bias,
+            *state[:4],  # running_mean, running_var, num_batches_tracked, nonfinite
+            options.momentum,
+            options.eps,
+            options.unbiased_running_var,
+            options.stats_mode == "default",
+            call.world_size,
+            call.act,
+            call.act_param,
+            residual,
+        )
         saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
         return Merged(output, mean, var, info, saved)
-
-
-def _report_mismatch(sent: torch.Tensor, total: torch.Tensor, world: int, group: Group) -> None:
-    """A queued check failed: this rank's tags (the other ranks' were summed, not gathered) or
-    the running means."""
-    sent, total = sent.cpu(), total.cpu().view(-1, sent.numel()).sum(0)
-    same = (total[3:REDUCE_HEADER] == sent[3:REDUCE_HEADER] * world).view(6, 2).all(dim=1)
-    if bool(same[:4].all()):
-        raise RuntimeError(SHIFT_MISMATCH)
-    layer, call = own_tags(sent)
-    ranks = group_ranks(group, 1) if isinstance(group, str) else []
-    raise call_order_error(
-        f"this rank ran {layer_text(layer)} (call #{int(call) + 1}) while another rank ran a "
-        f"different layer or call (exchange='reduce' sums the tags, so it cannot name the other "
-        f"ranks' layers; exchange='gather' does)",
-        ranks,
-    )
 
 
 register_exchange(ReduceExchange())
