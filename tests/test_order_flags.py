@@ -285,10 +285,12 @@ def test_three_jobs_in_one_process_leave_no_syncbn_thread(tmp_path: Path, queued
     assert len(set(jobs)) == 3
 
 
-def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path, queued_flags) -> None:
-    """A layer whose calls are all compiled queues nothing in Python: its group's watcher
-    starts when the model is converted onto a group whose calls queue their flags (CUDA's
-    way, here on CPU), and revert_sync_batchnorm ends it."""
+def test_a_watcher_starts_at_the_first_planned_call_and_ends_at_revert(
+    tmp_path: Path, queued_flags
+) -> None:
+    """Converting starts nothing: the group's watcher starts when a layer first plans a call on
+    a group whose calls queue their flags (CUDA's way, here on CPU), and
+    revert_sync_batchnorm ends it."""
     import torch.distributed as dist
 
     from syncbn_lightning import revert_sync_batchnorm
@@ -296,11 +298,33 @@ def test_a_watcher_starts_at_conversion_and_ends_at_revert(tmp_path: Path, queue
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
     try:
         group = dist.new_group([0])
-        net = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
+        net = convert_sync_batchnorm(
+            nn.Sequential(nn.BatchNorm1d(4)), process_group=group, force_sync=True
+        )
+        assert not group_abort.watcher_threads()
+        net(torch.randn(3, 4))
         assert len(group_abort.watcher_threads()) == 1
         assert current_job().watcher.groups == {group.group_name}
         revert_sync_batchnorm(net)
         assert not group_abort.watcher_threads()  # joined before revert returns
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_calls_groups_are_watched_from_the_first_check(tmp_path: Path, queued_flags):
+    """A layer whose calls are all compiled plans nothing: its status (where compiled calls note
+    their flags) names its group, which check_call_order registers with the job's watcher when
+    it first reads the status."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        layer = convert_sync_batchnorm(nn.BatchNorm1d(4), process_group=group)
+        assert layer._order is not None and not group_abort.watcher_threads()
+        call_order.mark_status_used()  # what a compiled call does
+        check_call_order()
+        assert group.group_name in current_job().watcher.groups  # (and earlier tests' layers')
     finally:
         dist.destroy_process_group()
 

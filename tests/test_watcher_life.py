@@ -57,12 +57,15 @@ def one_rank_job(tmp_path: Path) -> Iterator[None]:
     assert not _threads(), "a watcher outlived its job"
 
 
-def test_a_layer_built_on_a_group_starts_its_watcher(
+def test_a_layers_first_call_on_a_group_starts_its_watcher(
     one_rank_job: None, queued_flags: None
 ) -> None:
-    """Where calls queue their flags (CUDA's way, here on CPU)."""
+    """Where calls queue their flags (CUDA's way, here on CPU): the group is registered with the
+    job when a layer first plans a call on it, never by the layer's constructor."""
     group = dist.new_group([0])
-    layer = SyncBatchNorm(4, process_group=group)
+    layer = SyncBatchNorm(4, process_group=group, force_sync=True)
+    assert not _threads(within_s=0.2) and current_job().watcher is None
+    layer(torch.randn(3, 4))
     (thread,) = _threads(want=1)
     job = current_job()
     assert thread.name == f"syncbn-abort-watch-{job.id}"
@@ -111,8 +114,15 @@ def test_reverting_one_model_keeps_the_watcher_another_model_needs(
     the first (an exported copy, an EMA) leaves the second's watcher; reverting the second ends
     it."""
     group = dist.new_group([0])
-    first = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
-    second = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)), process_group=group)
+    models = [
+        convert_sync_batchnorm(
+            nn.Sequential(nn.BatchNorm1d(4)), process_group=group, force_sync=True
+        )
+        for _ in range(2)
+    ]
+    for model in models:
+        model(torch.randn(3, 4))
+    first, second = models
     (thread,) = _threads(want=1)
     revert_sync_batchnorm(first)
     assert type(first[0]) is nn.BatchNorm1d
@@ -191,7 +201,7 @@ def test_a_watcher_reads_a_mismatch_another_rank_published(
     monkeypatch.setattr(group_abort, "CHECK_S", 0.05)
     monkeypatch.setattr(group_abort, "LIVE_S", 0.01)
     group = dist.new_group([0])
-    SyncBatchNorm(4, process_group=group)
+    SyncBatchNorm(4, process_group=group, force_sync=True)(torch.randn(3, 4))
     job = current_job()
     store = dist.distributed_c10d._get_default_store()
     store.set(group_abort._KEY + group.group_name, "global rank 1 found: a mismatch")
@@ -212,7 +222,9 @@ def test_a_watcher_reads_a_mismatch_another_rank_published(
 def test_one_watcher_watches_every_group_of_a_job(one_rank_job: None, queued_flags: None) -> None:
     """Four groups, one thread: the job's watcher, whose store load does not grow with them."""
     groups = [dist.new_group([0]) for _ in range(4)]
-    layers = [SyncBatchNorm(4, process_group=group) for group in groups]
+    layers = [SyncBatchNorm(4, process_group=group, force_sync=True) for group in groups]
+    for layer in layers:
+        layer(torch.randn(3, 4))
     assert len(_threads(want=1)) == 1
     assert current_job().watcher.groups == {group.group_name for group in groups}
     revert_sync_batchnorm(nn.Sequential(*layers[:3]))
@@ -227,7 +239,7 @@ def test_a_watcher_ends_within_a_second_of_destroy_process_group(
     """No hook tells SyncBN of ``destroy_process_group``: the watcher looks every LIVE_S, without
     asking the store."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
-    SyncBatchNorm(4, process_group=dist.new_group([0]))
+    SyncBatchNorm(4, process_group=dist.new_group([0]), force_sync=True)(torch.randn(3, 4))
     (thread,) = _threads(want=1)
     dist.destroy_process_group()
     thread.join(1.0)

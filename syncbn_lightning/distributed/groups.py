@@ -179,9 +179,8 @@ def watch_sync_group(process_group: Any, cpu_queues: bool = False) -> None:
     ``process_group`` synchronizes through, in a running job (a group of the caller's, or the
     world's twin once made: this never makes a group), where its calls may queue their flags:
     the group carries device tensors (:func:`carries_device_tensors`), or ``cpu_queues`` (CPU
-    calls queue them: the tests' switch, ``ops/reference.py``). The converter and the layer's
-    constructor call it, so that a job whose layers run only compiled code has its watcher
-    too."""
+    calls queue them: the tests' switch, ``call_order/policy.py``). Called where SyncBN makes
+    its groups (:func:`new_sync_group`, :func:`sync_world_group`)."""
     name = made_group_name(process_group)
     if name is not None and (cpu_queues or carries_device_tensors(name)):
         watcher.watch_group(name)

@@ -239,10 +239,10 @@ class SyncPlan:
             them (:func:`settings_in_schema_order`): positional arguments cost the operator's
             Python binding ~4 us less per call than the same by keyword
             (``benchmarks/bench_op_args.py``).
-        watched: for a C++ plan whose calls queue their call-order flags in a group, the
+        watched: for a plan whose calls queue their call-order flags in a group, the
             :data:`~syncbn_lightning.distributed.call_order.watcher.watch_epoch` at which it had
-            the job's watcher watch the group (again when the watcher was stopped since); else
-            ``None``.
+            the job's watcher watch the group (a later one makes a new plan: the watchers were
+            stopped since, a fit's teardown); else ``None``.
     """
 
     __slots__ = (
@@ -283,6 +283,11 @@ class SyncPlan:
         if not self.synchronizes:
             return
         self.python = python_path(layer, device, self.world_size)
+        if isinstance(self.python.group, str) and queues_order_flags_on(torch.device(device)):
+            # A group whose calls queue their flags: the job's watcher watches it from the
+            # first plan on it (again after a teardown stopped it: the plan is then made anew).
+            self.watched = watcher.watch_epoch
+            watcher.watch_group(self.python.group)
         exchange = self.python.exchange
         builtin = exchange.name in BUILTIN and exchange is get_exchange(exchange.name)
         # (cpp_path first: off the CPU it checks SYNCBN_NATIVE_CUDA, whatever the kernels)
@@ -311,15 +316,6 @@ class SyncPlan:
             "num_features": layer.num_features,
         }
         self.args = settings_in_schema_order(self.op, self.settings)
-        if self.settings["queue_order_flags"] and self.python.group is not None:
-            self.watch()
-
-    def watch(self) -> None:
-        """Have the job's watcher watch the plan's group (a queued flag that reads 0 on another
-        rank is published there, :mod:`~syncbn_lightning.distributed.call_order.watcher`): the
-        C++ path queues its flags without Python, so the plan asks for it."""
-        self.watched = watcher.watch_epoch
-        watcher.watch_group(self.settings["group"])
 
 
 def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ...]:
@@ -349,6 +345,7 @@ def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
         or plan.name is not layer.sync_name
         or plan.impl != impl
         or plan.device != device
+        or (plan.watched is not None and plan.watched != watcher.watch_epoch)
     ):
         plan = layer._sync_plan = SyncPlan(layer, world, impl, device)
     return plan
@@ -409,8 +406,6 @@ def _native_call(
     weight, bias = affine_of(layer)
     if plan.checks_first:  # else the operator's own checks (the same messages) do
         _check_call_input(layer, input, weight)
-    if plan.watched is not None and plan.watched != watcher.watch_epoch:
-        plan.watch()  # watchers were stopped (a fit's teardown) while this layer lives on
     act, act_param = activation or _NO_ACT
     kept = kind.kept
     stats, call = (kept.stats, kept.flight_call) if kept is not None else (None, -1)

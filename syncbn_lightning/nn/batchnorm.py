@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..distributed.call_order.policy import cpu_queues_order_flags
-from ..distributed.groups import check_process_group, watch_sync_group
+from ..distributed.groups import check_process_group
 from ..functional.layer_call import (
     BatchRecord,  # noqa: F401  (pickles of 0.1 name it here)
     SyncPlan,
@@ -185,7 +184,6 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         self.process_group = process_group
         self._number_layer()
         match_torch_class(self)
-        watch_sync_group(process_group, cpu_queues_order_flags())  # compiled-only jobs too
 
     def _apply(self, fn: Any, recurse: bool = True) -> SyncBatchNorm:
         super()._apply(fn, recurse)

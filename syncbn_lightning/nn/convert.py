@@ -20,9 +20,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from ..distributed.call_order import layers_with_status
-from ..distributed.call_order.policy import cpu_queues_order_flags
 from ..distributed.call_order.watcher import stop_watchers
-from ..distributed.groups import check_process_group, made_group_name, watch_sync_group
+from ..distributed.groups import check_process_group, made_group_name
 from ..functional.options import KEEP, SyncOptions
 from .checks import FuseResidual, check_fuse_residual
 from .layer_state import name_sync_layers
@@ -234,7 +233,6 @@ def convert_with(
         )
     converted = _convert_tree(module, (process_group, options), custom_forward, "")
     name_sync_layers(converted)
-    watch_sync_group(process_group, cpu_queues_order_flags())
     return converted
 
 
@@ -248,7 +246,6 @@ def configure_sync_layers(
     for layer in layers:
         layer.sync_options = options.apply_to(layer.sync_options)
         layer.process_group = process_group
-    watch_sync_group(process_group, cpu_queues_order_flags())
     return layers
 
 

@@ -199,6 +199,8 @@ def _check_statuses() -> None:
     for status, layer, group in noted:
         if status is not None:
             by_device.setdefault(status.device, []).append((status, layer, group))
+            if isinstance(group, str):  # compiled calls plan nothing: their groups, from here on
+                watcher.watch_group(group)
     failed: list[tuple[int, int, bool, Group]] = []
     for rows in by_device.values():
         values = torch.stack([status for status, _, _ in rows]).cpu()
@@ -286,8 +288,6 @@ def queue_order_check(
         return
     if flags.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # a captured graph's flags hold nothing yet, and each replay rewrites them
-    if isinstance(group, str):
-        watcher.watch_group(group)
     entry = (flags, index, report, args, group, _FlagCopy.of(flags, index))
     with _queue_lock:
         _pending.append(entry)

@@ -14,10 +14,11 @@ timeout, each naming nothing. So the rank that finds a mismatch *publishes* it:
   :data:`REQUEST_TIMEOUT_S`), which watches every group of the job whose calls may queue flags
   (its backends carry device tensors, :func:`.groups.carries_device_tensors`, or CPU calls queue
   them under the tests' switch; a CPU job on gloo runs none: its calls check at once, on every
-  rank). A group is added when SyncBN makes it (:mod:`.groups`), converts a model onto it, makes
-  a layer's plan that queues flags on it (the C++ path), or first queues a flag on it (eager or
-  compiled code alike: groups are made and converted onto eagerly). Every :data:`CHECK_S`
-  seconds the watcher asks the store for ``syncbn/abort``: one request, whatever the number of
+  rank). A group is registered with the job where SyncBN makes it (:mod:`..groups`) or first
+  plans a call on it (a layer's plan, :mod:`syncbn_lightning.functional.layer_call`; compiled
+  calls, which plan nothing, when :func:`~.checks.check_call_order` first reads their status):
+  no constructor, converter or per-call code feeds it. Every :data:`CHECK_S` seconds the
+  watcher asks the store for ``syncbn/abort``: one request, whatever the number of
   groups; between requests it only looks, every :data:`LIVE_S` seconds, whether it was stopped
   and whether its job still runs, which costs the store nothing. When the key appears, it reads
   the keys of its groups; for one of them it logs the message, aborts this rank's member of the
