@@ -3,7 +3,7 @@ within a second, in one line, with exit code 2, and leaves nothing on disk.
 
 The command runs as a user runs it, in a fresh interpreter from an empty working directory,
 without ``hydra.run.dir``: a refused config must not leave the default ``outputs/<date>/<time>/``
-behind. The check imports neither torch, Lightning nor W&B (``syncbn_lightning.app.checks``;
+behind. The check imports neither torch, Lightning nor W&B (``syncbn_lightning.app.config.checks``;
 the package root and the library modules it reads import lazily); the second includes the
 interpreter's start and Hydra's composition.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from _service import RENDEZVOUS_VARS
 
-from syncbn_lightning.app.checks import check_command_line
+from syncbn_lightning.app.config.checks import check_command_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,7 +168,7 @@ def test_a_value_only_the_model_checks_is_refused_before_any_directory(tmp_path:
 def test_the_command_line_check_imports_no_heavy_module() -> None:
     code = f"""
 import json, sys
-from syncbn_lightning.app.checks import check_command_line
+from syncbn_lightning.app.config.checks import check_command_line
 check_command_line(["recipe=classifier_sanity", "bn.group_size=2", "trainer.devices=4"])
 print(json.dumps([m for m in {HEAVY_MODULES!r} if m in sys.modules]))
 """

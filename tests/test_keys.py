@@ -1,4 +1,4 @@
-"""Layer 7: unknown keys under ``bn``, ``trainer`` and ``data`` (``syncbn_lightning.app.keys``).
+"""Layer 7: unknown keys under ``bn``, ``trainer`` and ``data`` (``app.config.keys``).
 
 The command line as users run it (``python train.py`` in a subprocess): exit code 2, one line
 naming the bad key and the closest valid one, nothing started or written. In process: the valid
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from syncbn_lightning import SyncBNCallback
 from syncbn_lightning.app.config import ConfigError, check_command_line, validate
-from syncbn_lightning.app.keys import (
+from syncbn_lightning.app.config.keys import (
     UnknownKeyError,
     _imported_signature,
     accepted_keys,
@@ -129,7 +129,7 @@ def test_source_signatures_match_the_imported_ones(target: str) -> None:
     the source reading would step aside.)"""
     code = f"""
 import json, sys
-from syncbn_lightning.app.keys import source_signature
+from syncbn_lightning.app.config.keys import source_signature
 names, forwards = source_signature({target!r})
 print(json.dumps([sorted(names), forwards, "lightning" in sys.modules]))
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .checks import check_command_line, exit_on_config_error
+from .config.checks import check_command_line, exit_on_config_error
 from .launch import RANK_CONFIG_ENV
 
 __all__ = ["entry"]

@@ -20,19 +20,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed.collectives import gather_rows
+from ..functional.accumulate import StatsAccumulator
 from ..ops.dispatch import ops_for
 from .running_stats import running_stat_layers
 
 __all__ = ["update_bn_stats"]
 
 
-class _Accumulator:
-    """Count, mean and M2 of one layer's inputs, merged batch by batch (Chan et al.) in fp64."""
-
-    def __init__(self, channels: int, device: torch.device) -> None:
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-        self.mean = torch.zeros(channels, dtype=torch.float64, device=device)
-        self.m2 = torch.zeros(channels, dtype=torch.float64, device=device)
+class _Accumulator(StatsAccumulator):
+    """A layer's accumulator for PreciseBN, fed by a forward pre-hook with its input's local
+    statistics."""
 
     def hook(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0].detach()
@@ -41,14 +38,7 @@ class _Accumulator:
             return
         # A SyncBatchNorm's own implementation choice (impl=), else SYNCBN_IMPL.
         mean, m2 = ops_for(x, getattr(_module, "impl", None)).local_stats(x)
-        self.merge(float(n), mean.double(), m2.double())
-
-    def merge(self, n: float | torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean += delta * (n / total)
-        self.m2 += m2 + delta.square() * (self.count * n / total)
-        self.count = total
+        self.merge(float(n), mean, m2)
 
 
 @torch.no_grad()

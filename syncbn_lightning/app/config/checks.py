@@ -29,6 +29,10 @@ from syncbn_lightning._files import shipped_dir
 from syncbn_lightning.distributed.group_sizes import resolve_group_size
 from syncbn_lightning.lightning.arguments import check_callback_arguments
 
+from ..launch import launched_externally, missing_rendezvous
+from ..tasks.coco_files import missing_files
+from ..tasks.norm_choice import check_norm, check_norm_init
+from ..wandb_auth import check_wandb
 from .keys import (
     UnknownKeyError,
     check_keys,
@@ -37,10 +41,6 @@ from .keys import (
     parse_command_line,
     split_checked,
 )
-from .launch import launched_externally, missing_rendezvous
-from .tasks.coco_files import missing_files
-from .tasks.norm_choice import check_norm, check_norm_init
-from .wandb_auth import check_wandb
 
 __all__ = [
     "CONF_DIR",
