@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from syncbn_lightning import convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight
 from syncbn_lightning.functional.recompute import RECOMPUTE_ENV
 
 VARIANTS = ("torch_bn", "torch_bn_ckpt", "ours", "ours_ckpt", "ours_ckpt_repeat")

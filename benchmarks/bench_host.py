@@ -48,8 +48,8 @@ from torch import nn
 
 from syncbn_lightning import SyncBatchNorm
 from syncbn_lightning._shared import GRAD_HEADER
-from syncbn_lightning.distributed import flight
 from syncbn_lightning.distributed.collectives import sums_gathered
+from syncbn_lightning.distributed.flight import recorder as flight
 from syncbn_lightning.distributed.flight import recorder as flight_recorder
 from syncbn_lightning.ops.reference.steps import row_width
 

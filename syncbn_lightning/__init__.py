@@ -27,7 +27,7 @@ from . import _legacy, _torch
 _torch.check_torch()  # below the supported floor: one ImportError naming both releases
 
 if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __getattr__ below
-    from .distributed.call_order import CallOrderError, check_call_order
+    from .distributed.call_order.checks import CallOrderError, check_call_order
     from .distributed.groups import new_sync_group
     from .functional.recompute import RecomputeOrderError
     from .lightning.callback import SyncBNCallback
@@ -72,9 +72,9 @@ _WHERE = {
     "revert_sync_batchnorm": "nn.convert",
     "name_sync_layers": "nn.convert",
     "BatchNormXd": "nn.convert",
-    "CallOrderError": "distributed.call_order",
+    "CallOrderError": "distributed.call_order.checks",
     "RecomputeOrderError": "functional.recompute",
-    "check_call_order": "distributed.call_order",
+    "check_call_order": "distributed.call_order.checks",
     "new_sync_group": "distributed.groups",
     "update_bn_stats": "nn.precise_bn",
     "SyncDataParallel": "nn.data_parallel",

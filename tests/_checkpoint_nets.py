@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight
 
 #: How a test runs the net's forward: unchecked, or under one of torch's checkpoints.
 MODES = ("plain", "reentrant", "non_reentrant", "sequential", "wrapper", "wrapper_reentrant")

@@ -34,7 +34,7 @@ EXCEPTION_MODULES = (
     "builtins",
     "syncbn_lightning",
     "syncbn_lightning.ops.build",
-    "syncbn_lightning.app.config",
+    "syncbn_lightning.app.config.checks",
     "torch",
     "hydra.errors",
     "lightning.pytorch.utilities.exceptions",

@@ -23,7 +23,7 @@ from torch import nn
 
 from benchmarks._common import OpCounter
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm, new_sync_group
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight
 
 # inductor compiles on gloo processes: outside the fast check.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

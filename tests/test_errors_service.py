@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import syncbn_lightning.app.train as app
-from syncbn_lightning.app.config import check_command_line
+from syncbn_lightning.app.config.checks import check_command_line
 from syncbn_lightning.app.tasks.coco import CocoDetection
 
 CONF = ROOT / "conf"

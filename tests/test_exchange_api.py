@@ -63,7 +63,7 @@ def test_auto_reduces_gpu_tensors_above_eight_ranks_and_gathers_cpu_tensors() ->
 
 
 def test_bn_config_passes_exchange_to_the_callback() -> None:
-    from syncbn_lightning.app.config import bn_callback
+    from syncbn_lightning.app.config.jobs import bn_callback
 
     cfg = OmegaConf.load(ROOT / "conf" / "bn" / "sync.yaml")
     assert cfg.exchange == "auto"
@@ -166,7 +166,10 @@ def test_queued_reduce_check_names_this_ranks_layer_or_the_running_means(mismatc
     """The deferred check CUDA layers queue (the flag in ``info[2]``, this rank's vector and the
     summed one), run here on CPU tensors: a tag mismatch names this rank's layer and call, a shift
     mismatch the running means."""
-    from syncbn_lightning.distributed.call_order import queue_order_check, register_layer_name
+    from syncbn_lightning.distributed.call_order.checks import (
+        queue_order_check,
+        register_layer_name,
+    )
     from syncbn_lightning.functional.order_report import KINDS, report_queued
     from syncbn_lightning.ops.reference import steps as reference_steps
 

@@ -21,7 +21,7 @@ from _dist import run_distributed
 from _numerics import rel_err
 
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.distributed.call_order import raise_if_out_of_order
+from syncbn_lightning.distributed.call_order.checks import raise_if_out_of_order
 from syncbn_lightning.functional import (
     Exchange,
     Inputs,

@@ -18,8 +18,8 @@ from _dist import run_distributed
 from torch import nn
 
 from syncbn_lightning import convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
-from syncbn_lightning.distributed.flight import (
+from syncbn_lightning.distributed.flight import recorder as flight
+from syncbn_lightning.distributed.flight.recorder import (
     BACKWARD,
     FORWARD,
     FlightRecord,
@@ -54,7 +54,7 @@ def test_a_file_backed_ring_is_read_by_another_process_after_a_kill(tmp_path: Pa
     """The writer is SIGKILLed; its pages stay in the file."""
     script = (
         "import os, sys, signal\n"
-        "from syncbn_lightning.distributed import flight\n"
+        "from syncbn_lightning.distributed.flight import recorder as flight\n"
         "flight.register_layer_name(5, 'net.bn')\n"
         "flight.register_layer_name(6, 'head.bn')\n"
         "rec = flight.FlightRecorder(capacity=8, path=sys.argv[1], rank=1, world=2, job='j')\n"

@@ -27,7 +27,7 @@ from _dist import run_distributed
 from _lightning import BNNet, trainer
 
 from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight
 from syncbn_lightning.distributed.flight import recorder as flight_recorder
 from syncbn_lightning.distributed.flight import writer as flight_writer
 from syncbn_lightning.distributed.flight.file import HEADER, jobs_in, read_flight_dir

@@ -20,7 +20,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from syncbn_lightning import SyncBNCallback
-from syncbn_lightning.app.config import ConfigError, check_command_line, validate
+from syncbn_lightning.app.config.checks import ConfigError, check_command_line
+from syncbn_lightning.app.config.jobs import validate
 from syncbn_lightning.app.config.keys import (
     UnknownKeyError,
     _imported_signature,

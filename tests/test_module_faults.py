@@ -14,7 +14,7 @@ from _dist import run_distributed
 from torch import nn
 
 from syncbn_lightning import CallOrderError, SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.distributed.flight import read_flight_dir, read_layer_names
+from syncbn_lightning.distributed.flight.recorder import read_flight_dir, read_layer_names
 from syncbn_lightning.distributed.flight.report import describe_flight
 
 

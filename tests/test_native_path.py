@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import syncbn_lightning
 from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm
-from syncbn_lightning.distributed import flight
+from syncbn_lightning.distributed.flight import recorder as flight
 from syncbn_lightning.functional.layer_call import forward_function
 
 PACKAGE = str(Path(syncbn_lightning.__file__).resolve().parent)

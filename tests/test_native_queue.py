@@ -89,7 +89,7 @@ def _queue(flags: torch.Tensor, kind: str, data, aux, width, group, layer_tag=3,
 
 
 def test_a_queued_gather_flag_that_reads_zero_names_each_rank_s_layer(queued_flags) -> None:
-    from syncbn_lightning.distributed.flight import register_layer_name
+    from syncbn_lightning.distributed.flight.recorder import register_layer_name
 
     register_layer_name(11, "backbone.bn1")
     register_layer_name(12, "backbone.bn2")
@@ -107,7 +107,7 @@ def test_a_queued_gather_flag_that_reads_zero_names_each_rank_s_layer(queued_fla
 
 
 def test_a_queued_backward_flag_that_reads_zero_names_this_rank_s_layer(queued_flags) -> None:
-    from syncbn_lightning.distributed.flight import register_layer_name
+    from syncbn_lightning.distributed.flight.recorder import register_layer_name
 
     register_layer_name(21, "head.bn")
     summed = torch.zeros(16 + 2 * 3)

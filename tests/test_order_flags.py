@@ -263,7 +263,7 @@ def test_three_jobs_in_one_process_leave_no_syncbn_thread(tmp_path: Path, queued
     it runs, keyed by the job's id, and is gone after its destroy_process_group."""
     import torch.distributed as dist
 
-    from syncbn_lightning.distributed import flight
+    from syncbn_lightning.distributed.flight import recorder as flight
 
     assert not _watchers_gone(), "a watcher of an earlier test is still running"
     jobs = []

@@ -133,7 +133,7 @@ def test_hydra_bn_node_passes_stats_mode(tmp_path) -> None:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from syncbn_lightning.app.config import CONF_DIR
+    from syncbn_lightning.app.config.checks import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", "bn.stats_mode=default"])

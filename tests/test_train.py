@@ -23,7 +23,7 @@ from _service import tiny_cfg as _cfg
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import syncbn_lightning.app.config as app_config
+import syncbn_lightning.app.config.checks as app_config
 import syncbn_lightning.app.train as app
 from syncbn_lightning.app.launch import free_port
 from syncbn_lightning.app.tasks.shapes import generate_shapes

@@ -27,7 +27,8 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import AtomicCheckpointIO
-from .config import CONF_DIR, ConfigError, build, exit_on_config_error, validate, world
+from .config.checks import CONF_DIR, ConfigError, exit_on_config_error, world
+from .config.jobs import build, validate
 from .console import quiet_third_party
 from .kernels import KernelBuild, prepare_kernels
 from .launch import (
@@ -173,7 +174,7 @@ def _report_flight(exc: BaseException) -> None:
     ranks' sequences parted, or each rank's last call); nothing for a Ctrl-C or a config error."""
     if isinstance(exc, (KeyboardInterrupt, ConfigError)):
         return
-    from syncbn_lightning.distributed import flight
+    from syncbn_lightning.distributed.flight import recorder as flight
 
     with contextlib.suppress(Exception):  # the report must never hide the failure itself
         flight.report_failure(f"{type(exc).__name__}: {str(exc).strip()[:200]}")

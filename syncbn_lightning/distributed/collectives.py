@@ -35,10 +35,8 @@ import torch.distributed as dist
 
 from .._compat import put_back_backward_context, take_backward_context, use_count
 from .._shared import GATHER_SUM_MAX_RANKS
-from . import (
-    flight,
-    job,  # noqa: F401  (importing it registers the exit handler: the job ends, then the drain)
-)
+from . import job  # noqa: F401  (importing it registers the exit handler: the job ends, then the drain)
+from .flight import recorder as flight
 from .replicas import ReplicaGroup
 
 __all__ = [

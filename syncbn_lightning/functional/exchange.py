@@ -286,6 +286,17 @@ class SplitMeanBackward(Exchange):
         )
         return Merged(output, kept.mean, kept.var, kept.info, saved)
 
+    @staticmethod
+    def merged(
+        inputs: Inputs, outputs: tuple[torch.Tensor, ...], residual: torch.Tensor | None
+    ) -> Merged:
+        """The merge kernels' ``(output, mean, mean_lo, invstd, var, info, grad_info)`` as
+        :class:`Merged`, saving what this backward takes."""
+        output, mean, mean_lo, invstd, var, info, grad_info = outputs
+        input, weight, bias, _state = inputs
+        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
+        return Merged(output, mean, var, info, saved)
+
     def local_grads(self, grad_output: torch.Tensor, saved: Saved, call: SyncCall) -> LocalGrads:
         input, weight, mean, mean_lo, invstd, grad_info, bias, residual = saved
         head = (grad_output, input, mean, invstd, weight, bias)

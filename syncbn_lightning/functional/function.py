@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .._shared import CALL_ORDER_MARK, SHIFT_MARK
-from ..distributed import flight
-from ..distributed.call_order import note_order_flag, poll_order_checks, queue_order_check
+from ..distributed.call_order.checks import note_order_flag, poll_order_checks, queue_order_check
 from ..distributed.call_order.policy import queues_order_flag
 from ..distributed.collectives import all_gather, sum_over_group
+from ..distributed.flight import recorder as flight
 from ..distributed.groups import group_name_of
 from ..ops.dispatch import uses_extension
 from ..ops.reference import check_group_count

@@ -62,7 +62,7 @@ class GatherExchange(SplitMeanBackward):
     ) -> Merged:
         input, weight, bias, state = inputs
         options = call.options
-        output, mean, mean_lo, invstd, var, info, grad_info = kernels(call).merge_normalize(
+        outputs = kernels(call).merge_normalize(
             input,
             received,
             weight,
@@ -76,8 +76,7 @@ class GatherExchange(SplitMeanBackward):
             options.stats_mode == "default",
             residual,
         )
-        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
-        return Merged(output, mean, var, info, saved)
+        return self.merged(inputs, outputs, residual)
 
 
 register_exchange(GatherExchange())

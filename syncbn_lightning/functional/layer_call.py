@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from .._compat import functorch_active
-from ..distributed import flight
-from ..distributed.call_order import mark_status_used, poll_order_checks, watcher
+from ..distributed.call_order import watcher
+from ..distributed.call_order.checks import mark_status_used, poll_order_checks
 from ..distributed.call_order.policy import queues_order_flags_on
+from ..distributed.flight import recorder as flight
 from ..distributed.groups import group_name_of, sync_group_size
 from ..ops.dispatch import IMPL_ENV, cpp_path, python_checks_first, uses_extension
 from .exchange import LayerState, SyncCall

@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import flight
-from ..distributed.call_order import (
+from ..distributed.call_order.checks import (
     raise_if_published,
     raise_if_published_for,
     register_queue,
@@ -49,6 +48,7 @@ from ..distributed.call_order import (
     watcher,
 )
 from ..distributed.collectives import report_collective_failure
+from ..distributed.flight import recorder as flight
 from .order_report import KINDS, report, report_queued
 
 __all__ = ["KINDS", "native_op", "register_python_kernels"]

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from .._shared import GRAD_HEADER, REDUCE_HEADER, ROW_HEADER, SHIFT_MISMATCH
-from ..distributed import flight
-from ..distributed.call_order import call_order_error, raise_if_out_of_order
+from ..distributed.call_order.checks import call_order_error, raise_if_out_of_order
 from ..distributed.collectives import all_gather, group_ranks
-from ..distributed.flight import layer_text
+from ..distributed.flight import recorder as flight
+from ..distributed.flight.file import layer_text
 from ..ops.reference.steps import header_tags, own_tags, row_width
 from .exchange import OrderCheck
 

@@ -50,6 +50,7 @@ from .._compat import (
 from .._shared import INFO_FIELDS, KEPT_PER_CHANNEL
 
 __all__ = [
+    "KEPT_PARTS",
     "PLAIN",
     "RECOMPUTE_ENV",
     "CallKind",
@@ -61,6 +62,9 @@ __all__ = [
     "reuse_enabled",
 ]
 
+#: :attr:`Kept.stats`' parts, in order: ``KEPT_PER_CHANNEL`` of one value per channel, then two
+#: infos of ``INFO_FIELDS`` values.
+KEPT_PARTS = ("mean", "mean_lo", "invstd", "var", "info", "grad_info")
 #: ``reuse`` (the default): a recompute repeats nothing; ``repeat``: torch's behaviour.
 RECOMPUTE_ENV = "SYNCBN_RECOMPUTE"
 
@@ -86,35 +90,20 @@ class Kept(NamedTuple):
     stats: torch.Tensor
     flight_call: int
 
-    def _part(self, index: int) -> torch.Tensor:
-        channels = self.shape[1]
-        return self.stats[index * channels : (index + 1) * channels]
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self._part(0)
-
-    @property
-    def mean_lo(self) -> torch.Tensor:
-        return self._part(1)
-
-    @property
-    def invstd(self) -> torch.Tensor:
-        return self._part(2)
-
-    @property
-    def var(self) -> torch.Tensor:
-        return self._part(3)
-
-    @property
-    def info(self) -> torch.Tensor:
-        start = KEPT_PER_CHANNEL * self.shape[1]
+    def part(self, name: str) -> torch.Tensor:
+        """The kept ``name`` (one of :data:`KEPT_PARTS`): a view of :attr:`stats`."""
+        channels, index = self.shape[1], KEPT_PARTS.index(name)
+        if index < KEPT_PER_CHANNEL:
+            return self.stats[index * channels : (index + 1) * channels]
+        start = KEPT_PER_CHANNEL * channels + (index - KEPT_PER_CHANNEL) * INFO_FIELDS
         return self.stats[start : start + INFO_FIELDS]
 
-    @property
-    def grad_info(self) -> torch.Tensor:
-        start = KEPT_PER_CHANNEL * self.shape[1] + INFO_FIELDS
-        return self.stats[start : start + INFO_FIELDS]
+    mean = property(lambda self: self.part("mean"))
+    mean_lo = property(lambda self: self.part("mean_lo"))
+    invstd = property(lambda self: self.part("invstd"))
+    var = property(lambda self: self.part("var"))
+    info = property(lambda self: self.part("info"))
+    grad_info = property(lambda self: self.part("grad_info"))
 
 
 class CallKind(NamedTuple):

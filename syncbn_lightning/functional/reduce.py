@@ -83,7 +83,7 @@ class ReduceExchange(SplitMeanBackward):
     ) -> Merged:
         input, weight, bias, state = inputs
         options = call.options
-        output, mean, mean_lo, invstd, var, info, grad_info = kernels(call).reduce_merge_normalize(
+        outputs = kernels(call).reduce_merge_normalize(
             input,
             received,
             sent,
@@ -99,8 +99,7 @@ class ReduceExchange(SplitMeanBackward):
             call.act_param,
             residual,
         )
-        saved = (input, weight, mean, mean_lo, invstd, grad_info, bias, residual)
-        return Merged(output, mean, var, info, saved)
+        return self.merged(inputs, outputs, residual)
 
 
 register_exchange(ReduceExchange())

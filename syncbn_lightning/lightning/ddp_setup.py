@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..distributed import flight
+from ..distributed.flight import recorder as flight
 from ..distributed.groups import sync_world_group
 from ..functional.options import SyncOptions
 from ..nn.batchnorm import SyncBatchNorm

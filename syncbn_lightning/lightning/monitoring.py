@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from ..distributed.call_order import check_call_order
+from ..distributed.call_order.checks import check_call_order
 from ..distributed.collectives import gather_rows
 from ..distributed.group_sizes import norm_batch_verdict
 from ..nn.batchnorm import SyncBatchNorm

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-from ..distributed.call_order import layers_with_status
+from ..distributed.call_order.checks import layers_with_status
 from ..distributed.call_order.watcher import stop_watchers
 from ..distributed.groups import check_process_group, made_group_name
 from ..functional.options import KEEP, SyncOptions

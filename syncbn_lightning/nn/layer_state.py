@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed.call_order import register_layer_name, register_order_status
+from ..distributed.call_order.checks import register_layer_name, register_order_status
 from ..distributed.call_order.policy import queues_order_flags_on
 from ..distributed.call_order.tags import TAG_LIMIT, name_tag
 from ..distributed.groups import group_name_of

@@ -4,48 +4,25 @@ W&B: run on the command line before any is imported), ``keys.py`` (unknown keys 
 the job's nodes, the config groups' builders, and the Hydra callback that validates every job of
 a multirun before its first directory).
 
-The checks' names are imported with the package (they register the configs' resolvers, and
-import no torch); ``jobs.py``'s are loaded on first use (PEP 562), so that the command line's
-check imports no Lightning. The configs' ``_target_`` strings
-(``syncbn_lightning.app.config.bn_callback``, ``...ValidateJobs``) name them here.
+Importing the package imports the checks (they register the configs' resolvers, and import no
+torch). The ``_target_`` strings written before these files had a folder
+(``syncbn_lightning.app.config.bn_callback``, ``...ValidateJobs``) still resolve: those names are
+loaded from ``jobs.py`` on first use (PEP 562), so that the command line's check imports no
+Lightning.
 """
 
 import importlib
 from typing import Any
 
-from .checks import (
-    CONF_DIR,
-    ConfigError,
-    check_command_line,
-    check_config,
-    exit_on_config_error,
-    global_batch,
-    world,
-)
+from . import checks  # noqa: F401  (the configs' resolvers)
 
-__all__ = [
-    "CONF_DIR",
-    "ConfigError",
-    "ValidateJobs",
-    "ValidateSweep",
-    "bn_callback",
-    "build",
-    "check_command_line",
-    "check_config",
-    "exit_on_config_error",
-    "global_batch",
-    "sweep_overrides",
-    "validate",
-    "world",
-]
-
-#: Loaded on first use: they import Lightning.
-_LAZY = {"ValidateJobs", "ValidateSweep", "bn_callback", "build", "sweep_overrides", "validate"}
+#: ``jobs.py``'s names, where earlier configs name them.
+_JOBS = {"ValidateJobs", "ValidateSweep", "bn_callback", "build", "sweep_overrides", "validate"}
 
 
 def __getattr__(name: str) -> Any:
     """``jobs.py``'s ``name`` (imported on first use, then kept here)."""
-    if name not in _LAZY:
+    if name not in _JOBS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(".jobs", __name__), name)
     globals()[name] = value

@@ -25,31 +25,9 @@ from typing_extensions import override
 
 from syncbn_lightning.lightning.callback import SyncBNCallback
 
-from .checks import (
-    CONF_DIR,
-    ConfigError,
-    check_command_line,
-    check_config,
-    config_errors_in_one_line,
-    exit_on_config_error,
-    global_batch,
-    world,
-)
+from .checks import check_config, config_errors_in_one_line, exit_on_config_error
 
-__all__ = [
-    "CONF_DIR",
-    "ConfigError",
-    "ValidateJobs",
-    "ValidateSweep",
-    "bn_callback",
-    "build",
-    "check_command_line",
-    "exit_on_config_error",
-    "global_batch",
-    "sweep_overrides",
-    "validate",
-    "world",
-]
+__all__ = ["ValidateJobs", "ValidateSweep", "bn_callback", "build", "sweep_overrides", "validate"]
 
 log = logging.getLogger(__name__)
 

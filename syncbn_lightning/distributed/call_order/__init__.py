@@ -34,40 +34,6 @@ The folder's files: ``checks.py`` (the checks, the queue of device flags, ``chec
 found late ends the group's other ranks: the job's watcher).
 """
 
-from __future__ import annotations
+from .checks import CallOrderError, check_call_order
 
-from .checks import (
-    CallOrderError,
-    call_order_error,
-    check_call_order,
-    layers_with_status,
-    mark_status_used,
-    note_order_flag,
-    poll_order_checks,
-    queue_order_check,
-    raise_if_out_of_order,
-    raise_if_published,
-    raise_if_published_for,
-    register_layer_name,
-    register_order_status,
-    register_queue,
-    report_queued_failure,
-)
-
-__all__ = [
-    "CallOrderError",
-    "call_order_error",
-    "check_call_order",
-    "layers_with_status",
-    "mark_status_used",
-    "poll_order_checks",
-    "queue_order_check",
-    "raise_if_out_of_order",
-    "raise_if_published",
-    "raise_if_published_for",
-    "register_queue",
-    "report_queued_failure",
-    "note_order_flag",
-    "register_layer_name",
-    "register_order_status",
-]
+__all__ = ["CallOrderError", "check_call_order"]

@@ -13,7 +13,7 @@ import torch
 
 from ..._shared import ORDER_FLAG_SLOTS
 from ..collectives import Group, group_ranks, on_failure
-from ..flight import layer_text
+from ..flight.file import layer_text
 from . import watcher
 from .errors import (
     CallOrderError,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import flight
 from ..collectives import Group, group_ranks
-from ..flight import layer_text
+from ..flight import recorder as flight
+from ..flight.file import layer_text
 
 __all__ = [
     "CallOrderError",
