@@ -38,6 +38,7 @@ PLAN_CALLS = frozenset(
         "batchnorm.py:_forward",
         "layer_call.py:synchronizes",
         "layer_call.py:plan_of",
+        "layer_call.py:_impl_env",
         "layer_call.py:sync_forward",
         "recompute.py:call_kind",
         "layer_call.py:_native_call",

@@ -331,13 +331,26 @@ def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ..
     return tuple(settings[name] for name in names[first:])
 
 
+# The one micro-optimization the layer call keeps (benchmarks/RESULTS.md, "One forward a newcomer
+# can follow: host cost"): os.environ.get encodes the key on every call (0.6 us of a ~20 us
+# forward); the dict of encoded keys, which os.environ's assignments update, is read directly
+# where CPython has one.
+_ENVIRON: Any = getattr(os.environ, "_data", None)
+_IMPL_KEY: Any = os.environ.encodekey(IMPL_ENV) if _ENVIRON is not None else IMPL_ENV  # type: ignore[attr-defined]
+
+
+def _impl_env() -> Any:
+    """``SYNCBN_IMPL`` as the environment holds it now (encoded where CPython encodes it)."""
+    return _ENVIRON.get(_IMPL_KEY) if _ENVIRON is not None else os.environ.get(IMPL_ENV)
+
+
 def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
     """``layer``'s plan for calls on tensors of ``device`` (a device type): the one it keeps
     while it still holds (see the module docstring), else a new one. An input on another device
     than the layer's tensors gets a plan too; the layer's input checks then refuse it."""
     plan: SyncPlan | None = layer._sync_plan
     world = _GROUPS.WORLD if _GROUPS is not None else None
-    impl = os.environ.get(IMPL_ENV) if layer.sync_options.impl is None else None
+    impl = _impl_env() if layer.sync_options.impl is None else None
     if (
         plan is None
         or plan.options is not layer.sync_options
@@ -357,29 +370,40 @@ def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
 # ------------------------------------------------------------------------------------------------
 
 
-def _state(layer: Any, device: torch.device, kind: CallKind) -> LayerState:
-    """What the call updates in place (the running-statistics policy): the running statistics,
-    ``num_batches_tracked`` and the non-finite counter, and the call counter (the call-order
-    tag), or, in a checkpoint's recompute, nothing: no running statistic (``None``) and a copy of
-    the call counter (the call is not counted)."""
-    calls, nonfinite = _counters(layer, device)
+def _state(layer: Any, input: torch.Tensor, kind: CallKind) -> tuple[Any, ...]:
+    """What the call updates in place, the one slot of its running-statistics policy:
+    ``(running_mean, running_var, num_batches_tracked, nonfinite, calls)``, the layer's buffers,
+    its non-finite counter and its call counter (the call-order tag), as
+    :class:`~.exchange.LayerState` and the operator take them; in a checkpoint's recompute,
+    nothing: no running statistic (``None``) and a copy of the call counter (the call is not
+    counted). (A policy that defers the update, ``step_statistics``, will merge the call's
+    statistics here: :mod:`.accumulate`.)"""
+    calls, nonfinite = _counters(layer, input)
     buffers = layer._buffers
-    if kind.recompute or not layer.track_running_stats or buffers["running_mean"] is None:
-        running = _NO_RUNNING
-    else:
-        running = (
-            buffers["running_mean"],
-            buffers["running_var"],
-            buffers["num_batches_tracked"],
-            nonfinite,
-        )
-    return LayerState(*running, calls.clone() if kind.recompute else calls)
+    if kind.recompute:
+        return (*_NO_RUNNING, calls.clone())
+    if not layer.track_running_stats or buffers["running_mean"] is None:
+        return (*_NO_RUNNING, calls)
+    return (
+        buffers["running_mean"],
+        buffers["running_var"],
+        buffers["num_batches_tracked"],
+        nonfinite,
+        calls,
+    )
 
 
-def _counters(layer: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's call and non-finite counters on ``device`` (one int64 each, not state: made
-    at the first call, moved there with their values when the layer moves)."""
+def _counters(layer: Any, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's call and non-finite counters on ``input``'s device (one int64 each, not
+    state: made at the first call, moved there with their values when the layer moves)."""
     calls, nonfinite = layer._calls, layer._nonfinite
+    if calls is not None and nonfinite is not None:
+        if input.is_cpu:  # (a torch.device per comparison costs more than the call's checks)
+            if calls.is_cpu and nonfinite.is_cpu:
+                return calls, nonfinite
+        elif calls.device == input.device and nonfinite.device == input.device:
+            return calls, nonfinite
+    device = input.device
     if calls is None or calls.device != device:
         calls = layer._calls = _counter_on(calls, device)
     if nonfinite is None or nonfinite.device != device:
@@ -414,7 +438,7 @@ def _native_call(
         input,
         weight,
         bias,
-        *_state(layer, input.device, kind)[:5],
+        *_state(layer, input, kind),
         residual,
         act,
         act_param,
@@ -451,7 +475,7 @@ def forward_function(
         path = plan.python
     else:  # compiled code, DataParallel replicas, a direct call
         path = python_path(layer, input.device.type, world_size)
-    state = _state(layer, input.device, kind)
+    state = LayerState(*_state(layer, input, kind))
     # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
     # (made where the layer was placed, only on devices whose calls queue their flags).
     order = layer._order if torch.compiler.is_compiling() else None

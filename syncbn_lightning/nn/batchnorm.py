@@ -272,7 +272,9 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         one is given: by the synchronized call, never by plain BatchNorm, which leaves both to
         the caller. A training call synchronizes where :func:`synchronizes` says; every other
         call is plain BatchNorm."""
-        device = input.device.type if isinstance(input, torch.Tensor) else "cpu"
+        device = "cpu"
+        if isinstance(input, torch.Tensor) and not input.is_cpu:  # (is_cpu: no torch.device made)
+            device = input.device.type
         if self.training and synchronizes(self, device):
             return sync_forward(self, input, activation, residual)
         return plain_forward(self, input), False
