@@ -31,9 +31,9 @@ SERVICE_DEPS = ("lightning", "hydra", "omegaconf", "wandb", "matplotlib", "PIL",
 LIBRARY_MODULES = (
     "syncbn_lightning",
     *(
-        ".".join(("syncbn_lightning", layer, path.stem)).removesuffix(".__init__")
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         for layer in ("ops", "distributed", "functional", "nn")
-        for path in sorted((ROOT / "syncbn_lightning" / layer).glob("*.py"))
+        for path in sorted((ROOT / "syncbn_lightning" / layer).rglob("*.py"))
     ),
 )
 
@@ -96,6 +96,18 @@ def test_the_floor_check_passes_at_and_above_the_floor_only() -> None:
 def test_console_scripts_point_at_functions(script: str) -> None:
     module, _, function = PYPROJECT["project"]["scripts"][script].partition(":")
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_every_library_package_is_packaged() -> None:
+    """Each folder of the package with an ``__init__.py`` (``distributed/call_order/``,
+    ``ops/reference/``, ...) is in pyproject's list: a wheel carries only the listed ones."""
+    packages = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "syncbn_lightning").rglob("__init__.py")
+    }
+    missing = folders - packages
+    assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
 
 
 def test_every_config_group_is_packaged() -> None:
