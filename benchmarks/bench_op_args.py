@@ -4,8 +4,8 @@
 
 Calls ``torch.ops.syncbn.sync_batch_norm.default`` on a 2x4x3 float32 tensor (no group, no
 autograd) with the layer's settings passed by keyword, and with the same values in the order the
-schema declares them (what ``nn/sync_plan.py`` does), interleaved round by round; prints the
-median µs per call of each.
+schema declares them (what ``functional/layer_call.py`` does), interleaved round by round;
+prints the median µs per call of each.
 """
 
 from __future__ import annotations

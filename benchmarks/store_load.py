@@ -3,9 +3,9 @@
     python benchmarks/store_load.py [--ranks 1024] [--groups 1] [--seconds 30]
 
 One real ``TCPStore`` server in this process and ``--ranks`` client connections to it, each
-standing for one rank's watcher (``distributed/group_abort.py``) of a job whose calls queue their
-order flags (CUDA), with ``--groups`` SyncBN groups per rank, while no mismatch is published (the
-steady state):
+standing for one rank's watcher (``distributed/call_order/watcher.py``) of a job whose calls
+queue their order flags (CUDA), with ``--groups`` SyncBN groups per rank, while no mismatch is
+published (the steady state):
 
 * ``before``: the watchers before the job object (fcb894c): one thread and one connection per
   group, each asking ``check`` of its group's key every 0.2 s. Its loop is replicated here (two

@@ -36,9 +36,9 @@ release lacks it. Checked on torch 2.4.1, 2.8.0, 2.13.0 and 2.14.1 (``benchmarks
   ``torch.utils.checkpoint`` (its ``CheckpointFunction``'s ``forward(ctx, ...)`` and
   ``backward(ctx, ...)``, the ``frame`` the non-reentrant checkpoint's pack and unpack hooks hold
   in their closures; the same on every checked release): which checkpoint a forward or a
-  recompute belongs to (``nn/recompute.py``). Missing (or a layout this does not recognize): the
-  forward keeps nothing, and its recompute exchanges again without counting; on 2.4.1 that is
-  the non-reentrant checkpoint's case.
+  recompute belongs to (``functional/recompute.py``). Missing (or a layout this does not
+  recognize): the forward keeps nothing, and its recompute exchanges again without counting; on
+  2.4.1 that is the non-reentrant checkpoint's case.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ GRAD_HEADER = 16
 #: order (bitwise reproducible); larger groups, and CUDA tensors, all-reduce them.
 GATHER_SUM_MAX_RANKS = 8
 #: Call-order flags a process keeps queued, unread, before a host sync reads them all (each
-#: path's queue: distributed/call_order.py's, and the C++ path's slots of pinned memory and events).
+#: path's queue: distributed/call_order/checks.py's, and the C++ path's slots of pinned memory
+#: and events).
 ORDER_FLAG_SLOTS = 1024
 #: The input dtypes the kernels take, each with its accumulation dtype (torch's names).
 ACC_DTYPES = {
@@ -94,8 +95,8 @@ ACC_DTYPES = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# The flight recorder's ring (distributed/flight_writer.py makes it and writes it from Python,
-# csrc/layer/flight.cpp from C++, distributed/flight_file.py reads it): little-endian.
+# The flight recorder's ring (distributed/flight/writer.py makes it and writes it from Python,
+# csrc/layer/flight.cpp from C++, distributed/flight/file.py reads it): little-endian.
 
 #: The ring's header: magic, rank, world size, pid, capacity, records written, job id.
 FLIGHT_HEADER_FORMAT = "<8siiiiq24s"

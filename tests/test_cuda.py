@@ -438,7 +438,7 @@ def test_cuda_a_skipped_layer_ends_both_ranks_with_call_order_error_without_a_sy
     device, so one rank may find the mismatch while the other goes on into a collective that
     will never complete. Both ranks still end with CallOrderError naming the two layers, within
     SyncBN's collective timeout and a margin (the one left waiting gets the error the other
-    published: ``distributed/group_abort.py``), never the backend's timeout error."""
+    published: ``distributed/call_order/watcher.py``), never the backend's timeout error."""
     started = time.monotonic()
     results = run_distributed(_cuda_skipped_layer_worker, 2, timeout=120, pg_timeout_s=60)
     for rank, (text, step, _number, seconds) in enumerate(results):

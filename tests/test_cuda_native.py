@@ -353,7 +353,7 @@ def test_cpp_errors_are_python_errors_on_cuda(tmp_path) -> None:
 def test_a_checkpoint_recompute_repeats_nothing_on_the_gpu(
     one_rank_nccl, monkeypatch, native, exchange
 ):
-    """Activation checkpointing on CUDA (``nn/recompute.py``): 3 steps of a float32
+    """Activation checkpointing on CUDA (``functional/recompute.py``): 3 steps of a float32
     channels-last net, reentrant and non-reentrant, equal the unchecked steps (outputs bitwise,
     the same running statistics, gradients within 1e-5; cuDNN deterministic) and count each step
     once."""

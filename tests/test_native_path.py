@@ -1,4 +1,5 @@
-"""The C++ path of a synchronized layer call (``csrc/layer/layer.cpp``, ``nn/sync_plan.py``).
+"""The C++ path of a synchronized layer call (``csrc/layer/layer.cpp``,
+``functional/layer_call.py``).
 
 * Which calls take it (eager CPU tensors, the extension's kernels, a built-in exchange) and which
   keep the Python Function (the reference twin, a custom exchange, code being compiled).

@@ -1,8 +1,8 @@
 """The device path of the call-order check, run on gloo ranks with CPU tensors.
 
 On CUDA tensors a call's order flag stays on the device and is read later without a host sync
-(``distributed/call_order.py``); the rank that finds a mismatch tells the others through the
-job's store and aborts SyncBN's group (``distributed/group_abort.py``). Here CPU calls of the
+(``distributed/call_order/``); the rank that finds a mismatch tells the others through the
+job's store and aborts SyncBN's group (``distributed/call_order/watcher.py``). Here CPU calls of the
 pure-PyTorch kernels queue their flags the same way (``set_queue_order_flags_on_cpu``), so the
 logic runs on 2 gloo ranks: found within the calls of the step, every rank raises naming the
 layers, nobody waits for a timeout, and the callback reads the flags before the optimizer step.

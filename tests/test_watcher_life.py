@@ -1,5 +1,5 @@
 """A call-order watcher lives as long as its job needs it (issue 55, item 1; the thread itself:
-``distributed/group_abort.py``).
+``distributed/call_order/watcher.py``).
 
 One-rank gloo jobs in this process: a layer built directly on a group starts its group's watcher
 (a job whose calls are all compiled queues nothing in Python); reverting one model leaves the

@@ -3,7 +3,7 @@
 // extension's build refuses this file and tests/test_shared_constants.py fails, while
 // it is stale).
 // values digest: 51cd806987caab62
-// text digest: 73faae58b4df3ffd
+// text digest: c6d1b7a3e3a2fcb7
 #pragma once
 
 #include <cstdint>
@@ -65,7 +65,8 @@ constexpr int64_t kGradHeader = 16;
 constexpr int64_t kGatherSumMaxRanks = 8;
 
 // Call-order flags a process keeps queued, unread, before a host sync reads them all (each
-// path's queue: distributed/call_order.py's, and the C++ path's slots of pinned memory and events).
+// path's queue: distributed/call_order/checks.py's, and the C++ path's slots of pinned memory
+// and events).
 constexpr int64_t kOrderFlagSlots = 1024;
 
 namespace flight {

@@ -27,7 +27,7 @@ namespace {
 // object and needs the GIL, so a view dropped here (a re-attach, a detach, the exit) could wait for
 // the GIL while holding `mutex`, which a thread holding the GIL may wait for (two ranks hung in
 // their first step on torch 2.8). Python keeps the memory alive while it is attached
-// (distributed/flight_writer.py, until its recorder closes).
+// (distributed/flight/writer.py, until its recorder closes).
 struct Ring {
   uint8_t* base = nullptr;  // the Python recorder's memory
   int64_t capacity = 0;
@@ -118,7 +118,7 @@ void record(
 }  // namespace syncbn::flight
 
 // The flight recorder's operators (flight.h): Python attaches its ring, and, once attached,
-// records through the same state (distributed/flight_writer.py). One kernel for every key.
+// records through the same state (distributed/flight/writer.py). One kernel for every key.
 TORCH_LIBRARY_FRAGMENT(syncbn, m) {
   m.def(
       "flight_attach(Tensor buffer, int capacity, int written, str[] groups, int[] seqs, "

@@ -1,4 +1,4 @@
-// The flight recorder's writer in C++ (syncbn_lightning/distributed/flight_writer.py owns the
+// The flight recorder's writer in C++ (syncbn_lightning/distributed/flight/writer.py owns the
 // ring and its file; this writes into the same memory). The synchronized layer's C++ path
 // (layer.cpp) records its collectives here, without Python; the Python path records through the
 // same state (the `syncbn::flight_*` operators, flight.cpp) once the ring is attached, so both

@@ -22,7 +22,7 @@
 namespace syncbn::layer {
 
 // How a layer call synchronizes: fixed per layer when the Python layer makes its plan
-// (nn/sync_plan.py), passed per call.
+// (functional/layer_call.py), passed per call.
 struct Settings {
   c10::optional<std::string> group;  // the process group's name; none: nothing to communicate
   int64_t world_size = 1;            // ranks in the group
@@ -93,8 +93,8 @@ void call_order_failed(
 // Before a collective of a call whose flags are queued (Settings::queue_order_flags): reads the
 // queued flags the device has written (an event query each, no host sync) and raises the
 // CallOrderError of the first that reads 0; then raises the mismatch another rank published
-// (distributed/group_abort.py), rather than joining a collective the group has given up. Python
-// runs only on those errors.
+// (distributed/call_order/watcher.py), rather than joining a collective the group has given
+// up. Python runs only on those errors.
 void check_before_collective(const Settings& settings);
 // Queues a call's call-order flag `flags[index]` (nonzero: in order) in the process's order ring
 // (order_ring.h): copied to host memory behind the call's kernels, read by later calls' checks

@@ -64,9 +64,10 @@ void report_failure(const at::Tensor& sent, const char* op, const std::exception
   }
 }
 
-// Another rank's published call-order mismatch (distributed/group_abort.py) is why a collective
-// failed: the rank that found it aborted its member of the group, or left. Its CallOrderError then
-// replaces the backend's error (Python asks the job's store: an error path only).
+// Another rank's published call-order mismatch (distributed/call_order/watcher.py) is why a
+// collective failed: the rank that found it aborted its member of the group, or left. Its
+// CallOrderError then replaces the backend's error (Python asks the job's store: an error path
+// only).
 void raise_if_published_for(const Settings& s) {
   static const auto handoff = python_op("syncbn::raise_if_published_for");
   call_python(handoff, {group_value(s.group)});

@@ -54,7 +54,7 @@ void queue_order_flag(
 namespace {
 
 // The operators Python reaches the ring through (functional/native.py,
-// distributed/call_order.py): queue a flag, poll, drain, empty, inspect, and the watcher's signal.
+// distributed/call_order/): queue a flag, poll, drain, empty, inspect, and the watcher's signal.
 void queue_order_flag_op(
     const at::Tensor& flags, int64_t index, int64_t kind, const at::Tensor& data,
     const at::Tensor& aux, int64_t width, const c10::optional<c10::string_view>& group,

@@ -219,7 +219,7 @@ class RankLauncher:
             os.environ["WORLD_SIZE"] = str(self.devices * self.num_nodes)
             self.log_dir.mkdir(parents=True, exist_ok=True)
             # Every rank's SyncBN flight recorder in a file here, so that whoever sees the job
-            # fail names where the ranks' collectives parted (distributed/flight.py).
+            # fail names where the ranks' collectives parted (distributed/flight/).
             os.environ[FLIGHT_DIR_ENV] = str(self.log_dir)
             for local in range(1, self.devices):
                 self._start(node_rank * self.devices + local, local)

@@ -142,7 +142,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     #: Under :class:`~syncbn_lightning.SyncDataParallel`: this copy's exchange with the other
     #: replicas (set by ``join_replicas``; it replaces the process group).
     replica_group: Any = None
-    #: The decisions of its training calls, made once (:mod:`.sync_plan`); ``None``: none yet.
+    #: The decisions of its training calls, made once
+    #: (:mod:`syncbn_lightning.functional.layer_call`); ``None``: none yet.
     _sync_plan: SyncPlan | None = None
 
     def __init__(
@@ -272,9 +273,8 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         one is given: by the synchronized call, never by plain BatchNorm, which leaves both to
         the caller. A training call synchronizes where :func:`synchronizes` says; every other
         call is plain BatchNorm."""
-        device = "cpu"
-        if isinstance(input, torch.Tensor) and not input.is_cpu:  # (is_cpu: no torch.device made)
-            device = input.device.type
+        # (is_cpu first: reading input.device makes a torch.device, 0.4 us of the call)
+        device = "cpu" if not isinstance(input, torch.Tensor) or input.is_cpu else input.device.type
         if self.training and synchronizes(self, device):
             return sync_forward(self, input, activation, residual)
         return plain_forward(self, input), False

@@ -32,7 +32,7 @@ two steps below autograd, ``syncbn::sync_batch_norm_forward`` and
 ``syncbn::sync_batch_norm_backward``; fakes below too, so that fake tensors and dispatch modes can
 run them.
 
-Their semantics are those of the same-named functions of :mod:`.reference_steps`. The fake (meta)
+Their semantics are those of the same-named functions of :mod:`.reference.steps`. The fake (meta)
 implementations below give ``torch.compile`` their output shapes, dtypes and strides without
 running a kernel; torch imports this module for them (``set_python_module`` in
 ``csrc/ops/ops.cpp``), and :func:`register_fakes` registers them when the extension is loaded
@@ -82,7 +82,7 @@ def _merge_normalize_fake(
     input: torch.Tensor, rows: torch.Tensor, *_settings: Any
 ) -> tuple[torch.Tensor, ...]:
     """The outputs' shapes depend on ``input`` only (the other arguments, those of
-    :func:`.reference_steps.merge_normalize`, are updated in place or are scalars)."""
+    :func:`.reference.steps.merge_normalize`, are updated in place or are scalars)."""
     return _merged(input, rows)
 
 
@@ -91,7 +91,7 @@ def _reduce_sums_fake(input: torch.Tensor, *_settings: Any) -> torch.Tensor:
 
 
 def _reduce_merge_normalize_fake(input: torch.Tensor, *_rest: Any) -> tuple[torch.Tensor, ...]:
-    """As :func:`_merge_normalize_fake` (arguments: :func:`.reference_steps
+    """As :func:`_merge_normalize_fake` (arguments: :func:`.reference.steps
     .reduce_merge_normalize`'s)."""
     return _merged(input, input)
 
@@ -137,7 +137,7 @@ def _grad_input_fake(
     grad_out: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, *_rest: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The input gradient has the input's shape and layout, the order flag is one value of the
-    acc dtype (the other arguments: those of :func:`.reference_steps.grad_input`)."""
+    acc dtype (the other arguments: those of :func:`.reference.steps.grad_input`)."""
     return _dense_like(input), mean.new_empty(1)
 
 

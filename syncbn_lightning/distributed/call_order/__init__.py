@@ -4,7 +4,7 @@ backward, in the same order.
 Collectives pair up by order, so a rank that skips a layer, takes another branch or runs a layer a
 different number of times would silently merge statistics of different layers. Every exchange
 strategy sends each call's layer and call tags with its statistics, and the backward sends them back
-with its sums (a 16-value header, see ``ops.reference_steps.grad_sums``), at no extra collective;
+with its sums (a 16-value header, see ``ops.reference.steps.grad_sums``), at no extra collective;
 both are checked when the payload arrives: when the ranks' tags disagree, every rank of the group
 raises :class:`CallOrderError` naming the layers and ranks (all ranks see the same payload, so they
 all raise at the same call, and none is left waiting). A backward mismatch usually means a layer's
@@ -23,7 +23,7 @@ mismatch this way tells its group's other ranks through the job's store and abor
 (:mod:`.watcher`), since they may be waiting in a collective it will never join. Compiled calls
 cannot queue anything at run time: they note their flags on the layer's status tensor instead
 (:func:`note_order_flag`), which :func:`check_call_order` reads. The errors and their messages are
-:mod:`.order_errors`'. A mismatch that changes the payload size (e.g. the skipped layer has another
+:mod:`.errors`'. A mismatch that changes the payload size (e.g. the skipped layer has another
 channel count) cannot be told apart by the payload: gloo then aborts the rank whose receive size
 does not match within seconds, NCCL fails the collective at its timeout; the flight recorder
 (:mod:`.flight`) names the first collective at which the ranks differed.

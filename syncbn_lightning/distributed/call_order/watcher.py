@@ -96,7 +96,7 @@ _signalled = False
 # tells the C++ path).
 _signal_hooks: list[Callable[[bool], None]] = []
 #: How many times :func:`stop_watchers` ran: whoever added a group at one value adds it again
-#: once this differs (a C++ layer plan, ``nn/sync_plan.py``; read as an attribute, per call).
+#: once this differs (a layer's plan, ``functional/layer_call.py``; read as an attribute, per call).
 watch_epoch = 0
 
 

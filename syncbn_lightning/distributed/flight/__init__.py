@@ -29,3 +29,16 @@ folders, pruning old jobs' files) and ``report.py`` (where the ranks parted; ``s
 Only the recorder and the writer import torch (this package itself imports nothing), so that the
 report CLI reads a folder without importing torch.
 """
+
+import importlib
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """The recorder's ``name`` (``syncbn_lightning.distributed.flight.set_flight_dir``, as the docs
+    name it), imported on first use: the package itself imports no torch."""
+    recorder = importlib.import_module(".recorder", __name__)
+    try:
+        return getattr(recorder, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,5 +1,5 @@
 """Pure-PyTorch reference of the BatchNorm primitives: the kernels' twin (the fused steps, the
-``syncbn::`` operators, are :mod:`.reference_steps`).
+``syncbn::`` operators, are :mod:`.steps`).
 
 The same five primitives as the C++/CUDA extension in ``csrc/`` with identical signatures and
 semantics (see ``csrc/include/syncbn.h``). They run on any device and dtype, serve as the test
@@ -229,7 +229,7 @@ def update_running(
 
 
 # ------------------------------------------------------------------------------------------------
-# The merges' shared steps (reference_steps.py)
+# The merges' shared steps (steps.py)
 # ------------------------------------------------------------------------------------------------
 
 

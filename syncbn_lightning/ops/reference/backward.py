@@ -1,6 +1,6 @@
 """Pure-PyTorch twins of the backward's ``syncbn::`` operators (``grad_sums``, ``grad_input``),
 shared by both exchanges, and the call-order header their sums carry. The semantics of
-``csrc/cpu/entry_cpu.cpp``'s ``grad_sums_cpu``/``grad_input_cpu``; see :mod:`.reference_steps` for
+``csrc/cpu/entry_cpu.cpp``'s ``grad_sums_cpu``/``grad_input_cpu``; see :mod:`.steps` for
 the forward steps and the conventions (the split mean ``mean + mean_lo``, the acc dtype).
 
 The backward's sums travel as ``[header[16], sum_dy[C], sum_dy_xmu[C]]``. The header is the call's

@@ -8,7 +8,7 @@ CPU and CUDA kernels, and the path of ``impl="reference"``):
 * the reduce exchange: :func:`reduce_sums` (this rank's float64 sums),
   :func:`reduce_merge_normalize` (the merge of the summed vector, the running statistics, the
   output);
-* the backward of both: :func:`grad_sums`, :func:`grad_input` (in :mod:`.reference_backward`,
+* the backward of both: :func:`grad_sums`, :func:`grad_input` (in :mod:`.backward`,
   imported here so that this module holds every step under the operators' names).
 
 The group mean travels as two acc-dtype numbers, ``mean + mean_lo`` (the float64 mean split), and
