@@ -1,9 +1,9 @@
-"""Activation checkpointing (``nn/recompute.py``): a recompute reuses its forward's statistics,
-exchanges nothing and updates nothing, on 2 gloo ranks with uneven batches (3 + 2), float64,
-against the same steps unchecked: every torch checkpoint (reentrant, non-reentrant, sequential,
-FSDP's wrapper), both paths (C++, Python), both exchanges, fused activations and a fused residual
-tail; a layer shared by two segments; a second backward of a retained graph; torch's rule
-everywhere else; nothing kept beyond the graph."""
+"""Activation checkpointing (``functional/recompute.py``): a recompute reuses its forward's
+statistics, exchanges nothing and updates nothing, on 2 gloo ranks with uneven batches (3 + 2),
+float64, against the same steps unchecked: every torch checkpoint (reentrant, non-reentrant,
+sequential, FSDP's wrapper), both paths (C++, Python), both exchanges, fused activations and a
+fused residual tail; a layer shared by two segments; a second backward of a retained graph;
+torch's rule everywhere else; nothing kept beyond the graph."""
 
 from __future__ import annotations
 
@@ -129,6 +129,7 @@ def _shared_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_layer_shared_by_two_segments_stays_exact() -> None:
     """checkpoint_sequential with 3 segments, one layer in the first and the third: its two
@@ -159,6 +160,7 @@ def _retain_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_second_backward_of_a_retained_graph_stays_exact() -> None:
     """backward(retain_graph=True), then backward again: each recomputes from the same kept
@@ -190,6 +192,7 @@ def _torch_rule_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_everything_else_keeps_torchs_rule() -> None:
     """A train-mode forward under no_grad counts once; two checkpointed forwards before one
@@ -215,6 +218,7 @@ def _order_rank(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_recompute_that_calls_other_layers_raises_on_every_rank() -> None:
     for message in run_distributed(_order_rank, 2, timeout=120.0):
@@ -299,6 +303,7 @@ def _growth_rank(rank: int, world: int) -> list[int]:
     return alive
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_what_a_recompute_takes_is_freed_with_the_graph() -> None:
     """100 steps, a third of them without a backward: nothing kept outlives its graph."""
@@ -410,6 +415,7 @@ def _fallback_rank(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_recompute_without_kept_statistics_exchanges_again_and_counts_nothing() -> None:
     for rank in run_distributed(_fallback_rank, 2, timeout=180.0):

@@ -154,6 +154,7 @@ def test_a_bad_config_is_refused_in_1_s_in_one_line_leaving_nothing_without_torc
         assert run.wall < 1.0, times
 
 
+@pytest.mark.slow
 def test_a_value_only_the_model_checks_is_refused_before_any_directory(tmp_path: Path) -> None:
     """A value refused by a constructor (here the datamodule's) needs the heavy imports, and so
     is found later, but still before Hydra creates the run's directory."""

@@ -39,6 +39,7 @@ def _without_timm(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_every_module_collects_without_timm_and_none_skips_at_import(tmp_path: Path) -> None:
     env = _without_timm(tmp_path)
     probe = subprocess.run(

@@ -62,6 +62,7 @@ def test_the_service_drops_the_pytree_warning_and_keeps_others() -> None:
     assert [str(w.message) for w in caught] == ["something else is deprecated"]
 
 
+@pytest.mark.slow
 def test_the_library_installs_no_filter() -> None:
     """A fresh interpreter: the library, its callback and the service's modules imported,
     nothing filtered until the service runs a job."""

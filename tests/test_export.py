@@ -75,6 +75,7 @@ def test_jit_trace_matches_without_tracer_warnings() -> None:
     torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_onnx_export_runs_in_the_onnx_reference_evaluator(tmp_path, monkeypatch) -> None:
     from onnx.reference import ReferenceEvaluator  # the [test] extra's onnx
 

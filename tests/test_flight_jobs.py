@@ -180,6 +180,7 @@ def _plain_rank(rank: int, world: int, directory: str) -> list[str]:
     return [p.name for p in Path(directory).rglob("flight_*rank*.bin")]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_plain_pytorch_keeps_records_where_set_flight_dir_says(tmp_path: Path) -> None:
     run_distributed(_plain_rank, 2, str(tmp_path / "records"), timeout=120)
