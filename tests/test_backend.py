@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -330,6 +331,30 @@ def test_a_required_cuda_build_that_fails_raises_instead_of_falling_back() -> No
         {"SYNCBN_REQUIRE_CUDA_BUILD": "1"},
     )
     assert result.stdout.strip() == "raised True", (result.stdout, result.stderr[-3000:])
+
+
+def test_a_fresh_shared_library_build_returns_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``build_locked`` returns the library's path after a fresh build whatever torch's loader
+    returns: torch 2.4's ``cpp_extension.load`` returns None for a shared library (the floor's
+    first build failed on it in ``Path(None)``)."""
+    from torch.utils import cpp_extension
+
+    from syncbn_lightning.ops.build_lock import BUILT_MARK, build_locked
+
+    calls: list[str] = []
+
+    def load_as_torch_2_4(**kwargs: Any) -> None:
+        calls.append(kwargs["name"])
+
+    monkeypatch.setattr(cpp_extension, "load", load_as_torch_2_4)
+    library = build_locked(
+        "fake_ext", tmp_path, sources=[], include_paths=[], cflags=[], ldflags=[],
+        python_module=False,
+    )  # fmt: skip
+    assert library == str(tmp_path / "fake_ext.so") and calls == ["fake_ext"]
+    assert (tmp_path / BUILT_MARK).exists()
 
 
 def test_the_build_records_what_the_library_links(tmp_path: Path) -> None:

@@ -113,7 +113,8 @@ def build_locked(
         (directory / BUILT_MARK).touch()  # under the lock, after the library is whole
     seconds = time.perf_counter() - started
     log.info("extension %s ready in %.1f s (%s)", name, seconds, directory)
-    return loaded
+    # (torch up to 2.4 returns None for a shared library it loaded, later releases its path)
+    return loaded if python_module else str(library)
 
 
 def _load_built(name: str, directory: Path, library: Path) -> bool:
