@@ -218,7 +218,6 @@ def _order_rank(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_recompute_that_calls_other_layers_raises_on_every_rank() -> None:
     for message in run_distributed(_order_rank, 2, timeout=120.0):
