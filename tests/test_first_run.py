@@ -141,11 +141,14 @@ def _build_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int) -> An
 
 
 def _write_ninja(directory: Path) -> None:
-    (directory / "build.ninja").write_text(
+    """The build's ninja file, whole at once (the waiter polls it every 10 ms: a file read half
+    written would name one unit of the two)."""
+    (directory / "build.ninja.part").write_text(
         "build unity_kernels.o: compile unity_kernels.cpp\n"
         "build unity_operators.o: compile unity_operators.cpp\n"
         "build ext.so: link unity_kernels.o unity_operators.o\n"
     )
+    os.replace(directory / "build.ninja.part", directory / "build.ninja")
 
 
 def test_the_other_ranks_wait_while_every_core_compiles(tmp_path: Path, monkeypatch) -> None:
@@ -162,6 +165,18 @@ def test_the_other_ranks_wait_while_every_core_compiles(tmp_path: Path, monkeypa
     (tmp_path / "unity_kernels.o").write_bytes(b"")
     waiter.join(5.0)
     assert not waiter.is_alive() and kernels.compiling() == 1
+    (tmp_path / "done").touch()
+    assert kernels.result() == 1.5
+
+
+def test_a_ninja_file_read_while_written_counts_as_not_begun(tmp_path, monkeypatch) -> None:
+    """torch writes ``build.ninja`` in place: read between its truncation and its text, it names
+    no unit, and the wait must not take that for a free core."""
+    kernels = _build_in(tmp_path, monkeypatch, cores=2)
+    (tmp_path / "build.ninja").write_text("")
+    assert kernels.compiling() is None
+    _write_ninja(tmp_path)
+    assert kernels.compiling() == 2
     (tmp_path / "done").touch()
     assert kernels.result() == 1.5
 

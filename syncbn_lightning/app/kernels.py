@@ -130,6 +130,8 @@ class KernelBuild:
             objects = re.findall(r"^build (\S+\.o):", ninja.read_text(), re.MULTILINE)
         except OSError:
             return None
+        if not objects:  # torch writes the file in place: read while written, it names none yet
+            return None
         done = 0
         for name in objects:
             try:
