@@ -149,6 +149,23 @@ def test_an_unwritable_disk_gives_one_warning_and_the_memory_ring(
     assert sum("cannot write the layers' names" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_the_flight_package_imports_its_modules_without_torch() -> None:
+    """``from ...flight import report`` (app/launch.py's form) asks the package for ``report``
+    before importing the module: that must not load the recorder, and torch with it. The
+    recorder's names still resolve on the package (the docs' dotted paths)."""
+    code = (
+        "import sys\n"
+        "from syncbn_lightning.distributed.flight import file, folder, report\n"
+        "print('torch' in sys.modules)\n"
+        "import syncbn_lightning.distributed.flight as flight\n"
+        "print(flight.set_flight_dir.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "syncbn_lightning.distributed.flight.recorder"], (
+        done.stdout
+    )
+
+
 def test_syncbn_flight_reads_a_folder_without_torch_in_under_a_second(tmp_path: Path) -> None:
     flight.set_flight_dir(tmp_path / "records")
     _job(tmp_path, "read")

@@ -33,12 +33,20 @@ report CLI reads a folder without importing torch.
 import importlib
 from typing import Any
 
+#: The package's modules: ``from syncbn_lightning.distributed.flight import report`` asks the
+#: package for the name before it imports the module, which must not import the recorder (torch).
+_MODULES = {"file", "folder", "recorder", "report", "writer"}
+
 
 def __getattr__(name: str) -> Any:
     """The recorder's ``name`` (``syncbn_lightning.distributed.flight.set_flight_dir``, as the docs
-    name it), imported on first use: the package itself imports no torch."""
-    recorder = importlib.import_module(".recorder", __name__)
+    name it, and the module path of the recorder before it was a folder), imported on first use,
+    then kept here: the package itself imports no torch."""
+    if name in _MODULES or name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        return getattr(recorder, name)
+        value = getattr(importlib.import_module(".recorder", __name__), name)
     except AttributeError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
