@@ -12,6 +12,11 @@ whole ``layer(x).backward(g)`` step, unprofiled (on a GPU the device is synchron
   (the Python Function with the ``syncbn::`` steps), and ``ours_native``: the C++ path
   (``SYNCBN_NATIVE_CUDA=1``); each run asserts the path it names.
 
+Each of ``ext`` (``ours_native`` on a GPU) and ``nogroup`` (``SyncBatchNorm`` without
+``force_sync``: plain BatchNorm's maths) also runs as ``<name>_in_step``: the micro-batches of
+optimizer steps inside ``step_statistics`` (4 calls and the commit, timed per call), against the
+same layer outside it.
+
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
 group (gloo on the CPU, NCCL on a GPU: the sync layer really issues two collectives; on the CPU
 gloo's own cost is shown on its own line). The flight recorder's share of a collective (the
@@ -46,7 +51,7 @@ import torch.distributed as dist
 from _common import OpCounter, one_rank_group
 from torch import nn
 
-from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning import SyncBatchNorm, step_statistics
 from syncbn_lightning._shared import GRAD_HEADER
 from syncbn_lightning.distributed.collectives import sums_gathered
 from syncbn_lightning.distributed.flight import recorder as flight
@@ -71,20 +76,32 @@ def _layers(device: torch.device) -> dict[str, tuple[dict[str, str], nn.Module]]
             "ours": {"SYNCBN_IMPL": "ext", "SYNCBN_NATIVE_CUDA": "0"},
             "ours_native": {"SYNCBN_IMPL": "ext", "SYNCBN_NATIVE_CUDA": "1"},
         }
-    return {
-        name: (
-            env,
-            (nn.BatchNorm2d(SHAPE[1]) if name == "bn" else SyncBatchNorm(SHAPE[1], force_sync=True))
-            .to(device)
-            .train(),
-        )
-        for name, env in envs.items()
-    }
+    native = "ext" if device.type == "cpu" else "ours_native"
+    envs[f"{native}{IN_STEP}"] = envs[native]
+    # The layer without a group: plain BatchNorm's maths, outside and inside the context.
+    envs["nogroup"] = envs[f"nogroup{IN_STEP}"] = envs[native]
+    return {name: (env, _layer(name).to(device).train()) for name, env in envs.items()}
+
+
+#: The suffix of a run whose calls are the micro-batches of optimizer steps under
+#: ``step_statistics`` (:data:`MICRO_BATCHES` calls and the commit, timed per call).
+IN_STEP = "_in_step"
+MICRO_BATCHES = 4
+
+
+def _layer(name: str) -> nn.Module:
+    """The layer a run of ``name`` calls: torch's, the layer without a group, or the layer
+    forced through its synchronized path."""
+    if name == "bn":
+        return nn.BatchNorm2d(SHAPE[1])
+    return SyncBatchNorm(SHAPE[1], force_sync=not name.startswith("nogroup"))
 
 
 def _check_path(name: str, layer: nn.Module) -> None:
     """Assert that ``layer`` took the path its name says (its plan, made at its first call)."""
-    native = {"ext": True, "ref": False, "ours": False, "ours_native": True}.get(name)
+    native = {"ext": True, "ref": False, "ours": False, "ours_native": True}.get(
+        name.removesuffix(IN_STEP)
+    )
     if native is not None:
         plan = layer._sync_plan
         assert plan is not None and plan.native is native, (name, plan and plan.native)
@@ -103,11 +120,22 @@ def _apply_env(env: dict[str, str]) -> None:
             os.environ.pop(key, None)
 
 
-def _step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+def _step(name: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    """One ``layer(x).backward(grad)`` step; for a run in steps (:data:`IN_STEP`), one
+    optimizer step's :data:`MICRO_BATCHES` of them inside ``step_statistics``."""
+
     def run() -> None:
         layer(x).backward(grad)
 
-    return run
+    if not name.endswith(IN_STEP):
+        return run
+
+    def in_step() -> None:
+        with step_statistics(layer):
+            for _ in range(MICRO_BATCHES):
+                layer(x).backward(grad)
+
+    return in_step
 
 
 def _time(fn: Callable[[], None], steps: int, device: torch.device) -> float:
@@ -131,7 +159,7 @@ def measure(
     results: dict[str, dict[str, Any]] = {}
     runs = {}
     layers = _layers(device)
-    steps_of = {name: (env, _step(layer, x, grad)) for name, (env, layer) in layers.items()}
+    steps_of = {name: (env, _step(name, layer, x, grad)) for name, (env, layer) in layers.items()}
     if floor:
         gathers = backward_gathers(device)
         steps_of["floor"] = ({}, floor_step(x, grad, gathers))
@@ -150,7 +178,9 @@ def measure(
     for _ in range(rounds):
         for name, (env, run) in runs.items():
             _apply_env(env)
-            results[name]["us"].append(_time(run, steps, device))
+            calls = MICRO_BATCHES if name.endswith(IN_STEP) else 1
+            results[name]["us"].append(_time(run, steps // calls, device) / calls)
+            results[name]["calls"] = calls
     for entry in results.values():
         entry["median_us"] = statistics.median(entry["us"])
     _apply_env({})  # what runs next (the network) runs with the defaults
@@ -236,6 +266,26 @@ def network_steps() -> dict[str, Callable[[], None]]:
 
         return run
 
+    def accumulated(model: nn.Module, in_step: bool) -> Callable[[], None]:
+        """:data:`MICRO_BATCHES` micro-batches and one optimizer step (inside
+        ``step_statistics`` where ``in_step``), timed per micro-batch by the table."""
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def micro_batches() -> None:
+            for _ in range(MICRO_BATCHES):
+                nn.functional.cross_entropy(model(x), target).backward()
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            if in_step:
+                with step_statistics(model):
+                    micro_batches()
+            else:
+                micro_batches()
+            optimizer.step()
+
+        return run
+
     def model() -> nn.Module:
         torch.manual_seed(0)
         return _torchvision().models.resnet18(weights=None, num_classes=5)
@@ -256,6 +306,10 @@ def network_steps() -> dict[str, Callable[[], None]]:
         "plain": step_of(plain),
         "ours": step_of(convert_sync_batchnorm(model(), force_sync=True)),
         "floor": step_of(model(), collectives),
+        "ours_accumulated": accumulated(convert_sync_batchnorm(model(), force_sync=True), False),
+        f"ours_accumulated{IN_STEP}": accumulated(
+            convert_sync_batchnorm(model(), force_sync=True), True
+        ),
     }
 
 
@@ -268,13 +322,20 @@ def network_table(rounds: int, steps: int) -> list[str]:
             run()
     for _ in range(rounds):
         for name, run in runs.items():
-            times[name].append(_time(run, steps, torch.device("cpu")) / 1000)
+            calls = MICRO_BATCHES if name.startswith("ours_accumulated") else 1
+            times[name].append(_time(run, steps // calls, torch.device("cpu")) / 1000 / calls)
     medians = {name: statistics.median(t) for name, t in times.items()}
     lines = ["| ResNet-18 step | ms / step | x plain | x floor |", "|---|---:|---:|---:|"]
     for name, ms in medians.items():
         lines.append(
             f"| {name} | {ms:.2f} | {ms / medians['plain']:.2f} | {ms / medians['floor']:.2f} |"
         )
+    outside, inside = medians["ours_accumulated"], medians[f"ours_accumulated{IN_STEP}"]
+    lines.append(
+        f"\n(ours_accumulated: {MICRO_BATCHES} micro-batches and one optimizer step, ms per "
+        f"micro-batch; {IN_STEP[1:]}: inside step_statistics) in step / outside: "
+        f"{inside / outside:.2f} (goal <= 1.1)"
+    )
     return lines
 
 
@@ -313,13 +374,28 @@ def flight_cost(rounds: int, steps: int) -> dict[str, float]:
 
 
 def _table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The runs' table: dispatcher ops and microseconds per layer step (a run in steps: per
+    micro-batch, its share of the step's commit included), and their ratio to ``bn``."""
     floor = results["bn"]["median_us"]
     lines = ["| layer | dispatcher ops | us / step | x bn |", "|---|---:|---:|---:|"]
     for name, entry in results.items():
+        ops = sum(entry["ops"].values()) / entry.get("calls", 1)
         lines.append(
-            f"| {name} | {sum(entry['ops'].values())} | {entry['median_us']:.1f} | "
-            f"{entry['median_us'] / floor:.2f} |"
+            f"| {name} | {ops:g} | {entry['median_us']:.1f} | {entry['median_us'] / floor:.2f} |"
         )
+    return lines
+
+
+def in_step_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each run in steps over the same layer's run outside (goal: <= 1.1, and <= 1.2 for the
+    layer without a group, whose plain batch norm returns no statistics to merge)."""
+    lines = []
+    for name in results:
+        if name.endswith(IN_STEP):
+            outside = name.removesuffix(IN_STEP)
+            goal = 1.2 if outside == "nogroup" else 1.1
+            ratio = results[name]["median_us"] / results[outside]["median_us"]
+            lines.append(f"{name} / {outside}: {ratio:.2f} (goal <= {goal})")
     return lines
 
 
@@ -349,7 +425,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), input {SHAPE}, float32, {where}")
     print(f"command: python benchmarks/bench_host.py {' '.join(sys.argv[1:])}")
     print("\nNo process group (no collective is issued):\n")
-    print("\n".join(_table(measure(args.rounds, args.steps, device))))
+    alone = measure(args.rounds, args.steps, device)
+    print("\n".join(_table(alone)))
+    print("\n" + "\n".join(in_step_lines(alone)))
     if not cuda:
         costs = flight_cost(args.rounds, args.steps)
         print(
@@ -362,8 +440,9 @@ def main() -> None:
         print(f"\nOne-rank {backend} group (one all-gather forward, one collective backward):\n")
         results = measure(args.rounds, args.steps, device, floor=True)
         print("\n".join(_table(results)))
+        print("\n" + "\n".join(in_step_lines(results)))
         for name in results:
-            if name not in ("bn", "floor", "floor_allreduce"):
+            if name not in ("bn", "floor", "floor_allreduce") and not name.endswith(IN_STEP):
                 ratio = results[name]["median_us"] / results["floor"]["median_us"]
                 print(f"\n{name} / floor: {ratio:.2f}")
         print("\n" + goal_line(results, native, gate=not cuda))

@@ -6,6 +6,7 @@ Public API:
     convert_sync_batchnorm / revert_sync_batchnorm: swap a model's BatchNorm layers and back.
     new_sync_group: split the world into consecutive groups of ranks that normalize together.
     update_bn_stats: PreciseBN, population statistics over real batches.
+    step_statistics: one running-statistics update per optimizer step (gradient accumulation).
     SyncDataParallel / join_replicas: nn.DataParallel whose replicas normalize as one batch.
     SyncBNCallback / SyncBNLayerSync: the Lightning callback and plugin (the ``[lightning]``
         extra).
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # what type checkers and the API docs see; at run time, __get
     )
     from .nn.data_parallel import SyncDataParallel, join_replicas
     from .nn.precise_bn import update_bn_stats
+    from .nn.step_statistics import step_statistics
 
 __all__ = [
     "SyncBatchNorm",
@@ -56,6 +58,7 @@ __all__ = [
     "BatchNormXd",
     "BatchNormActXd",
     "update_bn_stats",
+    "step_statistics",
     "SyncDataParallel",
     "join_replicas",
     "SyncBNCallback",
@@ -77,6 +80,7 @@ _WHERE = {
     "check_call_order": "distributed.call_order.checks",
     "new_sync_group": "distributed.groups",
     "update_bn_stats": "nn.precise_bn",
+    "step_statistics": "nn.step_statistics",
     "SyncDataParallel": "nn.data_parallel",
     "join_replicas": "nn.data_parallel",
     # The Lightning extra.

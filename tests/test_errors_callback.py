@@ -1,4 +1,4 @@
-"""Sections 6-7 of ``docs/errors.md``: ``SyncBNCallback`` and ``SyncBNLayerSync`` arguments, and
+"""Sections 7-8 of ``docs/errors.md``: ``SyncBNCallback`` and ``SyncBNLayerSync`` arguments, and
 the callback with a Trainer.
 
 Each test triggers the error of its row with the row's input and asserts the row's exception type
@@ -51,7 +51,7 @@ def _setup(callback: SyncBNCallback, **trainer_kwargs: object) -> None:
     callback.setup(trainer, _BNModule(), "fit")
 
 
-# ----------------------------------------------------------------------------- 6. callback args
+# ----------------------------------------------------------------------------- 7. callback args
 
 
 def test_callback_group_size_zero() -> None:
@@ -124,7 +124,7 @@ def test_plugin_group_size_auto() -> None:
         SyncBNLayerSync(group_size="auto")  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------------------- 7. with a Trainer
+# ----------------------------------------------------------------------------- 8. with a Trainer
 
 
 def test_trainer_sync_batchnorm_true() -> None:

@@ -1,5 +1,5 @@
-"""Sections 2-5 of ``docs/errors.md``: ``SyncBatchNorm`` (constructor and forward), the converter
-and ``new_sync_group``.
+"""Sections 2-6 of ``docs/errors.md``: ``SyncBatchNorm`` (constructor and forward), the converter,
+``new_sync_group`` and ``step_statistics``.
 
 Each test triggers the error of its row with the row's input and asserts the row's exception type
 and message through :func:`_errors_doc.expect_row` (the doc is the one source of both).
@@ -22,9 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from syncbn_lightning import (
     CallOrderError,
     SyncBatchNorm,
+    SyncDataParallel,
     convert_sync_batchnorm,
     new_sync_group,
     revert_sync_batchnorm,
+    step_statistics,
 )
 
 
@@ -293,3 +295,39 @@ def test_group_size_zero(world_of_4: None) -> None:
 def test_group_size_larger_than_world(world_of_4: None) -> None:
     with expect_row():
         new_sync_group(8)
+
+
+# ----------------------------------------------------------------------------- 6. step_statistics
+
+
+def test_step_statistics_normalize_unknown() -> None:
+    with expect_row():
+        with step_statistics(nn.Sequential(SyncBatchNorm(3)), normalize="batch"):
+            pass
+
+
+def test_step_statistics_normalize_step_not_yet() -> None:
+    with expect_row():
+        with step_statistics(nn.Sequential(SyncBatchNorm(3)), normalize="step"):
+            pass
+
+
+def test_step_statistics_nested() -> None:
+    model = nn.Sequential(SyncBatchNorm(3))
+    with step_statistics(model):
+        with expect_row():
+            with step_statistics(model):
+                pass
+
+
+def test_step_statistics_data_parallel() -> None:
+    with expect_row():
+        with step_statistics(SyncDataParallel(nn.Sequential(SyncBatchNorm(3)))):
+            pass
+
+
+def test_step_statistics_not_a_module() -> None:
+    model = nn.Sequential(SyncBatchNorm(3))
+    with expect_row():
+        with step_statistics(model.parameters()):  # type: ignore[arg-type]
+            pass

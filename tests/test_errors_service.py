@@ -1,4 +1,4 @@
-"""Sections 8-9 of ``docs/errors.md``: the service's ``train.py`` configs and the COCO datasets.
+"""Sections 9-10 of ``docs/errors.md``: the service's ``train.py`` configs and the COCO datasets.
 
 Each test triggers the error of its row with the row's input and asserts the row's exception type
 and message through :func:`_errors_doc.expect_row` (the doc is the one source of both). Configs are
@@ -41,7 +41,7 @@ def _validate(tmp_path: Path, *overrides: str) -> None:
     app.validate(_compose(tmp_path, *overrides))
 
 
-# ----------------------------------------------------------------------------- 8. train.py
+# ----------------------------------------------------------------------------- 9. train.py
 
 
 def test_config_devices_zero(tmp_path: Path) -> None:
@@ -236,7 +236,7 @@ def test_config_override_syntax() -> None:
         check_command_line(["bn.momentum=["])
 
 
-# ----------------------------------------------------------------------------- 9. datasets
+# ---------------------------------------------------------------------------- 10. datasets
 
 
 def _annotations(path: Path, annotations: list[dict[str, object]]) -> Path:

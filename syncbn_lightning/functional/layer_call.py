@@ -38,6 +38,7 @@ from ..distributed.call_order.policy import queues_order_flags_on
 from ..distributed.flight import recorder as flight
 from ..distributed.groups import group_name_of, sync_group_size
 from ..ops.dispatch import IMPL_ENV, cpp_path, python_checks_first, uses_extension
+from .accumulate import StepStatistics
 from .exchange import LayerState, SyncCall
 from .function import SyncBatchNormFunction
 from .native import native_op, register_python_kernels
@@ -49,6 +50,7 @@ __all__ = [
     "PythonPath",
     "check_dims",
     "check_input",
+    "commit_step",
     "functorch_error",
     "SyncPlan",
     "affine_of",
@@ -119,7 +121,9 @@ def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
     """Plain BatchNorm of ``input`` (torch's own forward: eval with the running statistics, or
     training with the local batch's), after the layer's input checks. A checkpoint's recompute
     of a training call updates nothing: the same kernels on the same input (so the same output),
-    with throwaway copies of the running statistics."""
+    with throwaway copies of the running statistics; inside
+    :func:`~syncbn_lightning.step_statistics` a call updates nothing either, and adds its batch's
+    statistics to the step's."""
     weight, bias = affine_of(layer)
     _check_call_input(layer, input, weight)
     running_mean = layer._buffers["running_mean"]
@@ -137,6 +141,9 @@ def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
             input, running_mean, running_var, weight, bias, True, momentum, layer.eps
         )
     layer.last_batch = BatchRecord(int(input.shape[0]))
+    step: StepStatistics | None = layer._step_stats
+    if step is not None:
+        return step.batch_norm(input, weight, bias, layer.eps)
     return torch.nn.modules.batchnorm._BatchNorm.forward(layer, input)
 
 
@@ -376,14 +383,18 @@ def _state(layer: Any, input: torch.Tensor, kind: CallKind) -> tuple[Any, ...]:
     its non-finite counter and its call counter (the call-order tag), as
     :class:`~.exchange.LayerState` and the operator take them; in a checkpoint's recompute,
     nothing: no running statistic (``None``) and a copy of the call counter (the call is not
-    counted). (A policy that defers the update, ``step_statistics``, will merge the call's
-    statistics here: :mod:`.accumulate`.)"""
+    counted); inside :func:`~syncbn_lightning.step_statistics` (the layer's
+    :class:`~.accumulate.StepStatistics`), the step's copies of the running statistics and no
+    counter of skips: the step's end updates the buffers once (:func:`commit_step`)."""
     calls, nonfinite = _counters(layer, input)
     buffers = layer._buffers
     if kind.recompute:
         return (*_NO_RUNNING, calls.clone())
     if not layer.track_running_stats or buffers["running_mean"] is None:
         return (*_NO_RUNNING, calls)
+    step: StepStatistics | None = layer._step_stats
+    if step is not None:  # deferred: the kernels update the step's copies (its ``scratch``)
+        return (*step.scratch, None, calls)
     return (
         buffers["running_mean"],
         buffers["running_var"],
@@ -521,12 +532,35 @@ def _record(
     """After the call: a checkpointed forward keeps ``stats`` (:attr:`~.recompute.Kept.stats`)
     and its ``flight_call`` on its checkpoint; every call but a recompute records the batch
     (``last_batch``, a plain attribute: ``Module.__setattr__`` costs ~2 us of host time per
-    call)."""
+    call) and, inside :func:`~syncbn_lightning.step_statistics`, adds its statistics to the
+    step's."""
     if kind.recompute:
         return
     if stats is not None:
         keep(kind.keep, layer, input, stats, flight_call)
     layer.__dict__["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
+    step: StepStatistics | None = layer._step_stats
+    if step is not None:
+        step.add_group(info, mean, var, layer.sync_options.unbiased_running_var)
+
+
+def commit_step(layer: Any) -> None:
+    """The one running-statistics update of ``layer``'s calls in an optimizer step
+    (:meth:`~.accumulate.StepStatistics.commit`; a layer not called is left alone);
+    :func:`~syncbn_lightning.step_statistics` calls this at its end."""
+    step: StepStatistics = layer._step_stats
+    buffers = layer._buffers
+    running_mean = buffers["running_mean"]
+    _calls, nonfinite = _counters(layer, running_mean)
+    options = layer.sync_options
+    step.commit(
+        running_mean,
+        buffers["running_var"],
+        buffers["num_batches_tracked"],
+        nonfinite,
+        options.momentum,
+        options.unbiased_running_var,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -47,6 +47,10 @@ from .layer_state import option_property as _option
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormOnDevice", "match_torch_class", "traced_call"]
 
+# What a deep copy makes anew, or leaves behind: the plan (the process group, the operator) and a
+# step_statistics merge (the copy is not in the step).
+_NOT_COPIED = ("_sync_plan", "_step_stats")
+
 
 class SyncBatchNorm(SyncCallState, _BatchNorm):
     r"""BatchNorm whose batch statistics are computed over a group of processes, on CPU and GPU.
@@ -198,6 +202,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_sync_plan", None)  # holds the process group and the operator: made anew
+        state.pop("_step_stats", None)  # a step's partial merge is not kept
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -220,7 +225,7 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
             memo[id(self.process_group)] = self.process_group
         copied = self.__class__.__new__(self.__class__)
         memo[id(self)] = copied
-        state = {k: v for k, v in self.__dict__.items() if k != "_sync_plan"}
+        state = {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
         copied.__dict__.update(copy.deepcopy(state, memo))
         return copied
 

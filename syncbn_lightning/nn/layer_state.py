@@ -79,6 +79,9 @@ class SyncCallState:
     _nonfinite: torch.Tensor | None = None
     # Where compiled calls on a device that queues its order flags note them (made on first use).
     _order: torch.Tensor | None = None
+    # Inside step_statistics: the step's running-statistics policy (functional/accumulate.py);
+    # not state (a pickle or a copy leaves it behind: resuming drops a partial step).
+    _step_stats: Any = None
 
     @property
     def layer_tag(self) -> int:

@@ -1,0 +1,143 @@
+"""Gradient accumulation: one running-statistics update per optimizer step.
+
+With K micro-batches per optimizer step, torch's BatchNorm (and every library built on it)
+updates its running statistics K times per step, each from a batch K times smaller: with momentum
+0.1 and K = 4 the step's effective momentum is ``1 - 0.9**4 = 0.34``. Within one step the weights
+do not change, so every micro-batch's statistics, on every rank, are samples of the same network:
+:func:`step_statistics` merges them (count-weighted, in float64) and updates once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..functional.accumulate import NORMALIZE_MODES, StepStatistics
+from ..functional.layer_call import commit_step
+from .batchnorm import SyncBatchNorm
+
+__all__ = ["step_statistics"]
+
+
+@contextlib.contextmanager
+def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None]:
+    """The micro-batches of one optimizer step: their training calls update no running
+    statistic, and the step's end updates them once, from every call's statistics.
+
+    Covers every :class:`~syncbn_lightning.SyncBatchNorm` of ``model`` (or of the model a
+    ``DistributedDataParallel`` / FSDP wrapper holds), the layers without a group included.
+    Inside, each layer keeps the count-weighted merge (float64, O(C), not a buffer) of the
+    statistics its training calls normalized with: its group's, over every rank, micro-batch and
+    call. At a normal exit each layer called in the step takes ONE update::
+
+        running_mean <- (1 - momentum) * running_mean + momentum * mean_step
+        running_var  <- the same with the step's variance over its whole count (unbiased unless
+                        unbiased_running_var=False)
+        num_batches_tracked += 1   (momentum=None: the cumulative average with that count)
+
+    with the layers' rules: empty micro-batches add nothing, a step that saw no value or whose
+    statistics are not finite updates nothing (the latter counted by ``nonfinite_skips``). No
+    host sync.
+
+    Args:
+        model: the model, or its DDP/FSDP wrapper.
+        normalize: ``"micro"`` (the default): each call normalizes with its own group's
+            statistics, as without the context (outputs and gradients unchanged).
+
+    Raises:
+        ValueError: ``normalize`` is not ``"micro"``; ``model`` holds
+            :class:`~syncbn_lightning.SyncDataParallel` replicas.
+        RuntimeError: a layer of ``model`` is inside another :func:`step_statistics` already
+            (contexts do not nest: one per optimizer step).
+
+    Example:
+        >>> import torch, syncbn_lightning as sbl
+        >>> net = sbl.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3)))
+        >>> with sbl.step_statistics(net):
+        ...     for micro in torch.randn(4, 2, 3).unbind():
+        ...         net(micro).sum().backward()
+        >>> int(net[0].num_batches_tracked)
+        1
+
+    Note:
+        On an exception inside, nothing is committed: the running statistics are as they were
+        at entry. Eval-mode calls are untouched (they read the running statistics, as ever). A
+        checkpoint's recompute adds nothing: it renormalizes with what its forward kept. The
+        merge is not saved: a checkpoint taken mid-step resumes without the step's partial
+        statistics. Plain BatchNorm layers (a model not converted) are beyond the context's
+        reach: a warning names them, and they update at every micro-batch.
+    """
+    if normalize not in NORMALIZE_MODES:
+        raise ValueError(
+            f"step_statistics(normalize=...) must be one of {NORMALIZE_MODES}, got {normalize!r}"
+        )
+    if normalize == "step":
+        raise ValueError(
+            "step_statistics(normalize='step') is not available yet: use normalize='micro' "
+            "(each micro-batch normalized with its own statistics, one update per step)"
+        )
+    layers = _layers_of(model)
+    for layer in layers:
+        buffers = layer._buffers
+        layer._step_stats = StepStatistics(
+            normalize,
+            buffers["running_mean"],
+            buffers["running_var"],
+            buffers["num_batches_tracked"],
+        )
+    try:
+        yield
+        with torch.no_grad():
+            for layer in layers:
+                commit_step(layer)
+    finally:
+        for layer in layers:
+            layer._step_stats = None
+
+
+def _layers_of(model: nn.Module) -> list[SyncBatchNorm]:
+    """The synchronized layers of ``model`` the context covers, after its refusals, and one
+    warning for the plain BatchNorm layers it cannot reach."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"step_statistics(model) takes the model (an nn.Module, or its DDP/FSDP wrapper), "
+            f"got {type(model).__name__}"
+        )
+    layers, plain = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, SyncBatchNorm):
+            if not module.track_running_stats or module.running_mean is None:
+                continue  # no running statistic to defer
+            if module._step_stats is not None:
+                raise RuntimeError(
+                    f"step_statistics: layer {name or type(module).__name__!r} is inside "
+                    f"another step_statistics context already: contexts do not nest (one per "
+                    f"optimizer step); exit the outer one first"
+                )
+            layers.append(module)
+        elif isinstance(module, _BatchNorm):
+            plain.append(name)
+    if any(layer.replica_group is not None for layer in layers) or _holds_replicas(model):
+        raise ValueError(
+            "step_statistics does not take a SyncDataParallel model yet: use "
+            "DistributedDataParallel (one process per device) for gradient accumulation"
+        )
+    if plain:
+        warnings.warn(
+            f"step_statistics: {len(plain)} BatchNorm layer(s) of the model are not "
+            f"SyncBatchNorm (first: {plain[0]!r}) and update their running statistics at every "
+            f"micro-batch: convert the model first (syncbn_lightning.convert_sync_batchnorm)",
+            stacklevel=3,
+        )
+    return layers
+
+
+def _holds_replicas(model: nn.Module) -> bool:
+    """Whether ``model`` is, or holds, an ``nn.DataParallel`` (its replicas share the layers'
+    state across threads)."""
+    return any(isinstance(module, nn.DataParallel) for module in model.modules())

@@ -1,0 +1,364 @@
+"""``step_statistics``: one running-statistics update per optimizer step under gradient
+accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.py``).
+
+* On 2 gloo ranks in float64, K = 4 uneven micro-batches with an empty one on one rank, both
+  exchanges, the C++ path and the Python path (with the extension's kernels and with the
+  reference twin), under DDP with ``no_sync``: outputs and gradients are those without the
+  context, bitwise (the reduce exchange's shift, the running mean, is read from the step's
+  copies of the running statistics, which move as the buffers would outside), and the running
+  statistics are one
+  momentum update from the mean and unbiased variance of every input each layer saw in the
+  step, on every rank; one ``num_batches_tracked`` per step.
+* The layer without a group (plain BatchNorm inside): the same output, one update.
+* The rules: ``momentum=None``, ``unbiased_running_var=False``, a non-finite step (skipped and
+  counted), a layer not called, eval calls, an exception (nothing committed), a checkpoint's
+  recompute (adds nothing), pickles and copies (the merge is left behind).
+* Nested contexts leave the outer one whole; plain BatchNorm layers get one warning. (The
+  refusals' messages: ``docs/errors.md``, section 6, and ``tests/test_errors_layers.py``.)
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_distributed
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from syncbn_lightning import (
+    SyncBatchNorm,
+    convert_sync_batchnorm,
+    step_statistics,
+)
+from syncbn_lightning.functional.layer_call import plan_of
+
+# Each rank's micro-batch sizes: uneven, and an empty one on rank 1.
+SIZES = ([2, 1, 3, 2], [1, 0, 2, 3])
+PATHS = ("cpp", "python", "reference")
+
+
+def _net(exchange: str, path: str, **options: Any) -> nn.Module:
+    """Two synchronized layers (the second's input depends on the first's output), float64."""
+    torch.manual_seed(3)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4, momentum=0.3),
+    )
+    net = convert_sync_batchnorm(net).double()
+    for layer in _sync_layers(net):
+        layer.exchange = exchange
+        for name, value in options.items():
+            setattr(layer, name, value)
+        if path == "reference":
+            layer.impl = "ref"
+    return net
+
+
+def _sync_layers(net: nn.Module) -> list[SyncBatchNorm]:
+    return [m for m in net.modules() if isinstance(m, SyncBatchNorm)]
+
+
+def _take_path(net: nn.Module, path: str) -> None:
+    """The C++ path (the CPU's default), or the Python Function with the extension's kernels
+    (the plan told not to take the operator), or the reference twin (``impl="ref"``)."""
+    for layer in _sync_layers(net):
+        plan = plan_of(layer, "cpu")
+        assert plan.native == (path != "reference"), path
+        if path == "python":
+            plan.native = False
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(17 + rank)
+    return [torch.randn(n, 3, 2, 3, generator=g, dtype=torch.float64) * 2 + 1 for n in SIZES[rank]]
+
+
+def _steps_rank(rank: int, world: int, exchange: str, path: str) -> dict[str, Any]:
+    """One optimizer step of K micro-batches under DDP (``no_sync`` but the last), with and
+    without the context, from the same weights: outputs, gradients, buffers, and the inputs
+    each layer saw."""
+    out: dict[str, Any] = {}
+    for mode in ("plain", "step"):
+        net = _net(exchange, path)
+        model = nn.parallel.DistributedDataParallel(net)
+        _take_path(net, path)
+        seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        for i, layer in enumerate(_sync_layers(net)):
+            layer.register_forward_pre_hook(lambda _m, a, into=seen[i]: into.append(a[0].detach()))
+        outputs, grads = [], []
+        context = step_statistics(model) if mode == "step" else _Nothing()
+        with context:
+            micros = _micro_batches(rank)
+            for k, x in enumerate(micros):
+                x = x.clone().requires_grad_()
+                sync = model.no_sync() if k < len(micros) - 1 else _Nothing()
+                with sync:
+                    y = model(x)
+                    y.pow(2).sum().backward()
+                outputs.append(y.detach())
+                grads.append(x.grad)
+        out[mode] = {
+            "outputs": outputs,
+            "grads": grads + [p.grad.clone() for p in net.parameters()],
+            "buffers": [
+                (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+                for bn in _sync_layers(net)
+            ],
+            "seen": [torch.cat(seen[i]) for i in (0, 1)],
+        }
+    return out
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _one_update(
+    inputs: torch.Tensor, momentum: float | None, unbiased: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running statistics of a fresh layer after one update from all of ``inputs``."""
+    dims = [0, *range(2, inputs.dim())]
+    mean = inputs.mean(dims)
+    var = inputs.var(dims, correction=1 if unbiased else 0)
+    factor = 1.0 if momentum is None else momentum
+    return factor * mean, (1 - factor) * torch.ones_like(var) + factor * var
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_one_update_per_step_on_two_ranks_and_the_same_outputs(exchange: str, path: str) -> None:
+    ranks = run_distributed(_steps_rank, 2, exchange, path, timeout=180.0)
+    for rank in ranks:
+        plain, step = rank["plain"], rank["step"]
+        for name in ("outputs", "grads"):
+            for a, b in zip(plain[name], step[name], strict=True):
+                assert torch.equal(a, b), name
+        for _mean, _var, tracked in plain["buffers"]:
+            assert tracked == 4  # torch's way: one update per micro-batch
+    for i, momentum in enumerate((0.1, 0.3)):
+        # every input the layer saw in the step, on every rank (the same on both: the step's
+        # statistics are the group's)
+        inputs = torch.cat([rank["step"]["seen"][i] for rank in ranks])
+        want_mean, want_var = _one_update(inputs, momentum)
+        for rank in ranks:
+            mean, var, tracked = rank["step"]["buffers"][i]
+            assert tracked == 1
+            torch.testing.assert_close(mean, want_mean, rtol=0, atol=1e-12)
+            torch.testing.assert_close(var, want_var, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# One process: a layer without a group, and forced synchronization (a group of one)
+# ------------------------------------------------------------------------------------------------
+
+
+def _layer(path: str, **options: Any) -> SyncBatchNorm:
+    layer = SyncBatchNorm(3, **options).double()
+    if path == "reference":
+        layer.impl = "ref"
+    return layer
+
+
+def _xs(sizes: tuple[int, ...] = (2, 0, 3, 1)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(n, 3, 4, generator=g, dtype=torch.float64) * 3 - 2 for n in sizes]
+
+
+@pytest.mark.parametrize("path", ["cpp", "reference"])
+@pytest.mark.parametrize("force_sync", [False, True])
+def test_one_process_one_update_and_the_same_outputs(force_sync: bool, path: str) -> None:
+    xs = _xs()
+    outside, inside = _layer(path, force_sync=force_sync), _layer(path, force_sync=force_sync)
+    with step_statistics(inside):
+        got = [inside(x) for x in xs]
+    want = [outside(x) for x in xs]
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert int(outside.num_batches_tracked) == 4 and int(inside.num_batches_tracked) == 1
+    mean, var = _one_update(torch.cat(xs), 0.1)
+    torch.testing.assert_close(inside.running_mean, mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(inside.running_var, var, rtol=0, atol=1e-12)
+
+
+def test_the_reduce_exchange_still_shifts_by_the_running_mean() -> None:
+    """Its sums are shifted by the running mean: without it (a missing buffer for "no update"),
+    data far from zero would lose every digit of the variance to cancellation."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, 3, 4, generator=g, dtype=torch.float64) * 1e-2 + 1e6 for n in (3, 2)]
+    outside, inside = (_layer("cpp", force_sync=True, exchange="reduce") for _ in range(2))
+    for layer in (outside, inside):
+        layer.running_mean.fill_(1e6)
+    with step_statistics(inside):
+        got = [inside(x) for x in xs]
+    for a, x in zip(got, xs, strict=True):
+        torch.testing.assert_close(a, outside(x), rtol=0, atol=1e-6)
+        assert a.std().item() == pytest.approx(1.0, rel=0.2)
+
+
+@pytest.mark.parametrize("force_sync", [False, True])
+def test_momentum_none_and_the_biased_variance(force_sync: bool) -> None:
+    xs = _xs()
+    layer = _layer("cpp", momentum=None, unbiased_running_var=False, force_sync=force_sync)
+    for _ in range(2):  # the cumulative average over steps: 1, then 1/2
+        with step_statistics(layer):
+            for x in xs:
+                layer(x)
+    assert int(layer.num_batches_tracked) == 2
+    mean, var = _one_update(torch.cat(xs), None, unbiased=False)  # two equal steps
+    torch.testing.assert_close(layer.running_mean, mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.running_var, var, rtol=0, atol=1e-12)
+
+
+def test_a_non_finite_step_updates_nothing_and_is_counted() -> None:
+    layer = _layer("cpp", force_sync=True)
+    xs = _xs()
+    xs[2] = xs[2].clone()
+    xs[2][0, 1, 0] = float("nan")
+    with step_statistics(layer):
+        for x in xs:
+            layer(x)
+    assert torch.equal(layer.running_mean, torch.zeros(3, dtype=torch.float64))
+    assert torch.equal(layer.running_var, torch.ones(3, dtype=torch.float64))
+    assert int(layer.num_batches_tracked) == 0 and int(layer.nonfinite_skips()) == 1
+
+
+def test_an_all_empty_step_and_an_uncalled_layer_leave_the_statistics_alone() -> None:
+    called, uncalled = _layer("cpp", force_sync=True), _layer("cpp")
+    with step_statistics(nn.ModuleList([called, uncalled])):
+        called(torch.zeros(0, 3, 4, dtype=torch.float64))
+    for layer in (called, uncalled):
+        assert torch.equal(layer.running_mean, torch.zeros(3, dtype=torch.float64))
+        assert torch.equal(layer.running_var, torch.ones(3, dtype=torch.float64))
+    # an empty group counts as torch's kernels count it (finite: tracked), uncalled not at all
+    assert int(called.num_batches_tracked) == 1 and int(uncalled.num_batches_tracked) == 0
+
+
+def test_eval_calls_and_an_exception_change_nothing() -> None:
+    layer = _layer("cpp", force_sync=True)
+    layer(_xs()[0])  # some running statistics to keep
+    before = [t.clone() for t in layer.buffers()]
+    with pytest.raises(KeyError):
+        with step_statistics(layer):
+            for x in _xs():
+                layer(x)
+            raise KeyError("a failing micro-batch")
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.buffers(), strict=True))
+    assert layer._step_stats is None
+    layer.eval()
+    with step_statistics(layer):
+        y = layer(_xs()[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.buffers(), strict=True))
+    torch.testing.assert_close(
+        y, (_xs()[0] - before[0][:, None]) / (before[1][:, None] + layer.eps).sqrt()
+    )
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoint_recompute_adds_nothing(use_reentrant: bool) -> None:
+    xs = _xs((3, 2))
+    layers = [_layer("cpp", force_sync=True) for _ in range(2)]
+    for layer, checkpointed in zip(layers, (False, True), strict=True):
+        with step_statistics(layer):
+            for x in xs:
+                x = x.clone().requires_grad_()
+                if checkpointed:
+                    y = checkpoint(layer, x, use_reentrant=use_reentrant)
+                else:
+                    y = layer(x)
+                y.pow(2).sum().backward()
+    assert torch.equal(layers[0].running_mean, layers[1].running_mean)
+    assert torch.equal(layers[0].running_var, layers[1].running_var)
+    assert int(layers[1].num_batches_tracked) == 1
+
+
+def test_pickles_and_copies_leave_the_merge_behind() -> None:
+    layer = _layer("cpp", force_sync=True)
+    with step_statistics(layer):
+        layer(_xs()[0])
+        assert layer._step_stats is not None and layer._step_stats.stats is not None
+        for twin in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+            assert twin._step_stats is None
+            twin(_xs()[0])
+            assert int(twin.num_batches_tracked) == 1  # outside the step: updated at once
+    assert int(layer.num_batches_tracked) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("force_sync", [False, True])
+def test_a_compiled_model_counts_and_merges_as_eager_in_one_graph(force_sync: bool) -> None:
+    """fullgraph compile, outside then inside the context then outside again: the values and
+    counts of the eager model, no graph break, at most 2 recompiles."""
+    from torch._dynamo.utils import counters
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+        net = convert_sync_batchnorm(net).double()
+        for layer in _sync_layers(net):
+            layer.force_sync = force_sync
+        return net
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, net = model(), model()
+    compiled = torch.compile(net, fullgraph=True)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    for run in (eager, compiled):
+        run(xs[0]).sum().backward()
+        for _ in range(2):
+            with step_statistics(run):
+                for x in xs:
+                    run(x).sum().backward()
+        run(xs[1])
+    for a, b in zip(_sync_layers(eager), _sync_layers(net), strict=True):
+        assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 4
+        torch.testing.assert_close(a.running_mean, b.running_mean, rtol=0, atol=1e-12)
+        torch.testing.assert_close(a.running_var, b.running_var, rtol=0, atol=1e-12)
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 3  # outside, inside, (at most) outside again
+
+
+# ------------------------------------------------------------------------------------------------
+# Refusals
+# ------------------------------------------------------------------------------------------------
+
+
+def test_nested_contexts_are_refused_and_the_outer_one_still_commits() -> None:
+    layer = _layer("cpp", force_sync=True)
+    with step_statistics(layer):
+        layer(_xs()[0])
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with step_statistics(nn.Sequential(layer)):
+                pass
+        assert layer._step_stats is not None
+    assert int(layer.num_batches_tracked) == 1
+
+
+def test_plain_batchnorm_layers_get_one_warning_naming_the_first() -> None:
+    model = nn.Sequential(SyncBatchNorm(3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    with pytest.warns(UserWarning, match=r"2 BatchNorm layer\(s\).*'1'.*convert_sync_batchnorm"):
+        with step_statistics(model):
+            model(torch.randn(4, 3))
+    assert int(model[0].num_batches_tracked) == 1 and int(model[1].num_batches_tracked) == 1
+
+
+def test_the_package_root_exports_it() -> None:
+    import syncbn_lightning
+
+    assert syncbn_lightning.step_statistics is step_statistics
+    assert "step_statistics" in syncbn_lightning.__all__
+    assert dist.is_available()
