@@ -104,6 +104,11 @@ def test_callback_single_process_unknown() -> None:
         SyncBNCallback(single_process="always")  # type: ignore[arg-type]
 
 
+def test_callback_step_statistics_unknown() -> None:
+    with expect_row():
+        SyncBNCallback(step_statistics="step")  # type: ignore[arg-type]
+
+
 def test_callback_precise_bn_forward_not_callable() -> None:
     with expect_row():
         SyncBNCallback(precise_bn_forward=3)  # type: ignore[arg-type]

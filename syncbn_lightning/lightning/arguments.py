@@ -18,6 +18,7 @@ from ..functional.options import KEEP, SyncOptions
 
 __all__ = [
     "NONFINITE_ACTIONS",
+    "STEP_STATISTICS",
     "PRECISE_AT",
     "SINGLE_PROCESS",
     "check_callback_arguments",
@@ -27,6 +28,9 @@ __all__ = [
 NONFINITE_ACTIONS = ("warn", "raise", "ignore")
 PRECISE_AT = ("fit_end", "validation")
 SINGLE_PROCESS = ("leave", "monitor")
+#: ``step_statistics=``: how a run with ``accumulate_grad_batches > 1`` updates the running
+#: statistics (``None``: torch's way, once per micro-batch).
+STEP_STATISTICS = ("micro", None)
 
 
 def overrides(
@@ -81,6 +85,7 @@ def check_callback_arguments(
     exchange: str | None = None,
     fuse_residual: bool | Sequence[Any] = False,
     flight_dir: Any = None,
+    step_statistics: str | None = "micro",
 ) -> SyncOptions:
     """Check the arguments of :class:`~syncbn_lightning.SyncBNCallback` (the same names and
     defaults; ``tests/test_keys.py`` keeps the two signatures equal).
@@ -102,6 +107,12 @@ def check_callback_arguments(
         raise ValueError(
             f"single_process must be one of {SINGLE_PROCESS} (what to do in a run of one "
             f"process: leave BatchNorm alone, or monitor it), got {single_process!r}"
+        )
+    if step_statistics not in STEP_STATISTICS:
+        raise ValueError(
+            f"step_statistics must be 'micro' (one running-statistics update per optimizer "
+            f"step under accumulate_grad_batches) or None (torch's update per micro-batch), "
+            f"got {step_statistics!r}"
         )
     options = overrides(momentum, eps, impl, stats_mode, exchange)
     _positive_int("target_norm_batch", target_norm_batch)

@@ -31,6 +31,7 @@ from ..nn.checks import FuseResidual, check_fuse_residual
 from ..nn.convert import revert_sync_batchnorm
 from ..nn.precise_bn import update_bn_stats
 from ..nn.running_stats import average_running_stats, running_stat_layers
+from ..nn.step_statistics import OpenStep, open_step
 from .arguments import check_callback_arguments
 from .batches import default_precise_forward, loader_batch_size
 from .ddp_setup import (
@@ -89,6 +90,11 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             them); ``None``: one set already (``SYNCBN_FLIGHT_DIR``), else the log folder's
             ``.syncbn``. A folder keeps the files of the last 10 jobs
             (``SYNCBN_FLIGHT_KEEP_JOBS``). Default: None.
+        step_statistics: with ``Trainer(accumulate_grad_batches=K)``, K > 1: ``"micro"``, the
+            micro-batches of each optimizer step run inside
+            :func:`~syncbn_lightning.step_statistics` (each normalized with its own group's
+            statistics, ONE running-statistics update per optimizer step from all of them);
+            ``None``: torch's K updates per step. Default: ``"micro"``.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -185,6 +191,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         exchange: Literal["auto", "gather", "reduce"] | None = None,
         fuse_residual: FuseResidual = False,
         flight_dir: str | os.PathLike[str] | None = None,
+        step_statistics: Literal["micro"] | None = "micro",
     ) -> None:
         options = check_callback_arguments(
             group_size,
@@ -205,6 +212,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             exchange=exchange,
             fuse_residual=fuse_residual,
             flight_dir=flight_dir,
+            step_statistics=step_statistics,
         )
         self._set_layer_settings(momentum, eps, impl, stats_mode, exchange, options)
         self.group_size = group_size
@@ -219,12 +227,14 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         self.on_nonfinite = on_nonfinite
         self.single_process = single_process
         self.fuse_residual, self.flight_dir = fuse_residual, flight_dir
+        self.step_statistics = step_statistics
         self._fuse_classes = check_fuse_residual(fuse_residual)  # imports the named paths
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
         self._kept_flight_dir: tuple[str | None] | None = None  # see keep_flight_records
         self._layers: list[SyncBatchNorm] = []
+        self._step: OpenStep | None = None  # the optimizer step's micro-batches (accumulation)
         self._active = False
         self.resolved_group_size: int | None = None
         self._world = 1
@@ -321,6 +331,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._close_step()
             restore_flight_records(self._kept_flight_dir)
             self._kept_flight_dir = None
             stop_watchers()  # the fit's call-order watchers end with it
@@ -357,6 +368,49 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reconcile(pl_module)
+
+    # ------------------------------------------------------------------ gradient accumulation
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        # The first micro-batch of an optimizer step opens its step_statistics.
+        if self._step is None and self._accumulates(trainer, pl_module):
+            self._step = open_step(pl_module, self.step_statistics or "micro")
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        # After the step's last backward: its one running-statistics update.
+        if self._step is not None:
+            self._step.commit()
+            self._step = None
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close_step()  # nothing of an interrupted step is committed
+
+    def _accumulates(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether this run's optimizer steps take several micro-batches, whose running
+        statistics the callback updates once per step (``step_statistics``)."""
+        return (
+            self._active
+            and self.step_statistics is not None
+            and trainer.accumulate_grad_batches > 1
+            and pl_module.automatic_optimization
+        )
+
+    def _close_step(self) -> None:
+        """End an open optimizer step without its update."""
+        if self._step is not None:
+            self._step.close()
+            self._step = None
 
     @override
     def on_save_checkpoint(

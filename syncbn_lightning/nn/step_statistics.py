@@ -21,7 +21,7 @@ from ..functional.accumulate import NORMALIZE_MODES, StepStatistics
 from ..functional.layer_call import commit_step
 from .batchnorm import SyncBatchNorm
 
-__all__ = ["step_statistics"]
+__all__ = ["OpenStep", "open_step", "step_statistics"]
 
 
 @contextlib.contextmanager
@@ -72,6 +72,48 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
         statistics. Plain BatchNorm layers (a model not converted) are beyond the context's
         reach: a warning names them, and they update at every micro-batch.
     """
+    step = open_step(model, normalize)
+    try:
+        yield
+        step.commit()
+    finally:
+        step.close()
+
+
+class OpenStep:
+    """The layers of one :func:`step_statistics` between its start and its end, for code that
+    starts and ends the step at separate places (the Lightning callback's hooks); made by
+    :func:`open_step`."""
+
+    def __init__(self, layers: list[SyncBatchNorm], normalize: str) -> None:
+        self.layers = layers
+        for layer in layers:
+            buffers = layer._buffers
+            layer._step_stats = StepStatistics(
+                normalize,
+                buffers["running_mean"],
+                buffers["running_var"],
+                buffers["num_batches_tracked"],
+            )
+
+    def commit(self) -> None:
+        """The step's one update of every layer called in it (its end, at a normal exit), then
+        :meth:`close`."""
+        with torch.no_grad():
+            for layer in self.layers:
+                commit_step(layer)
+        self.close()
+
+    def close(self) -> None:
+        """End the step without an update (after :meth:`commit`: nothing more)."""
+        for layer in self.layers:
+            layer._step_stats = None
+        self.layers = []
+
+
+def open_step(model: nn.Module, normalize: str = "micro") -> OpenStep:
+    """Start a step of :func:`step_statistics` over ``model`` (its checks and refusals: see
+    there); end it with :meth:`OpenStep.commit` or :meth:`OpenStep.close`."""
     if normalize not in NORMALIZE_MODES:
         raise ValueError(
             f"step_statistics(normalize=...) must be one of {NORMALIZE_MODES}, got {normalize!r}"
@@ -81,23 +123,7 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
             "step_statistics(normalize='step') is not available yet: use normalize='micro' "
             "(each micro-batch normalized with its own statistics, one update per step)"
         )
-    layers = _layers_of(model)
-    for layer in layers:
-        buffers = layer._buffers
-        layer._step_stats = StepStatistics(
-            normalize,
-            buffers["running_mean"],
-            buffers["running_var"],
-            buffers["num_batches_tracked"],
-        )
-    try:
-        yield
-        with torch.no_grad():
-            for layer in layers:
-                commit_step(layer)
-    finally:
-        for layer in layers:
-            layer._step_stats = None
+    return OpenStep(_layers_of(model), normalize)
 
 
 def _layers_of(model: nn.Module) -> list[SyncBatchNorm]:
@@ -132,7 +158,7 @@ def _layers_of(model: nn.Module) -> list[SyncBatchNorm]:
             f"step_statistics: {len(plain)} BatchNorm layer(s) of the model are not "
             f"SyncBatchNorm (first: {plain[0]!r}) and update their running statistics at every "
             f"micro-batch: convert the model first (syncbn_lightning.convert_sync_batchnorm)",
-            stacklevel=3,
+            stacklevel=5,  # the user's with statement (through open_step and contextlib)
         )
     return layers
 
