@@ -1,4 +1,5 @@
-"""The README's examples, run as a user runs them: ``python examples/demo.py``."""
+"""The examples, run as a user runs them: ``python examples/demo.py`` (the README's) and
+``python examples/fabric_accumulation.py`` (docs/gradient-accumulation.md)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,21 @@ def test_demo_runs_and_finds_the_ranks_synchronized(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "OK: the ranks normalized as one batch" in proc.stdout, proc.stdout
     assert "synchronized 2 BatchNorm layers" in proc.stdout, proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fabric_accumulation_recipe_updates_once_per_step(tmp_path: Path) -> None:
+    """The Fabric recipe of docs/gradient-accumulation.md (2 gloo processes, Fabric's ``ddp``
+    launcher): rank 0's running statistics are those of one process running every rank's
+    micro-batches, with one update per optimizer step."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "fabric_accumulation.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "num_batches_tracked = 2;" in proc.stdout, proc.stdout
+    assert "OK: one running-statistics update per optimizer step" in proc.stdout, proc.stdout
