@@ -10,6 +10,7 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
   momentum update from the mean and unbiased variance of every input each layer saw in the
   step, on every rank; one ``num_batches_tracked`` per step.
 * The layer without a group (plain BatchNorm inside): the same output, one update.
+* bf16 and fp16 inputs: the float64 oracle's update to float32's precision.
 * The rules: ``momentum=None``, ``unbiased_running_var=False``, a non-finite step (skipped and
   counted), a layer not called, eval calls, an exception (nothing committed), a checkpoint's
   recompute (adds nothing), pickles and copies (the merge is left behind).
@@ -191,6 +192,23 @@ def test_one_process_one_update_and_the_same_outputs(force_sync: bool, path: str
     mean, var = _one_update(torch.cat(xs), 0.1)
     torch.testing.assert_close(inside.running_mean, mean, rtol=0, atol=1e-12)
     torch.testing.assert_close(inside.running_var, var, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("force_sync", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_against_the_float64_oracle(dtype: torch.dtype, force_sync: bool) -> None:
+    """bf16 / fp16 inputs, float32 parameters and buffers: the statistics accumulate in float32
+    or wider, so the step's update is the float64 oracle's of the same (rounded) inputs to
+    float32's precision, and the outputs are those without the context."""
+    xs = [x.to(dtype) for x in _xs()]
+    outside, inside = (SyncBatchNorm(3, force_sync=force_sync) for _ in range(2))
+    with step_statistics(inside):
+        got = [inside(x) for x in xs]
+    for a, x in zip(got, xs, strict=True):
+        assert a.dtype == dtype and torch.equal(a, outside(x))
+    mean, var = _one_update(torch.cat(xs).double(), 0.1)
+    torch.testing.assert_close(inside.running_mean.double(), mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(inside.running_var.double(), var, rtol=1e-6, atol=1e-7)
 
 
 def test_the_reduce_exchange_still_shifts_by_the_running_mean() -> None:
