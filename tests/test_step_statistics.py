@@ -10,7 +10,8 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
   momentum update from the mean and unbiased variance of every input each layer saw in the
   step, on every rank; one ``num_batches_tracked`` per step.
 * The layer without a group (plain BatchNorm inside): the same output, one update.
-* bf16 and fp16 inputs: the float64 oracle's update to float32's precision.
+* bf16 and fp16 inputs: the float64 oracle's update to float32's precision; fused activations
+  and residual tails: as the unfused layers.
 * The rules: ``momentum=None``, ``unbiased_running_var=False``, a non-finite step (skipped and
   counted), a layer not called, eval calls, an exception (nothing committed), a checkpoint's
   recompute (adds nothing), pickles and copies (the merge is left behind).
@@ -37,6 +38,7 @@ from syncbn_lightning import (
     step_statistics,
 )
 from syncbn_lightning.functional.layer_call import plan_of
+from syncbn_lightning.nn.residual import FUSED_FROM
 
 # Each rank's micro-batch sizes: uneven, and an empty one on rank 1.
 SIZES = ([2, 1, 3, 2], [1, 0, 2, 3])
@@ -209,6 +211,53 @@ def test_half_inputs_against_the_float64_oracle(dtype: torch.dtype, force_sync: 
     mean, var = _one_update(torch.cat(xs).double(), 0.1)
     torch.testing.assert_close(inside.running_mean.double(), mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(inside.running_var.double(), var, rtol=1e-6, atol=1e-7)
+
+
+class _Block(nn.Module):
+    """A residual block whose tail (BatchNorm, the shortcut added, ReLU) the converter fuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+        self.conv2, self.bn2 = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_fused_activations_and_residual_tails_merge_as_plain_layers(exchange: str) -> None:
+    """SyncBatchNormAct and a fused residual tail go through the same call: the same outputs as
+    without the context, and the same one update as the unfused layers inside it."""
+    from syncbn_lightning import SyncBatchNormAct
+
+    def nets() -> dict[str, nn.Module]:
+        torch.manual_seed(4)
+        block = _Block()
+        options: dict[str, Any] = {"force_sync": True, "exchange": exchange}
+        fused = convert_sync_batchnorm(copy.deepcopy(block), fuse_residual=[_Block], **options)
+        assert hasattr(type(fused), FUSED_FROM)  # rewritten: its tail is one fused call
+        return {
+            "fused": fused,
+            "unfused": convert_sync_batchnorm(copy.deepcopy(block), **options),
+            "act": nn.Sequential(SyncBatchNormAct(3, **options)),
+        }
+
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(n, 3, 2, 2, generator=g, dtype=torch.float64) for n in (2, 3, 1)]
+    outside, inside = nets(), nets()
+    for name in outside:
+        outside[name].double(), inside[name].double()
+        with step_statistics(inside[name]):
+            got = [inside[name](x) for x in xs]
+        for a, x in zip(got, xs, strict=True):
+            assert torch.equal(a, outside[name](x)), name
+        for layer in _sync_layers(inside[name]):
+            assert int(layer.num_batches_tracked) == 1, name
+    for a, b in zip(_sync_layers(inside["fused"]), _sync_layers(inside["unfused"]), strict=True):
+        torch.testing.assert_close(a.running_mean, b.running_mean, rtol=0, atol=1e-12)
+        torch.testing.assert_close(a.running_var, b.running_var, rtol=0, atol=1e-12)
 
 
 def test_the_reduce_exchange_still_shifts_by_the_running_mean() -> None:
