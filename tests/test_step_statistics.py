@@ -359,6 +359,27 @@ def test_a_checkpoint_recompute_adds_nothing(use_reentrant: bool) -> None:
     assert int(layers[1].num_batches_tracked) == 1
 
 
+def test_precise_bn_inside_a_step_adds_nothing_to_it() -> None:
+    """update_bn_stats in an open step (the callback's PreciseBN before a validation that falls
+    inside an accumulation): its pass writes the population statistics and leaves the step's
+    merge alone, which then updates once from the step's own calls."""
+    from syncbn_lightning import update_bn_stats
+
+    xs, others = _xs(), [x * 5 + 7 for x in _xs((4, 4))]
+    layer, twin = _layer("cpp", force_sync=True), _layer("cpp", force_sync=True)
+    with step_statistics(layer):
+        layer(xs[0])
+        update_bn_stats(layer, others, num_batches=2)
+        assert layer._step_stats is not None
+        layer(xs[1])
+    update_bn_stats(twin, others, num_batches=2)
+    with step_statistics(twin):
+        twin(xs[0]), twin(xs[1])
+    assert int(layer.num_batches_tracked) == int(twin.num_batches_tracked) == 1
+    torch.testing.assert_close(layer.running_mean, twin.running_mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(layer.running_var, twin.running_var, rtol=0, atol=1e-12)
+
+
 def test_pickles_and_copies_leave_the_merge_behind() -> None:
     layer = _layer("cpp", force_sync=True)
     with step_statistics(layer):

@@ -99,6 +99,9 @@ def update_bn_stats(
     handles = [
         bn.register_forward_pre_hook(acc.hook) for bn, acc in zip(layers, accumulators, strict=True)
     ]
+    # Inside an open step_statistics (the callback's, under gradient accumulation), the pass
+    # must not add to the step's merge: its layers leave the step for the pass.
+    steps = [(bn, bn.__dict__.pop("_step_stats", None)) for bn in layers]
     used = 0
     try:
         for bn in layers:
@@ -110,6 +113,9 @@ def update_bn_stats(
             run(batch)
             used += 1
     finally:
+        for bn, step in steps:
+            if step is not None:
+                bn.__dict__["_step_stats"] = step
         for h in handles:
             h.remove()
         for module, mode in saved_modes:
