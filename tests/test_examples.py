@@ -12,18 +12,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python examples/<name> <args>`` from ``cwd``, as a user runs it; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_demo_runs_and_finds_the_ranks_synchronized(tmp_path: Path) -> None:
     """From another folder, as the README's command does from a clone (2 gloo processes)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = _run_example("demo.py", "--steps", "3", cwd=tmp_path)
     assert "OK: the ranks normalized as one batch" in proc.stdout, proc.stdout
     assert "synchronized 2 BatchNorm layers" in proc.stdout, proc.stdout
 
@@ -34,13 +40,6 @@ def test_fabric_accumulation_recipe_updates_once_per_step(tmp_path: Path) -> Non
     """The Fabric recipe of docs/gradient-accumulation.md (2 gloo processes, Fabric's ``ddp``
     launcher): rank 0's running statistics are those of one process running every rank's
     micro-batches, with one update per optimizer step."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "fabric_accumulation.py"), "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = _run_example("fabric_accumulation.py", "--steps", "2", cwd=tmp_path)
     assert "num_batches_tracked = 2;" in proc.stdout, proc.stdout
     assert "OK: one running-statistics update per optimizer step" in proc.stdout, proc.stdout
