@@ -136,10 +136,11 @@ def _write_population_stats(layers: list[_BatchNorm], accumulators: list[_Accumu
     for bn in layers:
         width = 1 + 2 * bn.num_features
         merged = _Accumulator(bn.num_features, row.device)
-        for r in range(rows.shape[0]):
-            part = rows[r, offset : offset + width]
-            if part[0] > 0:
-                merged.merge(part[0], part[1 : 1 + bn.num_features], part[1 + bn.num_features :])
+        # Every rank's row at once (a rank that saw nothing sends zeros, which add nothing).
+        parts = rows[:, offset : offset + width]
+        merged.merge_rows(
+            parts[:, 0], parts[:, 1 : 1 + bn.num_features], parts[:, 1 + bn.num_features :]
+        )
         offset += width
         n = float(merged.count)
         if n == 0:
