@@ -88,8 +88,10 @@ class StepStatistics:
     adds the statistics it normalized with (:meth:`add`), and :meth:`commit` makes the step's
     one update from their merge.
 
+    Each call normalizes with its own group's statistics (``normalize="micro"``, the one mode
+    built).
+
     Attributes:
-        normalize: ``"micro"``: each call normalizes with its own group's statistics.
         stats: the merge of the step's calls so far, in float64 on the layer's device; not a
             buffer, so neither the ``state_dict`` nor DDP's broadcast carries it.
         pending: calls added and not merged yet (their results as they came, at most
@@ -101,16 +103,14 @@ class StepStatistics:
         called: whether a call added to it (a layer not called in the step is left alone).
     """
 
-    __slots__ = ("called", "normalize", "pending", "scratch", "stats")
+    __slots__ = ("called", "pending", "scratch", "stats")
 
     def __init__(
         self,
-        normalize: str,
         running_mean: torch.Tensor,
         running_var: torch.Tensor,
         num_batches_tracked: torch.Tensor,
     ) -> None:
-        self.normalize = normalize
         self.stats = StatsAccumulator(running_mean.shape[0], running_mean.device)
         self.pending: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []
         self.scratch = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())

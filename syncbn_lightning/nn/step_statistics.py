@@ -85,12 +85,11 @@ class OpenStep:
     starts and ends the step at separate places (the Lightning callback's hooks); made by
     :func:`open_step`."""
 
-    def __init__(self, layers: list[SyncBatchNorm], normalize: str) -> None:
+    def __init__(self, layers: list[SyncBatchNorm]) -> None:
         self.layers = layers
         for layer in layers:
             buffers = layer._buffers
             layer._step_stats = StepStatistics(
-                normalize,
                 buffers["running_mean"],
                 buffers["running_var"],
                 buffers["num_batches_tracked"],
@@ -123,7 +122,7 @@ def open_step(model: nn.Module, normalize: str = "micro") -> OpenStep:
             "step_statistics(normalize='step') is not available yet: use normalize='micro' "
             "(each micro-batch normalized with its own statistics, one update per step)"
         )
-    return OpenStep(_layers_of(model), normalize)
+    return OpenStep(_layers_of(model))
 
 
 def _layers_of(model: nn.Module) -> list[SyncBatchNorm]:
