@@ -108,3 +108,18 @@ def test_bench_host_judges_the_cpp_path_against_its_floor_on_cpu() -> None:
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 1 and " ext: host per layer step / floor " in verdicts[0], verdicts
     assert "| floor |" in done.stdout and "command: " in done.stdout
+
+
+@pytest.mark.slow
+def test_bench_step_statistics_prints_the_cost_by_layers() -> None:
+    """benchmarks/bench_step_statistics.py: one row per layer count, the ops it adds the same
+    for any count (the merge and the commit cover the layers together)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_step_statistics.py", "--rounds", "1", "--steps", "2",
+         "--layers", "1,3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+    cells = {row[0].strip(): row[1].strip() for row in rows[1:]}
+    assert set(cells) == {"1", "3"} and cells["1"] == cells["3"] and int(cells["1"]) > 0, cells

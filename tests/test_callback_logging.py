@@ -72,6 +72,11 @@ def test_batch_sizes_and_drift_in_csv_logger(tmp_path):
         assert ranks[1]["trainer_callback_metrics"]["bn/samples_seen"] == 16.0
         assert [float(r["bn/global_batch_size"]) for r in rows] == want_global, name
         assert [float(r["bn/norm_batch_size"]) for r in rows] == want_norm, name
+        if name == "accum":  # micro-batches of 3+2, then 1+2 samples
+            assert [float(r["bn/norm_batch_size_first"]) for r in rows] == [5.0, 5.0]
+            assert [float(r["bn/norm_batch_size_last"]) for r in rows] == [3.0, 3.0]
+        else:  # logged only under accumulation
+            assert not rows[-1].get("bn/norm_batch_size_first"), name
         assert float(rows[-1]["bn/samples_seen"]) == 16.0
         last = rows[-1]
         for metric in ("drift_mean", "drift_var", "gap_mean", "gap_std", "divergence"):

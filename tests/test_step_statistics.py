@@ -21,6 +21,7 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 from typing import Any
@@ -32,6 +33,7 @@ from _dist import run_distributed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks._common import OpCounter
 from syncbn_lightning import (
     SyncBatchNorm,
     convert_sync_batchnorm,
@@ -384,12 +386,48 @@ def test_pickles_and_copies_leave_the_merge_behind() -> None:
     layer = _layer("cpp", force_sync=True)
     with step_statistics(layer):
         layer(_xs()[0])
-        assert layer._step_stats is not None and layer._step_stats.stats is not None
+        assert layer._step_stats is not None and layer._step_stats.called
         for twin in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
             assert twin._step_stats is None
             twin(_xs()[0])
             assert int(twin.num_batches_tracked) == 1  # outside the step: updated at once
     assert int(layer.num_batches_tracked) == 1
+
+
+def _step_ops(layers: int, inside: bool) -> int:
+    """Dispatcher ops of a step of 4 forward calls of ``layers`` layers (half forced through the
+    synchronized call, half plain batch norm: both rules), inside ``step_statistics`` or not."""
+    net = nn.Sequential(*[_layer("cpp", force_sync=i % 2 == 0) for i in range(layers)])
+    xs = _xs((2, 1, 3, 2))
+    with torch.no_grad():
+        for counter in (None, OpCounter()):  # the first step makes the layers' counters
+            with counter or contextlib.nullcontext():
+                with step_statistics(net) if inside else contextlib.nullcontext():
+                    for x in xs:
+                        net(x)
+    return sum(counter.ops.values())
+
+
+def test_the_step_costs_a_fixed_number_of_ops_however_many_layers() -> None:
+    # The merge and the commit cover the layers that commit alike together: the step adds
+    # the same number of ops to 2 layers as to 8 (the calls themselves add none).
+    added = [_step_ops(n, True) - _step_ops(n, False) for n in (2, 8)]
+    assert added[0] == added[1] > 0, added
+
+
+def test_a_call_or_a_layer_on_another_device_than_the_step_is_refused_by_name() -> None:
+    layer = _layer("cpp", force_sync=True)
+    with step_statistics(layer):
+        group = layer._step_stats.group
+        moved = torch.zeros(3, device="meta", dtype=torch.float64)
+        info = torch.tensor([2.0], device="meta")
+        with pytest.raises(RuntimeError, match=r"ran on meta.*move the model before"):
+            group.merge([[("unbiased", info, moved, moved)]])
+    # moved inside the step: the commit refuses it rather than update the tensors it left
+    with pytest.raises(RuntimeError, match=r"running statistics are on meta.*or after it ends"):
+        with step_statistics(layer):
+            layer(_xs()[0])
+            layer.to("meta")
 
 
 @pytest.mark.slow

@@ -1,99 +1,134 @@
 """Statistics merged over many batches: count, mean and M2 per channel, in float64.
 
 The one count-weighted merge of per-channel statistics that outlives a call (Chan et al.'s
-parallel update): PreciseBN's population statistics (:mod:`syncbn_lightning.nn.precise_bn`)
-accumulate with it, and so does the running-statistics policy that defers a layer's update to
-the end of an optimizer step (:class:`StepStatistics`, plugged into :mod:`.layer_call`'s one slot
-for it, ``_state``, by :func:`syncbn_lightning.step_statistics`). A call's own exchange merges the
-ranks' statistics in its kernels; this merges what calls return.
+parallel update, :func:`merge_into`): PreciseBN's population statistics
+(:mod:`syncbn_lightning.nn.precise_bn`) accumulate with it, and so does the running-statistics
+policy that defers a layer's update to the end of an optimizer step (:class:`StepGroup` and its
+layers' :class:`StepStatistics`, plugged into :mod:`.layer_call`'s one slot for it, ``_state``,
+by :func:`syncbn_lightning.step_statistics`). A call's own exchange merges the ranks' statistics
+in its kernels; this merges what calls return.
+
+The merge and the step's commit are ``torch._foreach_*`` ops over every layer at once: a step
+costs a fixed number of dispatcher ops (kernels on a GPU) however many layers it covers.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["NORMALIZE_MODES", "StatsAccumulator", "StepStatistics"]
+__all__ = ["NORMALIZE_MODES", "StatsAccumulator", "StepGroup", "StepStatistics", "merge_into"]
 
 #: The ``normalize=`` modes of :func:`syncbn_lightning.step_statistics`.
 NORMALIZE_MODES = ("micro", "step")
 
+_F64 = torch.float64
+
+
+def merge_into(
+    count: torch.Tensor,
+    mean: torch.Tensor,
+    m2: torch.Tensor,
+    counts: torch.Tensor,
+    means: torch.Tensor,
+    m2s: torch.Tensor,
+) -> None:
+    """Merge ``k`` batches into one accumulator, in place, float64: it holds ``count`` values
+    (``[1]``, or one per channel, ``[C]``) of mean ``mean`` and sum of squared deviations
+    ``m2`` per channel (``[C]``); batch ``j`` holds ``counts[j]`` values (``[k, 1]`` or
+    ``[k, C]``, whole numbers; 0: an empty batch, whose finite row adds nothing) of mean
+    ``means[j]`` and deviations ``m2s[j]`` (``[k, C]``, any floating dtype).
+
+    The deviations are taken from the merged mean (the parallel update of Chan et al. for
+    ``k + 1`` parts at once), so the result does not depend on the batches' order beyond
+    rounding. A fixed number of ops for any ``k`` (and, laid side by side, any number of
+    layers); no host sync."""
+    total = count + counts.sum(0)
+    merged = (count * mean + (counts * means).sum(0)) / total.clamp_min(1)
+    spread = (counts * (means - merged).square()).sum(0)
+    m2.add_(m2s.sum(0) + spread + count * (mean - merged).square())
+    mean.copy_(merged)
+    count.copy_(total)
+
 
 class StatsAccumulator:
-    """Count, mean and M2 of one layer's values, merged batch by batch, in float64 on
-    ``device``; ``count`` is 0-d, ``mean`` and ``m2`` have one value per channel."""
+    """Count, mean and M2 of one layer's values, merged batch by batch (:func:`merge_into`), in
+    float64 on ``device``; ``count`` is ``[1]``, ``mean`` and ``m2`` have one value per
+    channel."""
 
     def __init__(self, channels: int, device: torch.device | str | None = None) -> None:
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
-        self.mean = torch.zeros(channels, dtype=torch.float64, device=device)
-        self.m2 = torch.zeros(channels, dtype=torch.float64, device=device)
+        self.count = torch.zeros(1, dtype=_F64, device=device)
+        self.mean = torch.zeros(channels, dtype=_F64, device=device)
+        self.m2 = torch.zeros(channels, dtype=_F64, device=device)
 
     def merge_rows(self, counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor) -> None:
-        """Merge ``k`` batches at once: ``counts`` ``[k]`` values per channel (whole numbers; 0:
-        an empty batch, whose row must be finite and adds nothing), their ``means`` and sums of
-        squared deviations ``m2s`` (``[k, C]``, any floating dtype). Exact in float64: the
-        deviations are taken from the merged mean (the two-pass form of Chan's update). No host
-        sync: everything stays on the device."""
-        counts = counts.to(torch.float64)
-        weights = counts.unsqueeze(1)
-        total = self.count + counts.sum()
-        mean = (self.mean * self.count + (weights * means).sum(0)) / total.clamp(min=1)
-        spread = (weights * (means - mean).square()).sum(0)
-        self.m2 += m2s.sum(0) + spread + self.count * (self.mean - mean).square()
-        self.count, self.mean = total, mean
+        """Merge ``k`` batches: ``counts`` ``[k]`` values per channel (0: an empty batch, whose
+        row must be finite), their ``means`` and sums of squared deviations ``m2s`` (``[k,
+        C]``, any floating dtype). No host sync."""
+        merge_into(self.count, self.mean, self.m2, counts.to(_F64).view(-1, 1), means, m2s)
 
     def merge(self, n: float | torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> None:
-        """:meth:`merge_rows` of one batch: ``n`` values (a whole number, or a 0-d tensor of
-        one) of mean ``mean`` and sum of squared deviations ``m2`` per channel."""
-        counts = torch.as_tensor(n, dtype=torch.float64, device=self.count.device).reshape(1)
-        self.merge_rows(counts, mean.unsqueeze(0), m2.unsqueeze(0))
-
-    def to(self, device: torch.device) -> StatsAccumulator:
-        """This accumulator, its values moved to ``device`` (itself when already there)."""
-        if self.mean.device != device:
-            moved = (t.to(device) for t in (self.count, self.mean, self.m2))
-            self.count, self.mean, self.m2 = moved
-        return self
+        """Merge one batch: ``n`` values (a whole number, or a tensor of one) of mean ``mean``
+        and sum of squared deviations ``m2`` per channel."""
+        count = torch.as_tensor(n, dtype=_F64, device=self.count.device).view(1, 1)
+        merge_into(self.count, self.mean, self.m2, count, mean.view(1, -1), m2.view(1, -1))
 
 
 # How a pending call's values read (its first field): a group's unbiased or biased variance over
 # info[0] values, or (a float: the eps) a plain batch's count and invstd.
 _GROUP_UNBIASED, _GROUP_BIASED = "unbiased", "biased"
 
-
-def _rows(calls: list[tuple[Any, Any, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """``(counts, means, m2s)`` of pending calls of one rule, for
-    :meth:`StatsAccumulator.merge_rows`."""
-    rule = calls[0][0]
-    means = torch.stack([call[2] for call in calls])
-    spreads = torch.stack([call[3] for call in calls])
-    if isinstance(rule, float):  # plain batches: var = invstd ** -2 - eps, rounded as var + eps
-        counts = torch.tensor([call[1] for call in calls], dtype=torch.float64, device=means.device)
-        variances = (spreads.pow(-2) - rule).clamp(min=0)
-        return counts, means, variances * counts.unsqueeze(1)
-    counts = torch.stack([call[1] for call in calls])[:, 0].to(torch.float64)
-    divisors = counts - 1 if rule == _GROUP_UNBIASED else counts
-    return counts, means, spreads * divisors.unsqueeze(1)
+_Call = tuple[Any, Any, torch.Tensor, torch.Tensor]
 
 
-#: Calls a step keeps before it merges them (its memory stays O(C): at most this many results of
-#: C values a layer), and merges at once: one merge of many costs about what one of one does.
+def _batches(calls: list[_Call]) -> tuple[list[torch.Tensor], ...]:
+    """``(counts, divisors, means, variances)`` of ``calls``, in their order, the calls of each
+    rule converted at once: a call's M2 is its variance times its divisor (``[1]`` each, float64,
+    like its count; its variance and mean have one value per channel)."""
+    counts: list[Any] = [None] * len(calls)
+    divisors: list[Any] = [None] * len(calls)
+    variances: list[Any] = [call[3] for call in calls]
+    rules: dict[Any, list[int]] = {}
+    for index, call in enumerate(calls):
+        rules.setdefault(call[0], []).append(index)
+    for rule, indices in rules.items():
+        if isinstance(rule, float):  # plain batches: var = invstd ** -2 - eps, rounded as var + eps
+            device = calls[indices[0]][2].device
+            host = torch.tensor([[float(calls[i][1])] for i in indices], dtype=_F64)
+            ns = divs = list(host.to(device, non_blocking=True).unbind())
+            plain = torch._foreach_pow([calls[i][3] for i in indices], -2)
+            torch._foreach_sub_(plain, rule)
+            torch._foreach_clamp_min_(plain, 0)
+            for i, var in zip(indices, plain, strict=True):
+                variances[i] = var
+        else:
+            n = torch.stack([calls[i][1] for i in indices])[:, :1].to(_F64)
+            ns = list(n.unbind())
+            divs = list((n - 1).unbind()) if rule == _GROUP_UNBIASED else ns
+        for i, count, divisor in zip(indices, ns, divs, strict=True):
+            counts[i], divisors[i] = count, divisor
+    return counts, divisors, [call[2] for call in calls], variances
+
+
+#: Calls a layer keeps before its group merges them (the step's memory stays O(C): at most this
+#: many results of C values a layer); the merge costs the same for one call a layer or many.
 PENDING_CALLS = 8
 
 
 class StepStatistics:
     """One layer's running-statistics policy for the training calls of one optimizer step
     (:func:`syncbn_lightning.step_statistics`): the calls update no running statistic, each
-    adds the statistics it normalized with (:meth:`add`), and :meth:`commit` makes the step's
-    one update from their merge.
+    adds the statistics it normalized with (:meth:`add_group`, :meth:`batch_norm`), and its
+    :class:`StepGroup`'s commit makes the step's one update from their merge.
 
     Each call normalizes with its own group's statistics (``normalize="micro"``, the one mode
     built).
 
     Attributes:
-        stats: the merge of the step's calls so far, in float64 on the layer's device; not a
-            buffer, so neither the ``state_dict`` nor DDP's broadcast carries it.
+        group: the layers it commits with.
+        index: its place in them.
         pending: calls added and not merged yet (their results as they came, at most
             :data:`PENDING_CALLS`): eager calls merge in batches, compiled ones at once.
         scratch: what the kernels update in place of the layer's running mean, variance and
@@ -103,17 +138,11 @@ class StepStatistics:
         called: whether a call added to it (a layer not called in the step is left alone).
     """
 
-    __slots__ = ("called", "pending", "scratch", "stats")
+    __slots__ = ("called", "group", "index", "pending", "scratch")
 
-    def __init__(
-        self,
-        running_mean: torch.Tensor,
-        running_var: torch.Tensor,
-        num_batches_tracked: torch.Tensor,
-    ) -> None:
-        self.stats = StatsAccumulator(running_mean.shape[0], running_mean.device)
-        self.pending: list[tuple[Any, Any, torch.Tensor, torch.Tensor]] = []
-        self.scratch = (running_mean.clone(), running_var.clone(), num_batches_tracked.clone())
+    def __init__(self, group: StepGroup, index: int, scratch: tuple[torch.Tensor, ...]) -> None:
+        self.group, self.index, self.scratch = group, index, scratch
+        self.pending: list[_Call] = []
         self.called = False
 
     def add_group(
@@ -144,56 +173,145 @@ class StepStatistics:
         self._add((eps, count, mean.detach(), invstd.detach()))
         return output
 
-    def _add(self, call: tuple[Any, Any, torch.Tensor, torch.Tensor]) -> None:
-        """Keep ``call`` (a rule of :func:`_rows`, then its values) to merge, or merge it now
+    def _add(self, call: _Call) -> None:
+        """Keep ``call`` (a rule of :func:`_batches`, then its values) to merge, or merge it now
         in compiled code (a list that grows would recompile each call)."""
         self.called = True
         if torch.compiler.is_compiling():
-            self.stats.to(call[2].device).merge_rows(*_rows([call]))
+            places: list[_Call | None] = [None] * len(self.group.layers)
+            places[self.index] = call
+            self.group.merge([places])
             return
         self.pending.append(call)
         if len(self.pending) == PENDING_CALLS:
-            self._merge_pending()
+            self.group.merge_pending()
 
-    def _merge_pending(self) -> None:
-        """Merge the pending calls into :attr:`stats`, those of each rule at once."""
-        rules: dict[Any, list[Any]] = {}
-        for call in self.pending:
-            rules.setdefault(call[0], []).append(call)
-        for calls in rules.values():
-            self.stats.to(calls[0][2].device).merge_rows(*_rows(calls))
-        self.pending.clear()
 
-    def commit(
+@functools.lru_cache(maxsize=64)
+def _channel_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For layers of ``sizes`` channels laid side by side: each channel's layer, and each
+    layer's first channel (int64, on ``device``; kept, as every step of a model asks again)."""
+    layer_of_channel = [layer for layer, size in enumerate(sizes) for _ in range(size)]
+    first_channel = [sum(sizes[:layer]) for layer in range(len(sizes))]
+    host = torch.tensor(layer_of_channel + first_channel)
+    return host.to(device, non_blocking=True).split([len(layer_of_channel), len(sizes)])
+
+
+class StepGroup:
+    """The layers of one step that commit together (same device, running-statistics dtype,
+    momentum and variance rule), their merges side by side in one float64 buffer: per channel
+    of every layer a count, a mean and an M2. Merging and committing cost a fixed number of ops
+    for the whole group, however many layers and calls.
+
+    Args:
+        buffers: each layer's ``(running_mean, running_var, num_batches_tracked)``.
+        momentum: the layers' momentum (``None``: the cumulative average).
+        unbiased: whether ``running_var`` takes the unbiased variance.
+    """
+
+    def __init__(
         self,
-        running_mean: torch.Tensor,
-        running_var: torch.Tensor,
-        num_batches_tracked: torch.Tensor,
-        nonfinite: torch.Tensor,
+        buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         momentum: float | None,
         unbiased: bool,
     ) -> None:
-        """The step's one update, in place, by the merges' rules: ``num_batches_tracked`` counts
-        it where the step's statistics are finite (``nonfinite`` where not), and the running
-        statistics move by ``momentum`` (``None``: the cumulative average, ``1 /
-        num_batches_tracked``) towards the step's mean and variance (unbiased unless not),
-        unless those are not finite or the step saw no value. No host sync."""
-        if not self.called:
-            return
-        self._merge_pending()
-        stats = self.stats
-        device = running_mean.device
-        count, mean, m2 = stats.to(device).count, stats.mean, stats.m2
-        var = m2 / (count - 1 if unbiased else count).clamp(min=1)
-        finite = (mean.isfinite() & var.isfinite()).all()
-        num_batches_tracked.add_(finite)
-        nonfinite.add_(~finite)
-        update = finite & (count > 0)
-        factor: float | torch.Tensor = (
-            momentum
-            if momentum is not None
-            else (num_batches_tracked.clamp(min=1).to(running_mean.dtype).reciprocal())
+        self.momentum, self.unbiased = momentum, unbiased
+        self.sizes = [running_mean.shape[0] for running_mean, _, _ in buffers]
+        self.device = device = buffers[0][0].device
+        total = sum(self.sizes)
+        state = torch.zeros(4 * total + 1, dtype=_F64, device=device)
+        self.counts, self.means, self.m2s, zeros, _ = state.split([total] * 4 + [1])
+        self.no_count = state[-1:]  # the count of a layer's empty place in a merge
+        self.mean_views = list(self.means.split(self.sizes))
+        self.no_values = list(zeros.split(self.sizes))  # its mean and M2
+        self.layer_of_channel, self.first_channel = _channel_index(tuple(self.sizes), device)
+        # The copies, laid side by side: a few ops for all layers.
+        runnings = torch.cat([t for layer in buffers for t in layer[:2]]).split(
+            [size for size in self.sizes for _ in range(2)]
         )
-        for running, step in ((running_mean, mean), (running_var, var)):
-            # Towards itself (no change) where the step is not taken.
-            running.lerp_(torch.where(update, step.to(running.dtype), running), factor)
+        tracked = torch.stack([layer[2] for layer in buffers]).unbind()
+        self.layers = [
+            StepStatistics(self, index, (*runnings[2 * index : 2 * index + 2], tracked[index]))
+            for index in range(len(buffers))
+        ]
+
+    def _check_device(self, tensor: torch.Tensor, what: str) -> None:
+        """Refuse ``tensor`` (``what`` it is) on another device than the step's."""
+        if tensor.device != self.device:
+            raise RuntimeError(
+                f"step_statistics: {what} on {tensor.device}, its step's statistics are on "
+                f"{self.device}: move the model before the step starts or after it ends"
+            )
+
+    def merge(self, rounds: list[list[_Call | None]]) -> None:
+        """Merge ``rounds`` of calls, one place per layer in each (``None``: none of that
+        layer's), into the layers' merges: every call at once."""
+        calls = [call for places in rounds for call in places if call is not None]
+        for call in calls:
+            self._check_device(call[2], "a layer's call ran")
+        converted = [iter(part) for part in _batches(calls)]
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for places in rounds:
+            for index, call in enumerate(places):
+                empty = (self.no_count, self.no_count, self.no_values[index], self.no_values[index])
+                for part, values, nothing in zip(parts, converted, empty, strict=True):
+                    part.append(nothing if call is None else next(values))
+        shape = (len(rounds), -1)
+        counts, divisors = (
+            torch.cat(part).view(shape).index_select(1, self.layer_of_channel) for part in parts[:2]
+        )
+        means, variances = (torch.cat(part).view(shape) for part in parts[2:])
+        merge_into(self.counts, self.means, self.m2s, counts, means, variances * divisors)
+
+    def merge_pending(self) -> None:
+        """Merge every layer's pending calls (the ``j``-th of each in round ``j``)."""
+        depth = max(len(layer.pending) for layer in self.layers)
+        if depth:
+            pending = [
+                layer.pending + [None] * (depth - len(layer.pending)) for layer in self.layers
+            ]
+            self.merge([list(places) for places in zip(*pending, strict=True)])
+        for layer in self.layers:
+            layer.pending.clear()
+
+    def commit(
+        self,
+        buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        nonfinite: list[torch.Tensor],
+    ) -> None:
+        """The step's one update of every layer called in it, in place, by the merges' rules:
+        its ``buffers`` (``(running_mean, running_var, num_batches_tracked)``, as the layer
+        holds them now) take it; ``num_batches_tracked`` counts it where the layer's
+        statistics are finite (its ``nonfinite`` counter where not), and the running statistics
+        move by the momentum (``None``: the cumulative average, ``1 / num_batches_tracked``)
+        towards the step's mean and variance, unless those are not finite or the step saw no
+        value. No host sync."""
+        called = [layer.index for layer in self.layers if layer.called]
+        if not called:
+            return
+        for running_mean, _, _ in buffers:
+            self._check_device(running_mean, "a layer's running statistics are")
+        self.merge_pending()
+        var = self.m2s / (self.counts - 1 if self.unbiased else self.counts).clamp_min(1)
+        # A sum of |values| is finite exactly when every value is (float64 does not overflow),
+        # and x * 0 == 0 exactly when x is finite.
+        sums = torch._foreach_norm(self.mean_views + list(var.split(self.sizes)), 1)
+        finite = torch.stack(sums).mul(0).eq(0).view(2, -1).all(0)
+        tracked, skipped = finite.unbind(), finite.logical_not().unbind()
+        torch._foreach_add_([buffers[i][2] for i in called], [tracked[i] for i in called])
+        torch._foreach_add_([nonfinite[i] for i in called], [skipped[i] for i in called])
+        # False for a layer not called: its count is 0.
+        update = finite & self.counts.index_select(0, self.first_channel).gt(0)
+        if self.momentum is None:
+            steps = torch.stack([layer[2] for layer in buffers]).clamp_min(1)
+            factors = update / steps.to(_F64)
+        else:
+            factors = update.to(_F64) * self.momentum
+        runnings = [layer[0] for layer in buffers] + [layer[1] for layer in buffers]
+        flat = torch.cat(runnings)
+        weights = factors.index_select(0, self.layer_of_channel).to(flat.dtype).repeat(2)
+        # Where not updated the weight is 0 and the target 0, not inf or nan (whose product with
+        # 0 is nan): the value stays, exactly.
+        targets = torch.cat([self.means, var]).nan_to_num_(0.0, 0.0, 0.0).to(flat.dtype)
+        flat.lerp_(targets, weights)
+        torch._foreach_copy_(runnings, flat.split(self.sizes * 2))

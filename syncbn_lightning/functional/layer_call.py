@@ -38,7 +38,7 @@ from ..distributed.call_order.policy import queues_order_flags_on
 from ..distributed.flight import recorder as flight
 from ..distributed.groups import group_name_of, sync_group_size
 from ..ops.dispatch import IMPL_ENV, cpp_path, python_checks_first, uses_extension
-from .accumulate import StepStatistics
+from .accumulate import StepGroup, StepStatistics
 from .exchange import LayerState, SyncCall
 from .function import SyncBatchNormFunction
 from .native import native_op, register_python_kernels
@@ -58,6 +58,7 @@ __all__ = [
     "plain_forward",
     "plan_of",
     "python_path",
+    "running_buffers",
     "settings_in_schema_order",
     "sync_forward",
     "synchronizes",
@@ -544,23 +545,22 @@ def _record(
         step.add_group(info, mean, var, layer.sync_options.unbiased_running_var)
 
 
-def commit_step(layer: Any) -> None:
-    """The one running-statistics update of ``layer``'s calls in an optimizer step
-    (:meth:`~.accumulate.StepStatistics.commit`; a layer not called is left alone);
-    :func:`~syncbn_lightning.step_statistics` calls this at its end."""
-    step: StepStatistics = layer._step_stats
+def running_buffers(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's ``(running_mean, running_var, num_batches_tracked)``, as it holds them now."""
     buffers = layer._buffers
-    running_mean = buffers["running_mean"]
-    _calls, nonfinite = _counters(layer, running_mean)
-    options = layer.sync_options
-    step.commit(
-        running_mean,
-        buffers["running_var"],
-        buffers["num_batches_tracked"],
-        nonfinite,
-        options.momentum,
-        options.unbiased_running_var,
-    )
+    return buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"]
+
+
+def commit_step(group: StepGroup, layers: list[Any]) -> None:
+    """The one running-statistics update of the ``layers`` of ``group`` called in an optimizer
+    step (:meth:`~.accumulate.StepGroup.commit`, into their buffers, with their non-finite
+    counters; a layer not called is left alone); :func:`~syncbn_lightning.step_statistics`
+    calls this at its end."""
+    buffers = [running_buffers(layer) for layer in layers]
+    nonfinite = [
+        _counters(layer, mean)[1] for layer, (mean, _, _) in zip(layers, buffers, strict=True)
+    ]
+    group.commit(buffers, nonfinite)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -148,8 +148,10 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         ``ModelCheckpoint``/``EarlyStopping``): ``bn/global_batch_size`` (samples of the last
         optimizer step summed over all ranks and accumulated micro-batches, uneven batches
         included), ``bn/norm_batch_size`` (samples per BN forward in a sync group, the minimum
-        over groups and micro-batches), ``bn/target_norm_batch`` (the target it is read
-        against), ``bn/samples_seen`` (all samples trained on so far) and,
+        over groups and micro-batches; under gradient accumulation also
+        ``bn/norm_batch_size_first`` and ``_last``, the step's first and last micro-batch's),
+        ``bn/target_norm_batch`` (the target it is read against), ``bn/samples_seen`` (all
+        samples trained on so far) and,
         with ``drift``, ``bn/<metric>_max``/``_avg`` over layers for the metrics of
         :mod:`syncbn_lightning.metrics`; with a ``WandbLogger`` also per-layer histograms and,
         at the end of training, a per-layer table. Sample counts ride in SyncBN's own

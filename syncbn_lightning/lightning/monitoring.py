@@ -35,6 +35,11 @@ from ..nn.running_stats import (
 
 __all__ = ["BatchNormMonitor"]
 
+#: The sizes at the front of a measurement's gathered row: the step's samples, its
+#: normalization batch, the samples since the last measurement, and the normalization batch of
+#: the step's first and last micro-batch.
+_SIZES = 5
+
 
 class BatchNormMonitor(Callback):
     """Batch-size tracking and running-statistics monitoring (see the module docstring)."""
@@ -52,6 +57,9 @@ class BatchNormMonitor(Callback):
         self._step_start = 0
         self._pending_local = 0
         self._pending_norm: torch.Tensor | None = None
+        # The normalization batch of the optimizer step's first and last micro-batch.
+        self._first_norm: torch.Tensor | None = None
+        self._last_norm: torch.Tensor | None = None
         self._since_log_local = 0
         self._samples_seen = 0
         self._warned = False
@@ -112,6 +120,9 @@ class BatchNormMonitor(Callback):
                 if probe.samples is not None
                 else torch.tensor(float(probe.local_samples))
             )
+            if self._pending_norm is None:
+                self._first_norm = norm
+            self._last_norm = norm
             self._pending_norm = (
                 norm if self._pending_norm is None else torch.minimum(self._pending_norm, norm)
             )
@@ -119,10 +130,11 @@ class BatchNormMonitor(Callback):
         if step == self._step_start:
             return  # gradient accumulation: the optimizer step is not complete yet
         step_local, self._pending_local = self._pending_local, 0
-        step_norm, self._pending_norm = self._pending_norm, None
+        norms = (self._pending_norm, self._first_norm, self._last_norm)
+        self._pending_norm = self._first_norm = self._last_norm = None
         self._since_log_local += step_local
         if self._measured(trainer, step):
-            self._measure(trainer, pl_module, step, step_local, step_norm, records)
+            self._measure(trainer, pl_module, step, step_local, norms, records)
 
     def _measure(
         self,
@@ -130,13 +142,18 @@ class BatchNormMonitor(Callback):
         pl_module: pl.LightningModule,
         step: int,
         step_local: int,
-        step_norm: torch.Tensor | None,
+        norms: tuple[torch.Tensor | None, ...],
         records: list[BatchRecord | None],
     ) -> None:
-        """One all_gather of the sizes (and running stats), then log from global rank 0."""
+        """One all_gather of the sizes (and running stats), then log from global rank 0.
+        ``norms``: the step's normalization batch (the smallest of its micro-batches'), and
+        its first and last micro-batch's (``None``: no layer normalized a batch)."""
         layers = running_stat_layers(pl_module) if self.drift else []
-        norm = float(step_norm) if step_norm is not None else float("inf")
-        parts = [torch.tensor([float(step_local), norm, float(self._since_log_local)])]
+        step_norm, first_norm, last_norm = (
+            float(n) if n is not None else float("inf") for n in norms
+        )
+        sizes = [float(step_local), step_norm, float(self._since_log_local), first_norm, last_norm]
+        parts = [torch.tensor(sizes)]
         parts += [torch.stack([bn.nonfinite_skips() for bn in self._layers]).cpu()]
         for _, bn in layers:
             parts += [
@@ -148,7 +165,7 @@ class BatchNormMonitor(Callback):
         self._since_log_local = 0
         self._samples_seen += int(rows[:, 2].sum())
         n_layers = len(self._layers)
-        skips = self._check_nonfinite(rows[:, 3 : 3 + n_layers], step)
+        skips = self._check_nonfinite(rows[:, _SIZES : _SIZES + n_layers], step)
         metrics = {
             "bn/global_batch_size": float(rows[:, 0].sum()),
             "bn/norm_batch_size": float(rows[:, 1].min()),
@@ -157,16 +174,22 @@ class BatchNormMonitor(Callback):
             # The target the warning and the report read the normalization batch against.
             "bn/target_norm_batch": float(self.target_norm_batch),
         }
+        norm_keys = ["bn/global_batch_size", "bn/norm_batch_size", "bn/samples_seen"]
+        if trainer.accumulate_grad_batches > 1:
+            # What the step's first and last micro-batch normalized over (the smallest group's).
+            metrics["bn/norm_batch_size_first"] = float(rows[:, 3].min())
+            metrics["bn/norm_batch_size_last"] = float(rows[:, 4].min())
+            norm_keys += ["bn/norm_batch_size_first", "bn/norm_batch_size_last"]
         if layers:
             by_layer = {id(bn): r for bn, r in zip(self._layers, records, strict=True)}
             self._last_layer_metrics = self._layer_metrics(
-                layers, rows[:, 3 + n_layers :], by_layer
+                layers, rows[:, _SIZES + n_layers :], by_layer
             )
             metrics.update(summarize(self._last_layer_metrics))
             self._snapshot = self._take_snapshot(pl_module)
         if metrics["bn/norm_batch_size"] == float("inf"):
             self._warn_no_batch_statistics()
-            for key in ("bn/global_batch_size", "bn/norm_batch_size", "bn/samples_seen"):
+            for key in norm_keys:
                 del metrics[key]  # no layer normalized a batch: there is no size to report
         else:
             self._warn_small_batch(metrics["bn/norm_batch_size"], metrics["bn/global_batch_size"])

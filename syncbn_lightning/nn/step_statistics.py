@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..functional.accumulate import NORMALIZE_MODES, StepStatistics
-from ..functional.layer_call import commit_step
+from ..functional.accumulate import NORMALIZE_MODES, StepGroup
+from ..functional.layer_call import commit_step, running_buffers
 from .batchnorm import SyncBatchNorm
 
 __all__ = ["OpenStep", "open_step", "step_statistics"]
@@ -70,7 +71,8 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
         checkpoint's recompute adds nothing: it renormalizes with what its forward kept. The
         merge is not saved: a checkpoint taken mid-step resumes without the step's partial
         statistics. Plain BatchNorm layers (a model not converted) are beyond the context's
-        reach: a warning names them, and they update at every micro-batch.
+        reach: a warning names them, and they update at every micro-batch. The update reads
+        each layer's ``momentum`` and ``unbiased_running_var`` as they were at the step's start.
     """
     step = open_step(model, normalize)
     try:
@@ -83,31 +85,43 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
 class OpenStep:
     """The layers of one :func:`step_statistics` between its start and its end, for code that
     starts and ends the step at separate places (the Lightning callback's hooks); made by
-    :func:`open_step`."""
+    :func:`open_step`. The layers that commit alike (device, dtype, momentum and variance rule,
+    as at the step's start) form one :class:`~syncbn_lightning.functional.accumulate.StepGroup`,
+    which merges and commits them with a fixed number of ops."""
 
     def __init__(self, layers: list[SyncBatchNorm]) -> None:
         self.layers = layers
+        alike: dict[tuple[Any, ...], list[SyncBatchNorm]] = {}
         for layer in layers:
-            buffers = layer._buffers
-            layer._step_stats = StepStatistics(
-                buffers["running_mean"],
-                buffers["running_var"],
-                buffers["num_batches_tracked"],
+            running_mean = layer._buffers["running_mean"]
+            options = layer.sync_options
+            key = (
+                running_mean.device,
+                running_mean.dtype,
+                options.momentum,
+                options.unbiased_running_var,
             )
+            alike.setdefault(key, []).append(layer)
+        self.groups: list[tuple[StepGroup, list[SyncBatchNorm]]] = []
+        for (_, _, momentum, unbiased), members in alike.items():
+            group = StepGroup([running_buffers(layer) for layer in members], momentum, unbiased)
+            for layer, step in zip(members, group.layers, strict=True):
+                layer._step_stats = step
+            self.groups.append((group, members))
 
     def commit(self) -> None:
         """The step's one update of every layer called in it (its end, at a normal exit), then
         :meth:`close`."""
         with torch.no_grad():
-            for layer in self.layers:
-                commit_step(layer)
+            for group, members in self.groups:
+                commit_step(group, members)
         self.close()
 
     def close(self) -> None:
         """End the step without an update (after :meth:`commit`: nothing more)."""
         for layer in self.layers:
             layer._step_stats = None
-        self.layers = []
+        self.layers, self.groups = [], []
 
 
 def open_step(model: nn.Module, normalize: str = "micro") -> OpenStep:
