@@ -28,16 +28,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD, PER_RANK, ACCUMULATE, STEPS = 2, 2, 2, 2
 
 
-def _reference(one_update_per_step: bool) -> dict[str, torch.Tensor]:
+def _reference(mode: str | None) -> dict[str, torch.Tensor]:
     """One process over what the ranks saw: micro-batch m of step s holds every rank's
-    ``PER_RANK`` samples (``DistributedSampler(shuffle=False)``: rank r holds r, r + 2, ...)."""
+    ``PER_RANK`` samples (``DistributedSampler(shuffle=False)``: rank r holds r, r + 2, ...),
+    inside ``step_statistics(net, mode)`` (``None``: outside)."""
     x, y = make_data()
     net = convert_sync_batchnorm(make_net())  # no group: plain BatchNorm's maths
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     micro = 0
     for _ in range(STEPS):
         opt.zero_grad()
-        context = step_statistics(net) if one_update_per_step else _Nothing()
+        context = step_statistics(net, mode) if mode is not None else _Nothing()
         with context:
             for _ in range(ACCUMULATE):
                 rows = [(r, j) for r in range(WORLD) for j in range(PER_RANK)]
@@ -56,9 +57,9 @@ class _Nothing:
         return None
 
 
-@pytest.mark.parametrize("mode", ["micro", None])
+@pytest.mark.parametrize("mode", ["micro", "step", None])
 def test_one_update_per_optimizer_step_by_default(tmp_path, mode: str | None) -> None:
-    callback = SyncBNCallback() if mode == "micro" else SyncBNCallback(step_statistics=None)
+    callback = SyncBNCallback() if mode == "micro" else SyncBNCallback(step_statistics=mode)
     ranks = fit_ranks(
         tmp_path,
         str(mode),
@@ -68,7 +69,7 @@ def test_one_update_per_optimizer_step_by_default(tmp_path, mode: str | None) ->
         max_steps=STEPS,
         accumulate_grad_batches=ACCUMULATE,
     )
-    want = _reference(one_update_per_step=mode is not None)
+    want = _reference(mode)
     updates = STEPS if mode is not None else STEPS * ACCUMULATE
     for rank, got in enumerate(ranks):
         for key, value in want.items():
@@ -79,7 +80,7 @@ def test_one_update_per_optimizer_step_by_default(tmp_path, mode: str | None) ->
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("key", "updates"), [("micro", 1), ("null", 2)])
+@pytest.mark.parametrize(("key", "updates"), [("micro", 1), ("step", 1), ("null", 2)])
 def test_the_service_takes_the_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, updates: int
 ) -> None:
@@ -94,3 +95,22 @@ def test_the_service_takes_the_key(
     assert ckpt["global_step"] == 1
     tracked = [v for k, v in ckpt["state_dict"].items() if k.endswith("num_batches_tracked")]
     assert tracked and all(int(t) == updates for t in tracked), tracked
+
+
+def test_auto_group_size_counts_the_step_in_step_mode(tmp_path) -> None:
+    # 2 ranks x 2 samples x 2 micro-batches, target 4: with normalize="step" one rank's step
+    # reaches it (groups of 1 rank, each last call over 4 samples); without, 2 ranks would.
+    callback = SyncBNCallback(
+        group_size="auto", target_norm_batch=4, step_statistics="step", log_every_n_steps=1
+    )
+    ranks = fit_ranks(
+        tmp_path,
+        "auto_step",
+        WORLD,
+        [callback],
+        model=BNNet(batch_size=PER_RANK),
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+    )
+    assert ranks[0]["group_sizes"] == [1, 1]
+    assert ranks[0]["callback_metrics"]["SyncBNCallback"]["bn/norm_batch_size"] == 4

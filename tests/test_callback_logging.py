@@ -47,6 +47,13 @@ def test_batch_sizes_and_drift_in_csv_logger(tmp_path):
     runs = {
         "plain": ({}, {}, [5.0, 3.0, 5.0, 3.0], [5.0, 3.0, 5.0, 3.0]),
         "accum": ({}, {"accumulate_grad_batches": 2}, [8.0, 8.0], [3.0, 3.0]),
+        # normalize="step": the second micro-batch normalizes over both (5 + 3)
+        "accum_step": (
+            {"step_statistics": "step"},
+            {"accumulate_grad_batches": 2},
+            [8.0, 8.0],
+            [8.0, 8.0],
+        ),
         "local": ({"group_size": 1}, {}, [5.0, 3.0, 5.0, 3.0], [2.0, 1.0, 2.0, 1.0]),
     }
     for name, (cb_args, extra, want_global, want_norm) in runs.items():
@@ -72,9 +79,10 @@ def test_batch_sizes_and_drift_in_csv_logger(tmp_path):
         assert ranks[1]["trainer_callback_metrics"]["bn/samples_seen"] == 16.0
         assert [float(r["bn/global_batch_size"]) for r in rows] == want_global, name
         assert [float(r["bn/norm_batch_size"]) for r in rows] == want_norm, name
-        if name == "accum":  # micro-batches of 3+2, then 1+2 samples
+        if name.startswith("accum"):  # micro-batches of 3+2, then 1+2 samples
+            last = 3.0 if name == "accum" else 8.0
             assert [float(r["bn/norm_batch_size_first"]) for r in rows] == [5.0, 5.0]
-            assert [float(r["bn/norm_batch_size_last"]) for r in rows] == [3.0, 3.0]
+            assert [float(r["bn/norm_batch_size_last"]) for r in rows] == [last, last]
         else:  # logged only under accumulation
             assert not rows[-1].get("bn/norm_batch_size_first"), name
         assert float(rows[-1]["bn/samples_seen"]) == 16.0

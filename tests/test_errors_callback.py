@@ -106,7 +106,7 @@ def test_callback_single_process_unknown() -> None:
 
 def test_callback_step_statistics_unknown() -> None:
     with expect_row():
-        SyncBNCallback(step_statistics="step")  # type: ignore[arg-type]
+        SyncBNCallback(step_statistics="batch")  # type: ignore[arg-type]
 
 
 def test_callback_precise_bn_forward_not_callable() -> None:

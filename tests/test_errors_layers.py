@@ -28,6 +28,9 @@ from syncbn_lightning import (
     revert_sync_batchnorm,
     step_statistics,
 )
+from syncbn_lightning.functional import recompute
+from syncbn_lightning.functional.gather import GatherExchange
+from syncbn_lightning.functional.registry import register_exchange
 
 
 @pytest.fixture(autouse=True)
@@ -306,10 +309,37 @@ def test_step_statistics_normalize_unknown() -> None:
             pass
 
 
-def test_step_statistics_normalize_step_not_yet() -> None:
+def test_step_statistics_step_mode_stats_mode_default() -> None:
     with expect_row():
-        with step_statistics(nn.Sequential(SyncBatchNorm(3)), normalize="step"):
+        with step_statistics(nn.Sequential(SyncBatchNorm(3, stats_mode="default")), "step"):
             pass
+
+
+def test_step_statistics_step_mode_custom_exchange() -> None:
+    register_exchange(_NoPrior())
+    with expect_row():
+        with step_statistics(nn.Sequential(SyncBatchNorm(3, exchange="no_prior")), "step"):
+            pass
+
+
+def test_step_statistics_step_mode_recompute_without_its_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As on torch 2.4, where the non-reentrant checkpoint's forward cannot be found
+    monkeypatch.setattr(recompute, "checkpoint_forward_segment", lambda: None)
+    layer = SyncBatchNorm(3, force_sync=True)
+    with step_statistics(layer, "step"):
+        y = checkpoint(layer, torch.randn(4, 3, requires_grad=True), use_reentrant=False)
+        with expect_row():
+            y.sum().backward()
+
+
+class _NoPrior(GatherExchange):
+    """A custom exchange that takes no earlier statistics (as one written before them)."""
+
+    name = "no_prior"
+    summary = "the gather exchange without earlier statistics (a test's)"
+    takes_prior = False
 
 
 def test_step_statistics_nested() -> None:

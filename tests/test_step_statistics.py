@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -86,12 +87,20 @@ def _micro_batches(rank: int) -> list[torch.Tensor]:
     return [torch.randn(n, 3, 2, 3, generator=g, dtype=torch.float64) * 2 + 1 for n in SIZES[rank]]
 
 
-def _steps_rank(rank: int, world: int, exchange: str, path: str) -> dict[str, Any]:
-    """One optimizer step of K micro-batches under DDP (``no_sync`` but the last), with and
-    without the context, from the same weights: outputs, gradients, buffers, and the inputs
-    each layer saw."""
+def _steps_rank(
+    rank: int,
+    world: int,
+    exchange: str,
+    path: str,
+    normalize: str = "micro",
+    modes: tuple[str, ...] = ("plain", "step"),
+) -> dict[str, Any]:
+    """One optimizer step of K micro-batches under DDP (``no_sync`` but the last), without
+    the context (``"plain"``) and with it (``"step"``, ``step_statistics(model, normalize)``),
+    from the same weights: outputs, gradients (the input's, then the parameters'), buffers, and
+    the inputs each layer saw."""
     out: dict[str, Any] = {}
-    for mode in ("plain", "step"):
+    for mode in modes:
         net = _net(exchange, path)
         model = nn.parallel.DistributedDataParallel(net)
         _take_path(net, path)
@@ -99,7 +108,7 @@ def _steps_rank(rank: int, world: int, exchange: str, path: str) -> dict[str, An
         for i, layer in enumerate(_sync_layers(net)):
             layer.register_forward_pre_hook(lambda _m, a, into=seen[i]: into.append(a[0].detach()))
         outputs, grads = [], []
-        context = step_statistics(model) if mode == "step" else _Nothing()
+        context = step_statistics(model, normalize) if mode == "step" else _Nothing()
         with context:
             micros = _micro_batches(rank)
             for k, x in enumerate(micros):
@@ -430,11 +439,11 @@ def test_a_call_or_a_layer_on_another_device_than_the_step_is_refused_by_name() 
             layer.to("meta")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("force_sync", [False, True])
-def test_a_compiled_model_counts_and_merges_as_eager_in_one_graph(force_sync: bool) -> None:
-    """fullgraph compile, outside then inside the context then outside again: the values and
-    counts of the eager model, no graph break, at most 2 recompiles."""
+def compiled_twins(
+    force_sync: bool,
+) -> tuple[nn.Module, nn.Module, Callable[..., Any], list[torch.Tensor]]:
+    """Two equal converted models of two layers (float64), the second also compiled
+    (fullgraph; dynamo's caches and counters cleared), and 4 micro-batches."""
     from torch._dynamo.utils import counters
 
     def model() -> nn.Module:
@@ -448,9 +457,19 @@ def test_a_compiled_model_counts_and_merges_as_eager_in_one_graph(force_sync: bo
     torch._dynamo.reset()
     counters.clear()
     eager, net = model(), model()
-    compiled = torch.compile(net, fullgraph=True)
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    return eager, net, torch.compile(net, fullgraph=True), xs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("force_sync", [False, True])
+def test_a_compiled_model_counts_and_merges_as_eager_in_one_graph(force_sync: bool) -> None:
+    """fullgraph compile, outside then inside the context then outside again: the values and
+    counts of the eager model, no graph break, at most 2 recompiles."""
+    from torch._dynamo.utils import counters
+
+    eager, net, compiled, xs = compiled_twins(force_sync)
     for run in (eager, compiled):
         run(xs[0]).sum().backward()
         for _ in range(2):

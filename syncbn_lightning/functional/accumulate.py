@@ -77,8 +77,10 @@ class StatsAccumulator:
 
 
 # How a pending call's values read (its first field): a group's unbiased or biased variance over
-# info[0] values, or (a float: the eps) a plain batch's count and invstd.
-_GROUP_UNBIASED, _GROUP_BIASED = "unbiased", "biased"
+# info[0] values, a step's merged statistics as one row (normalize="step": the exchanges' prior,
+# [count, samples, tags[2], mean[C], mean_lo[C], m2[C]]), or (a float: the eps) a plain batch's
+# count and invstd.
+_GROUP_UNBIASED, _GROUP_BIASED, _ROW = "unbiased", "biased", "row"
 
 _Call = tuple[Any, Any, torch.Tensor, torch.Tensor]
 
@@ -89,6 +91,7 @@ def _batches(calls: list[_Call]) -> tuple[list[torch.Tensor], ...]:
     like its count; its variance and mean have one value per channel)."""
     counts: list[Any] = [None] * len(calls)
     divisors: list[Any] = [None] * len(calls)
+    means: list[Any] = [call[2] for call in calls]
     variances: list[Any] = [call[3] for call in calls]
     rules: dict[Any, list[int]] = {}
     for index, call in enumerate(calls):
@@ -103,13 +106,22 @@ def _batches(calls: list[_Call]) -> tuple[list[torch.Tensor], ...]:
             torch._foreach_clamp_min_(plain, 0)
             for i, var in zip(indices, plain, strict=True):
                 variances[i] = var
+        elif rule == _ROW:  # one row a layer (their widths differ): its M2 is the "variance"
+            ns, divs = [], []
+            for i in indices:
+                row = calls[i][1].to(_F64)
+                channels = (row.numel() - 4) // 3
+                ns.append(row[:1])
+                divs.append(torch.ones_like(row[:1]))
+                means[i] = row[4 : 4 + channels] + row[4 + channels : 4 + 2 * channels]
+                variances[i] = row[4 + 2 * channels :]
         else:
             n = torch.stack([calls[i][1] for i in indices])[:, :1].to(_F64)
             ns = list(n.unbind())
             divs = list((n - 1).unbind()) if rule == _GROUP_UNBIASED else ns
         for i, count, divisor in zip(indices, ns, divs, strict=True):
             counts[i], divisors[i] = count, divisor
-    return counts, divisors, [call[2] for call in calls], variances
+    return counts, divisors, means, variances
 
 
 #: Calls a layer keeps before its group merges them (the step's memory stays O(C): at most this
@@ -123,10 +135,15 @@ class StepStatistics:
     adds the statistics it normalized with (:meth:`add_group`, :meth:`batch_norm`), and its
     :class:`StepGroup`'s commit makes the step's one update from their merge.
 
-    Each call normalizes with its own group's statistics (``normalize="micro"``, the one mode
-    built).
+    With ``normalize="micro"`` each call normalizes with its own group's statistics; with
+    ``"step"`` with those merged with the layer's earlier calls in the step (:attr:`prior`, one
+    more input of the exchange's merge), and the last call's merge is the step's.
 
     Attributes:
+        normalize: ``"micro"`` or ``"step"``.
+        prior: with ``"step"``, the merged statistics of the layer's calls so far, as the
+            exchanges take them (:meth:`~.exchange.Exchange.prior_of`; before the first call a
+            row of zeros, which adds nothing: a compiled call sees a tensor either way).
         group: the layers it commits with.
         index: its place in them.
         pending: calls added and not merged yet (their results as they came, at most
@@ -138,12 +155,20 @@ class StepStatistics:
         called: whether a call added to it (a layer not called in the step is left alone).
     """
 
-    __slots__ = ("called", "group", "index", "pending", "scratch")
+    __slots__ = ("called", "group", "index", "normalize", "pending", "prior", "scratch")
 
-    def __init__(self, group: StepGroup, index: int, scratch: tuple[torch.Tensor, ...]) -> None:
-        self.group, self.index, self.scratch = group, index, scratch
+    def __init__(
+        self, group: StepGroup, index: int, scratch: tuple[torch.Tensor, ...], normalize: str
+    ) -> None:
+        self.group, self.index, self.scratch, self.normalize = group, index, scratch, normalize
         self.pending: list[_Call] = []
+        self.prior: torch.Tensor | None = None
         self.called = False
+
+    def set_prior(self, row: torch.Tensor) -> None:
+        """``normalize="step"``: a call's merged statistics (the step's so far), which the next
+        call merges with its group's and the commit takes as the step's."""
+        self.prior, self.called = row, True
 
     def add_group(
         self, info: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, unbiased: bool
@@ -207,6 +232,7 @@ class StepGroup:
         buffers: each layer's ``(running_mean, running_var, num_batches_tracked)``.
         momentum: the layers' momentum (``None``: the cumulative average).
         unbiased: whether ``running_var`` takes the unbiased variance.
+        normalize: what the layers' calls normalize with (:class:`StepStatistics`).
     """
 
     def __init__(
@@ -214,6 +240,7 @@ class StepGroup:
         buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         momentum: float | None,
         unbiased: bool,
+        normalize: str = "micro",
     ) -> None:
         self.momentum, self.unbiased = momentum, unbiased
         self.sizes = [running_mean.shape[0] for running_mean, _, _ in buffers]
@@ -231,9 +258,16 @@ class StepGroup:
         )
         tracked = torch.stack([layer[2] for layer in buffers]).unbind()
         self.layers = [
-            StepStatistics(self, index, (*runnings[2 * index : 2 * index + 2], tracked[index]))
+            StepStatistics(
+                self, index, (*runnings[2 * index : 2 * index + 2], tracked[index]), normalize
+            )
             for index in range(len(buffers))
         ]
+        if normalize == "step":  # before a first call: rows of zeros, whose count adds nothing
+            widths = [4 + 3 * size for size in self.sizes]
+            rows = torch.zeros(sum(widths), dtype=buffers[0][0].dtype, device=device).split(widths)
+            for layer, row in zip(self.layers, rows, strict=True):
+                layer.prior = row
 
     def _check_device(self, tensor: torch.Tensor, what: str) -> None:
         """Refuse ``tensor`` (``what`` it is) on another device than the step's."""
@@ -291,6 +325,9 @@ class StepGroup:
             return
         for running_mean, _, _ in buffers:
             self._check_device(running_mean, "a layer's running statistics are")
+        for layer in self.layers:
+            if layer.normalize == "step" and layer.called:  # the last call's merge: the step's
+                layer.pending = [(_ROW, layer.prior, layer.prior, layer.prior)]
         self.merge_pending()
         var = self.m2s / (self.counts - 1 if self.unbiased else self.counts).clamp_min(1)
         # A sum of |values| is finite exactly when every value is (float64 does not overflow),

@@ -105,6 +105,13 @@ class SyncCall(NamedTuple):
     #: a checkpointed forward's list, which the Function extends with what the strategy keeps
     #: (:meth:`Exchange.kept_stats`) and the call's flight-recorder number.
     keep: list[Any] | None = None
+    #: ``step_statistics(normalize="step")``: the statistics of the layer's earlier calls in the
+    #: optimizer step (a row of :meth:`Exchange.prior_of`; ``None``: none yet), one more input
+    #: of the merge (:meth:`Exchange.with_prior`).
+    prior: torch.Tensor | None = None
+    #: with ``normalize="step"``, a list the Function appends the next call's ``prior`` to: this
+    #: call's merged statistics.
+    step: list[Any] | None = None
 
 
 class Inputs(NamedTuple):
@@ -185,6 +192,24 @@ class Exchange(ABC):
         tensors, no collective, nothing updated (only for strategies that :attr:`keeps`)."""
         raise NotImplementedError(f"the {self.name!r} exchange keeps nothing for a recompute")
 
+    #: whether :meth:`merge` takes the statistics of earlier calls as one more input
+    #: (:meth:`with_prior`, :meth:`prior_of`): ``step_statistics(normalize="step")``.
+    takes_prior: ClassVar[bool] = False
+
+    def with_prior(
+        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, prior: torch.Tensor
+    ) -> torch.Tensor:
+        """``received`` with ``prior`` (a row of :meth:`prior_of`: the same layer's earlier calls
+        in the step, merged) as one more part of the group, for :meth:`merge` (only for
+        strategies that :attr:`takes_prior`)."""
+        raise NotImplementedError(f"the {self.name!r} exchange takes no earlier statistics")
+
+    def prior_of(self, merged: Merged, call: SyncCall) -> torch.Tensor:
+        """What :meth:`with_prior` takes for the next call: ``merged``'s statistics as one
+        gathered row ``[count, samples, 0, 0, mean[C], mean_lo[C], m2[C]]`` (the tags are the
+        next call's), in the statistics' dtype."""
+        raise NotImplementedError(f"the {self.name!r} exchange takes no earlier statistics")
+
     def order_check(
         self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall
     ) -> OrderCheck | None:
@@ -255,6 +280,14 @@ class SplitMeanBackward(Exchange):
 
     fuses_residual = True
     keeps = True
+    takes_prior = True
+
+    def prior_of(self, merged: Merged, call: SyncCall) -> torch.Tensor:
+        mean, var, info = merged.mean, merged.var, merged.info
+        count = info[:2].to(mean.dtype)  # count, samples
+        # var divides M2 by count - 1 (unbiased) or count, at least 1: the same divisor back.
+        divisor = (count[:1] - 1 if call.options.unbiased_running_var else count[:1]).clamp_min(1)
+        return torch.cat([count, count.new_zeros(2), mean, merged.saved[3], var * divisor])
 
     def kept_stats(self, merged: Merged) -> tuple[torch.Tensor, ...]:
         return merged.saved[3:6]  # mean_lo, invstd, grad_info

@@ -91,6 +91,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
                 received = sum_over_group(sent, call.group, call.world_size, note)
             check = exchange.order_check(sent, received, call)
+            if call.prior is not None:  # normalize="step": the step's earlier statistics too
+                received = exchange.with_prior(inputs, sent, received, call.prior)
             try:
                 if residual is None:
                     merged = exchange.merge(inputs, sent, received, call)
@@ -103,6 +105,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 _check_order(merged.info, 2, check, call, state.order, input, False)
             if call.keep is not None:  # a checkpoint's forward: what its recompute takes
                 call.keep.extend((*exchange.kept_stats(merged), note[2]))
+            if call.step is not None:  # normalize="step": the next call's earlier statistics
+                call.step.append(exchange.prior_of(merged, call))
         if state.order is None:
             ctx.save_for_backward(*merged.saved)
         else:  # compiled: the backward notes its order flag there (a graph input it may mutate)

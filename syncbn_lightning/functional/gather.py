@@ -52,6 +52,13 @@ class GatherExchange(SplitMeanBackward):
     def order_check(self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall) -> OrderCheck:
         return OrderCheck(0, received, None, sent.numel())  # every rank's row names its layer
 
+    def with_prior(
+        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, prior: torch.Tensor
+    ) -> torch.Tensor:
+        # One more row, with this call's tags: the merge weighs it by its count like a rank's.
+        row = torch.cat([prior[:2].to(sent.dtype), sent[2:4], prior[4:].to(sent.dtype)])
+        return torch.cat([received, row])
+
     def merge(
         self,
         inputs: Inputs,

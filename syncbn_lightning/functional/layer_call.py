@@ -108,14 +108,24 @@ class BatchRecord(NamedTuple):
 
 def synchronizes(layer: Any, device: str) -> bool:
     """Whether ``layer``'s training calls on tensors of ``device`` (a device type) synchronize:
-    DataParallel replicas, a group of more than one rank, or ``force_sync``. Read from the
-    layer's plan for ``device`` (made once; :func:`sync_forward` then takes it), or, while
-    ``torch.compile`` traces, from the group itself."""
+    DataParallel replicas, a group of more than one rank, ``force_sync``, or inside
+    ``step_statistics(normalize="step")`` (a call's statistics merge with the step's earlier
+    ones: the synchronized call, also without a group). Read from the layer's plan for
+    ``device`` (made once; :func:`sync_forward` then takes it), or, while ``torch.compile``
+    traces, from the group itself."""
     if layer.replica_group is not None:
         return True
     if torch.compiler.is_compiling():
-        return layer.sync_options.force_sync or sync_group_size(layer.process_group) > 1
-    return plan_of(layer, device).synchronizes
+        group = layer.sync_options.force_sync or sync_group_size(layer.process_group) > 1
+    else:
+        group = plan_of(layer, device).synchronizes
+    return group or _stepwise(layer) is not None
+
+
+def _stepwise(layer: Any) -> StepStatistics | None:
+    """The layer's step inside ``step_statistics(normalize="step")``, else ``None``."""
+    step: StepStatistics | None = layer._step_stats
+    return step if step is not None and step.normalize == "step" else None
 
 
 def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
@@ -174,6 +184,8 @@ def sync_forward(
     # NCCL needs; a replay runs no host code, so its host cost is moot). A tensor subclass, or an
     # input on another device than the plan's, takes it too (its checks name the fix).
     native = plan.native and type(input) is torch.Tensor
+    if _stepwise(layer) is not None:
+        native = False  # the operator takes no earlier statistics: the Python path does
     if native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
         return _native_call(layer, plan, input, activation, residual, kind)
     return forward_function(layer, input, None, activation, residual, kind, plan)
@@ -498,6 +510,18 @@ def forward_function(
         activation = residual = None  # the caller adds and activates
     act, act_param = activation or _NO_ACT
     keeps: list[Any] | None = [] if kind.keep is not None and path.exchange.keeps else None
+    step = _stepwise(layer)
+    if step is not None and kind.recompute and kind.kept is None:
+        raise RuntimeError(
+            f"step_statistics(normalize='step'): the checkpoint's recompute of layer "
+            f"{layer.sync_name or type(layer).__name__!r} found nothing its forward kept (a "
+            f"non-reentrant checkpoint on a torch release whose forward cannot be found), and "
+            f"exchanging again would normalize it over other samples than its forward: use "
+            f"checkpoint(..., use_reentrant=True), or normalize='micro'"
+        )
+    if kind.recompute:
+        step = None  # it renormalizes from what its forward kept
+    prior, merges = (step.prior, []) if step is not None else (None, None)
     call = SyncCall(
         path.group,
         path.world_size,
@@ -509,9 +533,13 @@ def forward_function(
         act_param,
         kind.kept,
         keeps,
+        prior,
+        merges,
     )
     args = (input, weight, bias, state, call) + (() if residual is None else (residual,))
     output, mean, var, info = SyncBatchNormFunction.apply(*args)
+    if step is not None and merges:
+        step.set_prior(merges[0].detach())  # (a constant: no graph reaches the next call)
     stats, flight_call = None, -1
     if keeps:
         mean_lo, invstd, grad_info, flight_call = keeps
@@ -541,7 +569,7 @@ def _record(
         keep(kind.keep, layer, input, stats, flight_call)
     layer.__dict__["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
     step: StepStatistics | None = layer._step_stats
-    if step is not None:
+    if step is not None and step.normalize == "micro":  # ("step": the call set its prior)
         step.add_group(info, mean, var, layer.sync_options.unbiased_running_var)
 
 

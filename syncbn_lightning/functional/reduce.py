@@ -73,6 +73,23 @@ class ReduceExchange(SplitMeanBackward):
     def order_check(self, sent: torch.Tensor, received: torch.Tensor, call: SyncCall) -> OrderCheck:
         return OrderCheck(1, sent, received, sent.numel())  # the tags were summed: this rank's
 
+    def with_prior(
+        self, inputs: Inputs, sent: torch.Tensor, received: torch.Tensor, prior: torch.Tensor
+    ) -> torch.Tensor:
+        # The earlier calls' sums, shifted by the K this call's sums were (the running mean),
+        # added to the first rank's: no tag chunk (0 keeps the ranks' check), no rank counted.
+        channels = (prior.numel() - 4) // 3
+        stats = prior[4:].double()
+        n = prior[0].double()
+        shift = inputs.state.running_mean
+        offset = stats[:channels] + stats[channels : 2 * channels]
+        if shift is not None:
+            offset = offset - shift.detach().double()
+        s1, s2 = n * offset, stats[2 * channels :] + n * offset * offset
+        header = torch.cat([prior[:2].double(), sent.new_zeros(REDUCE_HEADER - 2)])
+        extra = torch.cat([header, s1, s2])
+        return torch.cat([received[: sent.numel()] + extra, received[sent.numel() :]])
+
     def merge(
         self,
         inputs: Inputs,

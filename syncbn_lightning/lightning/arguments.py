@@ -29,8 +29,9 @@ NONFINITE_ACTIONS = ("warn", "raise", "ignore")
 PRECISE_AT = ("fit_end", "validation")
 SINGLE_PROCESS = ("leave", "monitor")
 #: ``step_statistics=``: how a run with ``accumulate_grad_batches > 1`` updates the running
-#: statistics (``None``: torch's way, once per micro-batch).
-STEP_STATISTICS = ("micro", None)
+#: statistics and what its micro-batches normalize with (``None``: torch's way, an update per
+#: micro-batch).
+STEP_STATISTICS = ("micro", "step", None)
 
 
 def overrides(
@@ -111,7 +112,8 @@ def check_callback_arguments(
     if step_statistics not in STEP_STATISTICS:
         raise ValueError(
             f"step_statistics must be 'micro' (one running-statistics update per optimizer "
-            f"step under accumulate_grad_batches) or None (torch's update per micro-batch), "
+            f"step under accumulate_grad_batches), 'step' (the same, each micro-batch "
+            f"normalized over the step so far) or None (torch's update per micro-batch), "
             f"got {step_statistics!r}"
         )
     options = overrides(momentum, eps, impl, stats_mode, exchange)

@@ -94,7 +94,9 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
             micro-batches of each optimizer step run inside
             :func:`~syncbn_lightning.step_statistics` (each normalized with its own group's
             statistics, ONE running-statistics update per optimizer step from all of them);
-            ``None``: torch's K updates per step. Default: ``"micro"``.
+            ``"step"``: the same, each micro-batch normalized over the step's micro-batches so
+            far (``normalize="step"``); ``None``: torch's K updates per step. Default:
+            ``"micro"``.
         target_norm_batch: the normalization batch (samples per BN forward in a group) that
             ``"auto"`` aims for, below which the callback warns once, and against which the
             service's report reads ``bn/norm_batch_size`` (below: noisy; from it: enough; from
@@ -193,7 +195,7 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         exchange: Literal["auto", "gather", "reduce"] | None = None,
         fuse_residual: FuseResidual = False,
         flight_dir: str | os.PathLike[str] | None = None,
-        step_statistics: Literal["micro"] | None = "micro",
+        step_statistics: Literal["micro", "step"] | None = "micro",
     ) -> None:
         options = check_callback_arguments(
             group_size,
@@ -314,6 +316,8 @@ class SyncBNCallback(LayerSettings, BatchNormMonitor):
         # Every rank must build the same groups: agree on the smallest per-rank batch.
         batch = torch.tensor([local if local is not None else -1], dtype=torch.int64)
         batch = gather_rows(batch).min().item()
+        if self.step_statistics == "step":  # the step's last call normalizes over K micro-batches
+            batch *= trainer.accumulate_grad_batches
         size = resolve_group_size(
             "auto", self._world, trainer.num_devices, int(batch), self.target_norm_batch
         )

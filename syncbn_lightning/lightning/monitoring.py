@@ -52,6 +52,7 @@ class BatchNormMonitor(Callback):
     log_every_n_steps: int | None
     target_norm_batch: int
     on_nonfinite: str
+    step_statistics: str | None
 
     def _reset_monitor_state(self) -> None:
         self._step_start = 0
@@ -130,7 +131,10 @@ class BatchNormMonitor(Callback):
         if step == self._step_start:
             return  # gradient accumulation: the optimizer step is not complete yet
         step_local, self._pending_local = self._pending_local, 0
-        norms = (self._pending_norm, self._first_norm, self._last_norm)
+        # normalize="step": the step's last call normalized over all its micro-batches
+        stepwise = self.step_statistics == "step" and trainer.accumulate_grad_batches > 1
+        step_norm = self._last_norm if stepwise else self._pending_norm
+        norms = (step_norm, self._first_norm, self._last_norm)
         self._pending_norm = self._first_norm = self._last_norm = None
         self._since_log_local += step_local
         if self._measured(trainer, step):

@@ -20,6 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional.accumulate import NORMALIZE_MODES, StepGroup
 from ..functional.layer_call import commit_step, running_buffers
+from ..functional.registry import get_exchange
 from .batchnorm import SyncBatchNorm
 
 __all__ = ["OpenStep", "open_step", "step_statistics"]
@@ -48,11 +49,15 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
     Args:
         model: the model, or its DDP/FSDP wrapper.
         normalize: ``"micro"`` (the default): each call normalizes with its own group's
-            statistics, as without the context (outputs and gradients unchanged).
+            statistics, as without the context (outputs and gradients unchanged). ``"step"``:
+            with those merged with the layer's earlier calls in the step (micro-batch k over
+            every sample of micro-batches 1..k on every rank of its group; the earlier ones
+            are constants in the backward). The layers then take the Python path.
 
     Raises:
-        ValueError: ``normalize`` is not ``"micro"``; ``model`` holds
-            :class:`~syncbn_lightning.SyncDataParallel` replicas.
+        ValueError: ``normalize`` is not ``"micro"`` or ``"step"``; ``model`` holds
+            :class:`~syncbn_lightning.SyncDataParallel` replicas; with ``"step"``, a layer has
+            ``stats_mode="default"`` or an exchange that takes no earlier statistics.
         RuntimeError: a layer of ``model`` is inside another :func:`step_statistics` already
             (contexts do not nest: one per optimizer step).
 
@@ -89,7 +94,7 @@ class OpenStep:
     as at the step's start) form one :class:`~syncbn_lightning.functional.accumulate.StepGroup`,
     which merges and commits them with a fixed number of ops."""
 
-    def __init__(self, layers: list[SyncBatchNorm]) -> None:
+    def __init__(self, layers: list[SyncBatchNorm], normalize: str = "micro") -> None:
         self.layers = layers
         alike: dict[tuple[Any, ...], list[SyncBatchNorm]] = {}
         for layer in layers:
@@ -104,7 +109,8 @@ class OpenStep:
             alike.setdefault(key, []).append(layer)
         self.groups: list[tuple[StepGroup, list[SyncBatchNorm]]] = []
         for (_, _, momentum, unbiased), members in alike.items():
-            group = StepGroup([running_buffers(layer) for layer in members], momentum, unbiased)
+            buffers = [running_buffers(layer) for layer in members]
+            group = StepGroup(buffers, momentum, unbiased, normalize)
             for layer, step in zip(members, group.layers, strict=True):
                 layer._step_stats = step
             self.groups.append((group, members))
@@ -131,12 +137,31 @@ def open_step(model: nn.Module, normalize: str = "micro") -> OpenStep:
         raise ValueError(
             f"step_statistics(normalize=...) must be one of {NORMALIZE_MODES}, got {normalize!r}"
         )
+    layers = _layers_of(model)
     if normalize == "step":
+        for layer in layers:
+            _check_step_mode(layer)
+    return OpenStep(layers, normalize)
+
+
+def _check_step_mode(layer: SyncBatchNorm) -> None:
+    """Refuse a layer whose calls cannot normalize over the step so far: ``stats_mode=
+    "default"`` (its ranks weigh alike, a step's calls would not) and an exchange that takes no
+    earlier statistics (a custom one)."""
+    name = layer.sync_name or type(layer).__name__
+    options = layer.sync_options
+    if options.stats_mode == "default":
         raise ValueError(
-            "step_statistics(normalize='step') is not available yet: use normalize='micro' "
-            "(each micro-batch normalized with its own statistics, one update per step)"
+            f"step_statistics(normalize='step'): layer {name!r} has stats_mode='default' (each "
+            f"rank weighs alike), which does not merge with earlier micro-batches: use "
+            f"stats_mode='N', or normalize='micro'"
         )
-    return OpenStep(_layers_of(model))
+    if options.exchange != "auto" and not get_exchange(options.exchange).takes_prior:
+        raise ValueError(
+            f"step_statistics(normalize='step'): layer {name!r} uses the exchange "
+            f"{options.exchange!r}, which takes no earlier statistics (Exchange.takes_prior): "
+            f"use exchange='auto', 'gather' or 'reduce', or normalize='micro'"
+        )
 
 
 def _layers_of(model: nn.Module) -> list[SyncBatchNorm]:
