@@ -17,6 +17,7 @@ of the exchange's merge), and the step's running statistics are those of ``"micr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -35,6 +36,7 @@ from test_step_statistics import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks._common import OpCounter
 from syncbn_lightning import (
     SyncBatchNorm,
     SyncBatchNormAct,
@@ -174,6 +176,27 @@ def _against_the_oracle(
 def test_one_process_against_the_oracle(force_sync: bool, exchange: str, impl: str | None) -> None:
     layer = _layer(force_sync=force_sync, exchange=exchange, impl=impl)
     assert _against_the_oracle(layer) < 1e-10
+
+
+def _commit_ops(layers: int) -> int:
+    """Dispatcher ops of the end of a ``normalize="step"`` step (the commit) after 3 forward
+    calls of ``layers`` layers, the last one not called (its row of zeros is taken too)."""
+    net = nn.Sequential(*[_layer(force_sync=i % 2 == 0) for i in range(layers)])
+    with torch.no_grad():
+        for counter in (None, OpCounter()):  # the first step makes the layers' counters
+            context = step_statistics(net, normalize="step")
+            context.__enter__()
+            for x in _xs()[:3]:
+                net[:-1](x)
+            with counter or contextlib.nullcontext():
+                context.__exit__(None, None, None)
+    assert int(net[0].num_batches_tracked) == 2 and int(net[-1].num_batches_tracked) == 0
+    return sum(counter.ops.values())
+
+
+def test_the_commit_takes_every_layers_row_in_a_fixed_number_of_ops() -> None:
+    ops = [_commit_ops(n) for n in (2, 8)]
+    assert ops[0] == ops[1] > 0, ops
 
 
 @pytest.mark.parametrize("force_sync", [False, True])

@@ -15,6 +15,7 @@ costs a fixed number of dispatcher ops (kernels on a GPU) however many layers it
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -77,10 +78,8 @@ class StatsAccumulator:
 
 
 # How a pending call's values read (its first field): a group's unbiased or biased variance over
-# info[0] values, a step's merged statistics as one row (normalize="step": the exchanges' prior,
-# [count, samples, tags[2], mean[C], mean_lo[C], m2[C]]), or (a float: the eps) a plain batch's
-# count and invstd.
-_GROUP_UNBIASED, _GROUP_BIASED, _ROW = "unbiased", "biased", "row"
+# info[0] values, or (a float: the eps) a plain batch's count and invstd.
+_GROUP_UNBIASED, _GROUP_BIASED = "unbiased", "biased"
 
 _Call = tuple[Any, Any, torch.Tensor, torch.Tensor]
 
@@ -106,15 +105,6 @@ def _batches(calls: list[_Call]) -> tuple[list[torch.Tensor], ...]:
             torch._foreach_clamp_min_(plain, 0)
             for i, var in zip(indices, plain, strict=True):
                 variances[i] = var
-        elif rule == _ROW:  # one row a layer (their widths differ): its M2 is the "variance"
-            ns, divs = [], []
-            for i in indices:
-                row = calls[i][1].to(_F64)
-                channels = (row.numel() - 4) // 3
-                ns.append(row[:1])
-                divs.append(torch.ones_like(row[:1]))
-                means[i] = row[4 : 4 + channels] + row[4 + channels : 4 + 2 * channels]
-                variances[i] = row[4 + 2 * channels :]
         else:
             n = torch.stack([calls[i][1] for i in indices])[:, :1].to(_F64)
             ns = list(n.unbind())
@@ -222,6 +212,22 @@ def _channel_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.
     return host.to(device, non_blocking=True).split([len(layer_of_channel), len(sizes)])
 
 
+@functools.lru_cache(maxsize=64)
+def _row_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For layers of ``sizes`` channels whose step rows (:attr:`StepStatistics.prior`, ``[count,
+    samples, tags[2], mean[C], mean_lo[C], m2[C]]``) lie end to end: per channel of every layer,
+    where its layer's count, and its own mean, mean's low part and M2, are (int64, on
+    ``device``; kept, as :func:`_channel_index`)."""
+    places: list[list[int]] = [[], [], [], []]
+    starts = itertools.accumulate((4 + 3 * size for size in sizes), initial=0)
+    for start, size in zip(starts, sizes, strict=False):  # (one start more than layers)
+        places[0] += [start] * size
+        for part, first in enumerate((4, 4 + size, 4 + 2 * size), 1):
+            places[part] += range(start + first, start + first + size)
+    host = torch.tensor([place for part in places for place in part])
+    return host.to(device, non_blocking=True).split(sum(sizes))
+
+
 class StepGroup:
     """The layers of one step that commit together (same device, running-statistics dtype,
     momentum and variance rule), their merges side by side in one float64 buffer: per channel
@@ -308,6 +314,16 @@ class StepGroup:
         for layer in self.layers:
             layer.pending.clear()
 
+    def _take_priors(self) -> None:
+        """``normalize="step"``: each layer's last call merged the step's calls (its prior), so
+        that row is the layer's merge; the group's is empty until now (such calls add nothing
+        else) and takes every layer's row at once (a layer not called: zeros)."""
+        rows = torch.cat([layer.prior for layer in self.layers]).to(_F64)
+        count_at, mean_at, mean_lo_at, m2_at = _row_index(tuple(self.sizes), self.device)
+        self.counts.copy_(rows.index_select(0, count_at))
+        self.means.copy_(rows.index_select(0, mean_at) + rows.index_select(0, mean_lo_at))
+        self.m2s.copy_(rows.index_select(0, m2_at))
+
     def commit(
         self,
         buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -325,9 +341,8 @@ class StepGroup:
             return
         for running_mean, _, _ in buffers:
             self._check_device(running_mean, "a layer's running statistics are")
-        for layer in self.layers:
-            if layer.normalize == "step" and layer.called:  # the last call's merge: the step's
-                layer.pending = [(_ROW, layer.prior, layer.prior, layer.prior)]
+        if self.layers[0].normalize == "step":
+            self._take_priors()
         self.merge_pending()
         var = self.m2s / (self.counts - 1 if self.unbiased else self.counts).clamp_min(1)
         # A sum of |values| is finite exactly when every value is (float64 does not overflow),
