@@ -207,7 +207,7 @@ def _channel_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.
     """For layers of ``sizes`` channels laid side by side: each channel's layer, and each
     layer's first channel (int64, on ``device``; kept, as every step of a model asks again)."""
     layer_of_channel = [layer for layer, size in enumerate(sizes) for _ in range(size)]
-    first_channel = [sum(sizes[:layer]) for layer in range(len(sizes))]
+    first_channel = list(itertools.accumulate(sizes[:-1], initial=0))
     host = torch.tensor(layer_of_channel + first_channel)
     return host.to(device, non_blocking=True).split([len(layer_of_channel), len(sizes)])
 
