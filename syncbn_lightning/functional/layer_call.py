@@ -183,9 +183,9 @@ def sync_forward(
     # A CUDA graph's capture takes the Python path (its functional collectives, as capture on
     # NCCL needs; a replay runs no host code, so its host cost is moot). A tensor subclass, or an
     # input on another device than the plan's, takes it too (its checks name the fix).
-    native = plan.native and type(input) is torch.Tensor
-    if _stepwise(layer) is not None:
-        native = False  # the operator takes no earlier statistics: the Python path does
+    # Inside step_statistics(normalize="step") too: the operator takes no earlier statistics
+    # (asked only where the plan is native; forward_function asks again for the prior).
+    native = plan.native and type(input) is torch.Tensor and _stepwise(layer) is None
     if native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
         return _native_call(layer, plan, input, activation, residual, kind)
     return forward_function(layer, input, None, activation, residual, kind, plan)
