@@ -25,6 +25,7 @@ import pytest
 import torch
 from _dist import run_distributed
 from test_step_statistics import (
+    NODES,
     _Block,
     _micro_batches,
     _net,
@@ -110,6 +111,7 @@ def test_each_micro_batch_is_normalized_over_the_step_so_far_on_two_ranks(
     ]
     want = _oracle(_net(exchange, path), [_micro_batches(r) for r in range(2)])
     for r, rank in enumerate(ranks):
+        assert rank["nodes"] == {NODES["python"]}  # the operator takes no prior: not the C++ one
         got = rank["outputs"] + rank["grads"]  # the input's gradients, then the parameters'
         expected = want["outputs"][r] + want["grads"][r] + want["params"]
         for a, b in zip(got, expected, strict=True):

@@ -82,6 +82,12 @@ def _take_path(net: nn.Module, path: str) -> None:
             plan.native = False
 
 
+#: The autograd node of a synchronized call's output, by the path it took: the C++ operator's, or
+#: the Python Function's (with the extension's kernels or the reference twin).
+NODES = {"cpp": "CppFunction", "python": "SyncBatchNormFunctionBackward"}
+NODES["reference"] = NODES["python"]
+
+
 def _micro_batches(rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(17 + rank)
     return [torch.randn(n, 3, 2, 3, generator=g, dtype=torch.float64) * 2 + 1 for n in SIZES[rank]]
@@ -98,15 +104,18 @@ def _steps_rank(
     """One optimizer step of K micro-batches under DDP (``no_sync`` but the last), without
     the context (``"plain"``) and with it (``"step"``, ``step_statistics(model, normalize)``),
     from the same weights: outputs, gradients (the input's, then the parameters'), buffers, and
-    the inputs each layer saw."""
+    the inputs each layer saw, and the autograd nodes of the layers' outputs (which path ran:
+    :data:`NODES`)."""
     out: dict[str, Any] = {}
     for mode in modes:
         net = _net(exchange, path)
         model = nn.parallel.DistributedDataParallel(net)
         _take_path(net, path)
         seen: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        nodes: set[str] = set()
         for i, layer in enumerate(_sync_layers(net)):
             layer.register_forward_pre_hook(lambda _m, a, into=seen[i]: into.append(a[0].detach()))
+            layer.register_forward_hook(lambda _m, _a, y, s=nodes: s.add(type(y.grad_fn).__name__))
         outputs, grads = [], []
         context = step_statistics(model, normalize) if mode == "step" else _Nothing()
         with context:
@@ -127,6 +136,7 @@ def _steps_rank(
                 for bn in _sync_layers(net)
             ],
             "seen": [torch.cat(seen[i]) for i in (0, 1)],
+            "nodes": nodes,
         }
     return out
 
@@ -170,6 +180,7 @@ def test_one_update_per_step_on_two_ranks_and_the_same_outputs(exchange: str, pa
                 assert torch.equal(a, b), name
         for _mean, _var, tracked in plain["buffers"]:
             assert tracked == 4  # torch's way: one update per micro-batch
+        assert plain["nodes"] == step["nodes"] == {NODES[path]}  # the step keeps the path
     for i, momentum in enumerate((0.1, 0.3)):
         # every input the layer saw in the step, on every rank (the same on both: the step's
         # statistics are the group's)
