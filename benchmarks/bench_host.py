@@ -13,9 +13,10 @@ whole ``layer(x).backward(g)`` step, unprofiled (on a GPU the device is synchron
   (``SYNCBN_NATIVE_CUDA=1``); each run asserts the path it names.
 
 Each of ``ext`` (``ours_native`` on a GPU) and ``nogroup`` (``SyncBatchNorm`` without
-``force_sync``: plain BatchNorm's maths) also runs as ``<name>_in_step``: the micro-batches of
-optimizer steps inside ``step_statistics`` (4 calls and the commit, timed per call), against the
-same layer outside it.
+``force_sync``: plain BatchNorm's maths) also runs as ``<name>_in_step`` and
+``<name>_in_step_norm``: the micro-batches of optimizer steps inside ``step_statistics``, with
+``normalize="micro"`` and ``"step"`` (4 calls and the commit, timed per call), against the same
+layer outside it.
 
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
 group (gloo on the CPU, NCCL on a GPU: the sync layer really issues two collectives; on the CPU
@@ -77,16 +78,28 @@ def _layers(device: torch.device) -> dict[str, tuple[dict[str, str], nn.Module]]
             "ours_native": {"SYNCBN_IMPL": "ext", "SYNCBN_NATIVE_CUDA": "1"},
         }
     native = "ext" if device.type == "cpu" else "ours_native"
-    envs[f"{native}{IN_STEP}"] = envs[native]
     # The layer without a group: plain BatchNorm's maths, outside and inside the context.
-    envs["nogroup"] = envs[f"nogroup{IN_STEP}"] = envs[native]
+    envs["nogroup"] = envs[native]
+    for suffix in STEP_RUNS:
+        envs[f"{native}{suffix}"] = envs[f"nogroup{suffix}"] = envs[native]
     return {name: (env, _layer(name).to(device).train()) for name, env in envs.items()}
 
 
-#: The suffix of a run whose calls are the micro-batches of optimizer steps under
-#: ``step_statistics`` (:data:`MICRO_BATCHES` calls and the commit, timed per call).
+#: The suffixes of the runs whose calls are the micro-batches of optimizer steps under
+#: ``step_statistics`` (:data:`MICRO_BATCHES` calls and the commit, timed per call), and the
+#: ``normalize=`` mode each runs.
 IN_STEP = "_in_step"
+STEP_RUNS = {IN_STEP: "micro", "_in_step_norm": "step"}
 MICRO_BATCHES = 4
+
+
+def in_step_mode(name: str) -> tuple[str, str | None]:
+    """The layer run ``name`` calls, and the ``normalize=`` mode of its steps (``None``: its
+    calls are not in one)."""
+    for suffix, mode in STEP_RUNS.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), mode
+    return name, None
 
 
 def _layer(name: str) -> nn.Module:
@@ -100,7 +113,7 @@ def _layer(name: str) -> nn.Module:
 def _check_path(name: str, layer: nn.Module) -> None:
     """Assert that ``layer`` took the path its name says (its plan, made at its first call)."""
     native = {"ext": True, "ref": False, "ours": False, "ours_native": True}.get(
-        name.removesuffix(IN_STEP)
+        in_step_mode(name)[0]
     )
     if native is not None:
         plan = layer._sync_plan
@@ -121,17 +134,18 @@ def _apply_env(env: dict[str, str]) -> None:
 
 
 def _step(name: str, layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    """One ``layer(x).backward(grad)`` step; for a run in steps (:data:`IN_STEP`), one
+    """One ``layer(x).backward(grad)`` step; for a run in steps (:data:`STEP_RUNS`), one
     optimizer step's :data:`MICRO_BATCHES` of them inside ``step_statistics``."""
 
     def run() -> None:
         layer(x).backward(grad)
 
-    if not name.endswith(IN_STEP):
+    mode = in_step_mode(name)[1]
+    if mode is None:
         return run
 
     def in_step() -> None:
-        with step_statistics(layer):
+        with step_statistics(layer, normalize=mode):
             for _ in range(MICRO_BATCHES):
                 layer(x).backward(grad)
 
@@ -178,7 +192,7 @@ def measure(
     for _ in range(rounds):
         for name, (env, run) in runs.items():
             _apply_env(env)
-            calls = MICRO_BATCHES if name.endswith(IN_STEP) else 1
+            calls = MICRO_BATCHES if in_step_mode(name)[1] else 1
             results[name]["us"].append(_time(run, steps // calls, device) / calls)
             results[name]["calls"] = calls
     for entry in results.values():
@@ -266,9 +280,10 @@ def network_steps() -> dict[str, Callable[[], None]]:
 
         return run
 
-    def accumulated(model: nn.Module, in_step: bool) -> Callable[[], None]:
+    def accumulated(model: nn.Module, mode: str | None) -> Callable[[], None]:
         """:data:`MICRO_BATCHES` micro-batches and one optimizer step (inside
-        ``step_statistics`` where ``in_step``), timed per micro-batch by the table."""
+        ``step_statistics(normalize=mode)`` unless ``mode`` is ``None``), timed per micro-batch
+        by the table."""
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def micro_batches() -> None:
@@ -277,8 +292,8 @@ def network_steps() -> dict[str, Callable[[], None]]:
 
         def run() -> None:
             optimizer.zero_grad(set_to_none=True)
-            if in_step:
-                with step_statistics(model):
+            if mode is not None:
+                with step_statistics(model, normalize=mode):
                     micro_batches()
             else:
                 micro_batches()
@@ -306,10 +321,13 @@ def network_steps() -> dict[str, Callable[[], None]]:
         "plain": step_of(plain),
         "ours": step_of(convert_sync_batchnorm(model(), force_sync=True)),
         "floor": step_of(model(), collectives),
-        "ours_accumulated": accumulated(convert_sync_batchnorm(model(), force_sync=True), False),
-        f"ours_accumulated{IN_STEP}": accumulated(
-            convert_sync_batchnorm(model(), force_sync=True), True
-        ),
+        "ours_accumulated": accumulated(convert_sync_batchnorm(model(), force_sync=True), None),
+        **{
+            f"ours_accumulated{suffix}": accumulated(
+                convert_sync_batchnorm(model(), force_sync=True), mode
+            )
+            for suffix, mode in STEP_RUNS.items()
+        },
     }
 
 
@@ -330,12 +348,15 @@ def network_table(rounds: int, steps: int) -> list[str]:
         lines.append(
             f"| {name} | {ms:.2f} | {ms / medians['plain']:.2f} | {ms / medians['floor']:.2f} |"
         )
-    outside, inside = medians["ours_accumulated"], medians[f"ours_accumulated{IN_STEP}"]
     lines.append(
         f"\n(ours_accumulated: {MICRO_BATCHES} micro-batches and one optimizer step, ms per "
-        f"micro-batch; {IN_STEP[1:]}: inside step_statistics) in step / outside: "
-        f"{inside / outside:.2f} (goal <= 1.1)"
+        f"micro-batch; {IN_STEP[1:]}: inside step_statistics, normalize='micro'; "
+        f"{list(STEP_RUNS)[1][1:]}: normalize='step')"
     )
+    outside = medians["ours_accumulated"]
+    for suffix in STEP_RUNS:
+        inside = medians[f"ours_accumulated{suffix}"]
+        lines.append(f"ours_accumulated{suffix} / outside: {inside / outside:.2f} (goal <= 1.1)")
     return lines
 
 
@@ -391,8 +412,8 @@ def in_step_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     layer without a group, whose plain batch norm returns no statistics to merge)."""
     lines = []
     for name in results:
-        if name.endswith(IN_STEP):
-            outside = name.removesuffix(IN_STEP)
+        outside, mode = in_step_mode(name)
+        if mode is not None:
             goal = 1.2 if outside == "nogroup" else 1.1
             ratio = results[name]["median_us"] / results[outside]["median_us"]
             lines.append(f"{name} / {outside}: {ratio:.2f} (goal <= {goal})")

@@ -99,7 +99,8 @@ def test_profile_eager_refuses_torch_sync_on_cpu(tmp_path: Path) -> None:
 def test_bench_host_judges_the_cpp_path_against_its_floor_on_cpu() -> None:
     """benchmarks/bench_host.py (the host goal of gpu_check.sh native, there with --device
     cuda) on a CPU: its tables, each path asserted, and one PASS/FAIL line for the C++ path
-    over the floor (which of the two is timing, not tested here)."""
+    over the floor (which of the two is timing, not tested here); the calls inside
+    ``step_statistics`` of both modes, over the same layer outside, in both settings."""
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_host.py", "--rounds", "1", "--steps", "20"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
@@ -108,6 +109,10 @@ def test_bench_host_judges_the_cpp_path_against_its_floor_on_cpu() -> None:
     verdicts = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 1 and " ext: host per layer step / floor " in verdicts[0], verdicts
     assert "| floor |" in done.stdout and "command: " in done.stdout
+    for run in ("ext_in_step", "ext_in_step_norm", "nogroup_in_step", "nogroup_in_step_norm"):
+        assert done.stdout.count(f"\n{run} / {run.split('_')[0]}: ") == 2, run  # both settings
+    for suffix in ("_in_step", "_in_step_norm"):
+        assert f"ours_accumulated{suffix} / outside: " in done.stdout, suffix
 
 
 @pytest.mark.slow
