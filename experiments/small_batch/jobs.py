@@ -12,13 +12,16 @@ __all__ = ["Job", "spread"]
 
 @dataclass
 class Job:
-    """One finished job's numbers: ``scores[eval][metric]`` in points, wall time, curves."""
+    """One finished job's numbers: ``scores[eval][metric]`` in points, wall time, curves, and
+    ``extra``: the running-statistics probe's numbers and curve tails (absent for jobs of
+    results files written before them)."""
 
     seed: int
     scores: dict[str, dict[str, float]]
     wall_s: float
     steps: int
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def spread(values: Sequence[float]) -> tuple[float, float]:

@@ -32,6 +32,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from syncbn_lightning.app.tasks.centernet import CenterNet
 from syncbn_lightning.app.tasks.datamodule import CocoDataModule
+from syncbn_lightning.lightning.batches import default_precise_forward
+from syncbn_lightning.nn.precise_bn import update_bn_stats
+from syncbn_lightning.nn.running_stats import running_stat_layers
 
 from .analysis import write_report
 from .variants import PRETRAIN, RECORD_FILE, VARIANTS, Variant
@@ -183,8 +186,10 @@ def batch_stat_probe(run_dir: Path) -> dict[str, float]:
     statistics a layer normalizes with change the detections on this task; for the local-BN
     variant it is also the evaluation consistent with how it was trained.
 
+    Also :func:`running_stat_probe` of the same checkpoint (its keys added).
+
     Returns:
-        ``{"val/mAP": ..., "val/mAP50": ..., "batch": images per normalization}``.
+        ``{"val/mAP": ..., "val/mAP50": ..., "batch": images per normalization, ...}``.
     """
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     root = Path(OmegaConf.select(cfg, "data.root", throw_on_missing=True))
@@ -204,12 +209,76 @@ def batch_stat_probe(run_dir: Path) -> dict[str, float]:
         enable_checkpointing=False,
         callbacks=[BatchStatistics()],
     )
+    # Before the validation below, whose train-mode layers count batches in num_batches_tracked.
+    stats = running_stat_probe(run_dir, root, int(cfg.data.synthetic.image_size))
     (result,) = trainer.validate(model, datamodule=datamodule, verbose=False)
     return {
         "val/mAP": float(result["val/mAP"]),
         "val/mAP50": float(result["val/mAP50"]),
         "batch": batch,
+        **stats,
     }
+
+
+REFERENCE_BATCHES = 32
+REFERENCE_BATCH_SIZE = 8
+"""The probe's reference population statistics: 32 batches of 8 training images (256)."""
+
+
+@torch.no_grad()
+def running_stat_probe(run_dir: Path, root: Path, image_size: int) -> dict[str, float]:
+    """How far the running statistics training left (``last.ckpt``, the EMA) are from
+    population statistics of the same final weights, and how many updates they took.
+
+    The reference is recomputed here the same way for every variant (whatever its processes,
+    batch or PreciseBN setting): :func:`~syncbn_lightning.nn.precise_bn.update_bn_stats` over
+    :data:`REFERENCE_BATCHES` batches of :data:`REFERENCE_BATCH_SIZE` training images in one
+    process (layers normalizing with each batch's statistics, as PreciseBN does; a fixed shuffle,
+    ``torch.manual_seed(0)``). Per layer, averaged over channels:
+
+    * ``mean``: ``|mu_ema - mu_pop| / sqrt(var_pop + eps)``,
+    * ``std``: ``|sqrt(var_ema + eps) / sqrt(var_pop + eps) - 1|``
+
+    (the ``bn/gap_*`` formulas with the population in place of the batch).
+
+    Returns:
+        ``stat_err_{mean,std}_{avg,max}`` (average and maximum over layers) and
+        ``num_batches_tracked_{min,max}`` over layers (running-statistics updates; torch counts
+        one per forward in training mode, ``step_statistics`` one per optimizer step);
+        ``{}`` for a model without BatchNorm running statistics.
+    """
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    tracked = [int(v) for k, v in state.items() if k.endswith("num_batches_tracked")]
+    model = CenterNet.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
+    layers = running_stat_layers(model)
+    if not layers or not tracked:
+        return {}
+    ema = {
+        n: (bn.running_mean.double().clone(), bn.running_var.double().clone()) for n, bn in layers
+    }
+    datamodule = CocoDataModule(str(root), image_size=image_size, batch_size=REFERENCE_BATCH_SIZE)
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    update_bn_stats(
+        model,
+        iter(datamodule.train_dataloader()),
+        REFERENCE_BATCHES,
+        forward=lambda b: default_precise_forward(model, b),
+    )
+    errors: dict[str, list[float]] = {"mean": [], "std": []}
+    for name, bn in layers:
+        mean, var = ema[name]
+        pop_std = (bn.running_var.double() + bn.eps).sqrt()
+        errors["mean"].append(float(((mean - bn.running_mean.double()).abs() / pop_std).mean()))
+        ratio = (var + bn.eps).sqrt() / pop_std
+        errors["std"].append(float((ratio - 1.0).abs().mean()))
+    out = {
+        f"stat_err_{k}_{agg}": fn(v)
+        for k, v in errors.items()
+        for agg, fn in (("avg", lambda x: sum(x) / len(x)), ("max", max))
+    }
+    return {**out, "num_batches_tracked_min": min(tracked), "num_batches_tracked_max": max(tracked)}
 
 
 class BatchStatistics(pl.Callback):

@@ -35,6 +35,8 @@ class Variant:
         family: which table it belongs to (:data:`FAMILIES`).
         global_batch: images per optimizer step over all processes.
         pretrained: starts from the same seed's backbone pretraining (``model.init_backbone``).
+        norm_label: the table's "norm. batch" cell when ``norm_batch`` alone does not say it
+            (``normalize="step"``: each micro-batch normalizes over the step's so far).
     """
 
     name: str
@@ -44,6 +46,7 @@ class Variant:
     family: str = "batchnorm"
     global_batch: int = 8
     pretrained: bool = False
+    norm_label: str | None = None
 
     @property
     def one_process(self) -> bool:
@@ -56,11 +59,23 @@ FAMILIES: dict[str, str] = {
     "sweep": "SyncBN norm-batch sweep at global batch 32 (4 proc x 8 img)",
     "groupnorm": "GroupNorm from scratch, global batch 8",
     "pretrained": "pretrained backbone, global batch 8",
+    "accumulation": "gradient accumulation, 2 proc x 1 img x 4 steps, global batch 8",
 }
 """The tables of the report, in order: family -> title."""
 
 _4X2 = ("trainer.devices=4",)
 _4X8 = ("trainer.devices=4", "data.batch_size=8")
+# 2 processes x 1 image x 4 micro-batches per optimizer step: the global batch (8), learning
+# rate and 1024 steps of the global-batch-8 variants, and the same 8 images at every step (the
+# union of the 4 micro-batches of both ranks). PreciseBN over 128 batches = 32 steps = 256
+# images, as the other global-batch-8 variants (the preset's 32 batches would be 64 images here).
+_2X1X4 = (
+    "recipe=detection_small_batch",
+    "trainer.devices=2",
+    "data.batch_size=1",
+    "trainer.accumulate_grad_batches=4",
+    "bn.precise_bn_batches=128",
+)
 
 VARIANTS: tuple[Variant, ...] = (
     Variant("local_bn", "local BN, 4 proc x 2 img", ("recipe=detection_local_bn", *_4X2), 2),
@@ -128,5 +143,34 @@ VARIANTS: tuple[Variant, ...] = (
         8,
         "pretrained",
         pretrained=True,
+    ),
+    Variant(
+        "acc_torch",
+        "SyncBN, 2 proc x 1 img x 4 accum., torch's 4 updates/step",
+        (*_2X1X4, "bn.step_statistics=null"),
+        2,
+        "accumulation",
+    ),
+    Variant(
+        "acc_micro",
+        "SyncBN, 2 proc x 1 img x 4 accum., step_statistics=micro",
+        (*_2X1X4, "bn.step_statistics=micro"),
+        2,
+        "accumulation",
+    ),
+    Variant(
+        "acc_step",
+        "SyncBN, 2 proc x 1 img x 4 accum., step_statistics=step",
+        (*_2X1X4, "bn.step_statistics=step"),
+        2,
+        "accumulation",
+        norm_label="2, 4, 6, 8 (step so far)",
+    ),
+    Variant(
+        "sync_2x4",
+        "SyncBN world, 2 proc x 4 img (no accum.)",
+        ("recipe=detection_small_batch", "trainer.devices=2", "data.batch_size=4"),
+        8,
+        "accumulation",
     ),
 )

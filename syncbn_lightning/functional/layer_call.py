@@ -51,6 +51,7 @@ __all__ = [
     "check_dims",
     "check_input",
     "commit_step",
+    "start_step",
     "functorch_error",
     "SyncPlan",
     "affine_of",
@@ -577,6 +578,17 @@ def running_buffers(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """The layer's ``(running_mean, running_var, num_batches_tracked)``, as it holds them now."""
     buffers = layer._buffers
     return buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"]
+
+
+def start_step(group: StepGroup, layers: list[Any]) -> None:
+    """Give the ``layers`` of ``group`` their step (each its :class:`~.accumulate.StepStatistics`,
+    which their calls read until :func:`commit_step`). Their counters are made now, eagerly, on
+    their buffers' device: a layer without a group makes them at its first synchronized call,
+    which inside ``normalize="step"`` may be compiled code, and an attribute that code adds to
+    the layer fails its own guards at the next call (a recompile)."""
+    for layer, step in zip(layers, group.layers, strict=True):
+        _counters(layer, layer._buffers["running_mean"])
+        layer._step_stats = step
 
 
 def commit_step(group: StepGroup, layers: list[Any]) -> None:

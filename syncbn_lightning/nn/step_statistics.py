@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..functional.accumulate import NORMALIZE_MODES, StepGroup
-from ..functional.layer_call import commit_step, running_buffers
+from ..functional.layer_call import commit_step, running_buffers, start_step
 from ..functional.registry import get_exchange
 from .batchnorm import SyncBatchNorm
 
@@ -111,8 +111,7 @@ class OpenStep:
         for (_, _, momentum, unbiased), members in alike.items():
             buffers = [running_buffers(layer) for layer in members]
             group = StepGroup(buffers, momentum, unbiased, normalize)
-            for layer, step in zip(members, group.layers, strict=True):
-                layer._step_stats = step
+            start_step(group, members)
             self.groups.append((group, members))
 
     def commit(self) -> None:
