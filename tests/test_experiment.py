@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 from torch.utils.data import DistributedSampler
 
-from experiments.small_batch import analysis, choice, runner
+from experiments.small_batch import accumulation, analysis, choice, runner
 from syncbn_lightning.app.tasks.datamodule import CocoDataModule
 from syncbn_lightning.app.tasks.shapes import generate_shapes
 
@@ -170,6 +170,108 @@ def test_table_has_one_row_per_variant_with_mean_and_std() -> None:
     row = text.splitlines()[2]
     assert row.startswith(f"| {v['syncbn'].label} | 8 | 2 | 31.0 ± 1.4 | 62.0 ± 2.8 | 32.0 ± 1.4")
     assert row.endswith("| 10 s |")  # mean wall time 10.5 s
+
+
+def _override(v: runner.Variant, key: str, default: str) -> str:
+    found = [o.split("=", 1)[1] for o in v.overrides if o.split("=", 1)[0] == key]
+    return found[-1] if found else default
+
+
+def test_accumulation_variants_keep_the_global_batch_of_8() -> None:
+    """The family: 2 processes, images x accumulation = 4 per process, so the LR, the steps
+    and the images of a step are the other global-batch-8 variants'; PreciseBN over 256 images."""
+    family = [v for v in runner.VARIANTS if v.family == accumulation.FAMILY]
+    assert [v.name for v in family] == ["acc_torch", "acc_micro", "acc_step", "sync_2x4"]
+    assert accumulation.FAMILY in analysis.FAMILIES
+    modes = {}
+    for v in family:
+        devices = int(_override(v, "trainer.devices", "2"))
+        batch = int(_override(v, "data.batch_size", "2"))
+        accumulate = int(_override(v, "trainer.accumulate_grad_batches", "1"))
+        assert devices * batch * accumulate == v.global_batch == 8, v.name
+        precise = int(_override(v, "bn.precise_bn_batches", "32"))
+        assert precise * devices * batch == 256, v.name  # 32 optimizer steps' images
+        assert _override(v, "recipe", "") == "detection_small_batch"
+        modes[v.name] = _override(v, "bn.step_statistics", "absent")
+    assert modes == {"acc_torch": "null", "acc_micro": "micro", "acc_step": "step",
+                     "sync_2x4": "absent"}  # fmt: skip
+    # Not a normalization choice: outside the choice table (and the knee's sweep).
+    jobs = {v: [_job(0, 30.0, 30.0)] for v in family}
+    assert choice.choice_rows(jobs) == [] and choice.sweep_points(jobs) == {}
+
+
+def test_a_paired_difference_is_a_finding_only_beyond_the_spread() -> None:
+    # Same sign on every seed and the mean (+2) beyond twice the larger std (0.5): a finding.
+    assert accumulation.finding([32.0, 32.5, 33.0], [30.0, 30.5, 31.0], floor=1.0)
+    # The mean beyond 1 point but within twice the std (1.5): no finding.
+    assert not accumulation.finding([30.0, 33.0, 33.0], [29.0, 31.0, 32.0], floor=1.0)
+    # One seed the other way: no finding, however large the mean.
+    assert not accumulation.finding([40.0, 40.0, 29.0], [30.0, 30.0, 30.0])
+    # Tight but under the 1-point floor: no finding.
+    assert not accumulation.finding([30.5, 30.5, 30.6], [30.0, 30.0, 30.1], floor=1.0)
+
+
+def _fake_job(run_dir: Path, ema: float, tracked: int) -> None:
+    run_dir.mkdir(parents=True)
+    val = {"val/mAP": ema / 100, "val/mAP50": 2 * ema / 100}
+    (run_dir / "results.json").write_text(
+        json.dumps({"global_step": 1024, "fit": val, "final": val})
+    )
+    probe = {**val, "batch": 1, "stat_err_mean_avg": 0.1, "stat_err_std_avg": 0.05,
+             "num_batches_tracked_min": tracked, "num_batches_tracked_max": tracked,
+             "checkpoint_step": 1024}  # fmt: skip
+    record = {"overrides": [], "wall_s": 12.0, "probe": probe}
+    (run_dir / "experiment.json").write_text(json.dumps(record))
+
+
+def test_report_keeps_the_published_numbers_of_variants_it_did_not_find(tmp_path: Path) -> None:
+    """A family run alone into the docs dir adds its variants to results.json and results.md
+    without erasing the published ones (whose job directories are elsewhere), and leaves the
+    PNGs drawn from every variant's curves as they were."""
+    v = _variants()
+    docs, runs = tmp_path / "docs", tmp_path / "runs"
+    meta = {"command": "old", "preset": "full", "preset_overrides": [],
+            "machine": {"cpu": "old cpu", "cores": 2}}  # fmt: skip
+    analysis.write_report(tmp_path / "old_runs", docs, variants=[], seeds=[0, 1], meta=meta)
+    assert json.loads((docs / "results.json").read_text())["variants"] == {}
+    # The published file: syncbn as an earlier report wrote it.
+    raw = json.loads((docs / "results.json").read_text())
+    raw["variants"]["syncbn"] = {
+        "jobs": [
+            {"seed": s, "scores": _job(s, 41.0 + s, 41.0).scores, "wall_s": 250.0, "steps": 1024}
+            for s in (0, 1)
+        ],
+    }
+    (docs / "results.json").write_text(json.dumps(raw))
+    (docs / "final_map.png").write_bytes(b"published")
+    for name, tracked in (("acc_torch", 4096), ("acc_micro", 1024)):
+        for seed in (0, 1):
+            _fake_job(runs / name / f"seed{seed}", 30.0 + seed + (name == "acc_micro"), tracked)
+    now = {**meta, "command": "new", "machine": {"cpu": "new cpu", "cores": 2}}
+    analysis.write_report(runs, docs, variants=[v["acc_torch"], v["acc_micro"]], seeds=[0, 1],
+                          meta=now)  # fmt: skip
+    out = json.loads((docs / "results.json").read_text())
+    assert list(out["variants"]) == ["syncbn", "acc_torch", "acc_micro"]
+    assert out["kept_variants"] == ["syncbn"]
+    assert out["variants"]["syncbn"]["jobs"][1]["scores"]["ema"]["mAP"] == 42.0
+    assert out["variants"]["syncbn"]["source"]["command"] == "old"
+    assert out["variants"]["acc_micro"]["source"]["command"] == "new"
+    assert [(s["command"], s["jobs"]) for s in out["training_wall_by_source"]] == [
+        ("old", 2),
+        ("new", 4),
+    ]
+    assert (docs / "final_map.png").read_bytes() == b"published"
+    acc = out["accumulation"]
+    assert acc["variants"]["acc_torch"]["num_batches_tracked"] == [4096]
+    pair = acc["paired"]["acc_micro - acc_torch"]["map_ema"]
+    assert pair["diffs"] == pytest.approx([1.0, 1.0]) and not pair["finding"]  # std 0.7 x 2
+    md = (docs / "results.md").read_text()
+    assert "| SyncBN world, 4 proc x 2 img | 8 | 2 | 41.5 ± 0.7 |" in md
+    assert "## Gradient accumulation" in md and "| acc_micro - acc_torch | +1.0 ± 0.0" in md
+    # --only-runs: the published variants go.
+    analysis.write_report(runs, docs, variants=[v["acc_torch"]], seeds=[0, 1], meta=now,
+                          keep_published=False)  # fmt: skip
+    assert list(json.loads((docs / "results.json").read_text())["variants"]) == ["acc_torch"]
 
 
 # ----------------------------------------------------------------------------- command

@@ -10,6 +10,14 @@ evaluations of the same final weights per job:
   (``results.json["final"]``, the recipe's closing evaluation),
 * **batch stats**: every layer normalizes with the statistics of its validation batch
   (2 images for the 4-process variants, 8 for the reference; the runner's probe).
+
+The gradient-accumulation family adds its own section (:mod:`.accumulation`) and figure.
+
+A report covers the variants finished under the runs directory and, unless told otherwise, keeps
+the published numbers of every other variant the docs directory's ``results.json`` already holds
+for the same seeds (their job directories need not be on this machine): each variant's entry
+records the command and machine it came from (``source``). The PNGs drawn from every variant's
+curves are rewritten only when no kept variant lacks its curves.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Any
 
 from syncbn_lightning.app.report import find_metrics_files, read_metrics
 
+from .accumulation import FAMILY as ACCUMULATION
+from .accumulation import accumulation_section, tail_mean
 from .choice import (
     KNEE_SIGMAS,
     KNEE_TOLERANCE,
@@ -31,8 +41,8 @@ from .choice import (
     sweep_points,
 )
 from .jobs import Job, spread
-from .plots import plot
-from .variants import EVALS, FAMILIES, PRETRAIN, RECORD_FILE, Variant
+from .plots import accumulation_figure, plot
+from .variants import EVALS, FAMILIES, PRETRAIN, RECORD_FILE, VARIANTS, Variant
 
 CURVES = (
     "val/mAP",
@@ -42,8 +52,29 @@ CURVES = (
     "bn/drift_var_avg",
     "bn/gap_mean_avg",
     "bn/gap_std_avg",
+    "lr-AdamW",
 )
 """The CSV metrics kept per job for the plots."""
+
+PROBE_EXTRA = (
+    "stat_err_mean_avg",
+    "stat_err_mean_max",
+    "stat_err_std_avg",
+    "stat_err_std_max",
+    "num_batches_tracked_min",
+    "num_batches_tracked_max",
+    "checkpoint_step",
+)
+"""The running-statistics probe's numbers a job keeps in ``Job.extra`` (when its record has
+them: jobs probed before it existed do not)."""
+
+TAILS = {
+    "gap_mean_last100": "bn/gap_mean_avg",
+    "gap_std_last100": "bn/gap_std_avg",
+    "drift_mean_last100": "bn/drift_mean_avg",
+    "drift_var_last100": "bn/drift_var_avg",
+}
+"""``Job.extra`` keys: a ``bn/*`` curve's mean over the job's last 100 optimizer steps."""
 
 
 def _points(value: float) -> float:
@@ -73,7 +104,14 @@ def load_job(run_dir: Path, seed: int) -> Job:
         curves = {k: list(series[k]) for k in CURVES if k in series}
         if curves.get("val/mAP"):
             curves["val/mAP"] = curves["val/mAP"][:-1]
-    return Job(seed, scores, float(record["wall_s"]), int(results["global_step"]), curves)
+    steps = int(results["global_step"])
+    extra = {k: float(record["probe"][k]) for k in PROBE_EXTRA if k in record["probe"]}
+    for key, metric in TAILS.items():
+        if curves.get(metric):
+            extra[key] = tail_mean(curves[metric], steps)
+    if curves.get("lr-AdamW"):
+        extra["lr_peak"] = max(v for _, v in curves["lr-AdamW"])
+    return Job(seed, scores, float(record["wall_s"]), steps, curves, extra)
 
 
 def _cell(values: Sequence[float]) -> str:
@@ -266,6 +304,53 @@ def knee_section(jobs: Mapping[Variant, Sequence[Job]]) -> tuple[list[str], dict
     return lines, entry
 
 
+def _source(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a variant's numbers come from: the command, preset overrides and machine."""
+    return {
+        "command": meta.get("command"),
+        "preset_overrides": list(meta.get("preset_overrides", [])),
+        "machine": dict(meta.get("machine", {})),
+    }
+
+
+def published(
+    results_file: Path, skip: Sequence[Variant], seeds: Sequence[int]
+) -> tuple[dict[Variant, list[Job]], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The numbers an earlier report published for the variants not in ``skip``: their jobs
+    (without curves; :data:`~.variants.VARIANTS` order), each variant's ``source``, and the
+    pretraining entries. A variant is kept only with a job for every seed of ``seeds``, no more
+    (another seed list is another report). ``({}, {}, [])`` without a readable file.
+    """
+    try:
+        raw = json.loads(results_file.read_text())
+    except (OSError, ValueError):
+        return {}, {}, []
+    entries = raw.get("variants", {})
+    skipped = {v.name for v in skip}
+    kept: dict[Variant, list[Job]] = {}
+    sources: dict[str, dict[str, Any]] = {}
+    for v in VARIANTS:
+        entry = entries.get(v.name)
+        if v.name in skipped or not entry:
+            continue
+        if sorted(j["seed"] for j in entry["jobs"]) != sorted(seeds):
+            continue
+        by_seed = {j["seed"]: j for j in entry["jobs"]}
+        kept[v] = [
+            Job(
+                s,
+                by_seed[s]["scores"],
+                float(by_seed[s]["wall_s"]),
+                int(by_seed[s]["steps"]),
+                extra=dict(by_seed[s].get("extra", {})),
+            )
+            for s in seeds
+        ]
+        sources[v.name] = entry.get("source") or _source(raw)
+    pretrain = [p for p in raw.get("pretrain", []) if p["seed"] in seeds]
+    return kept, sources, pretrain
+
+
 def write_report(
     runs_dir: Path,
     docs_dir: Path,
@@ -273,26 +358,57 @@ def write_report(
     variants: Sequence[Variant],
     seeds: Sequence[int],
     meta: Mapping[str, Any],
+    keep_published: bool = True,
 ) -> str:
-    """Write ``docs_dir/results.md``, ``results.json`` and the PNGs; return the markdown."""
-    jobs = collect(runs_dir, variants, seeds)
+    """Write ``docs_dir/results.md``, ``results.json`` and the PNGs; return the markdown.
+
+    ``variants`` are read from ``runs_dir``; with ``keep_published`` the variants that
+    ``docs_dir/results.json`` already holds for ``seeds`` and that are not among ``variants``
+    stay in the report with their published numbers (:func:`published`). The PNGs drawn from
+    every variant's curves are then left as they are (a kept variant has no curves); the
+    accumulation family's figure is drawn from its jobs whenever they have curves.
+    """
+    ran = collect(runs_dir, variants, seeds)
+    kept, sources, kept_pretrain = (
+        published(docs_dir / "results.json", variants, seeds) if keep_published else ({}, {}, [])
+    )
+    jobs = {v: ran[v] if v in ran else kept[v] for v in VARIANTS if v in ran or v in kept}
+    jobs.update({v: r for v, r in ran.items() if v not in jobs})  # variants not in VARIANTS
+    for v in ran:
+        sources[v.name] = _source(meta)
     docs_dir.mkdir(parents=True, exist_ok=True)
-    plot(jobs, docs_dir)
+    generic = {v: r for v, r in jobs.items() if v.family != ACCUMULATION}
+    if generic and not any(v in kept for v in generic):
+        plot(generic, docs_dir)
+    family = {v: r for v, r in ran.items() if v.family == ACCUMULATION and r}
+    if family and all(j.curves for r in family.values() for j in r):
+        accumulation_figure(family, docs_dir / "accumulation.png")
     checked = goals(jobs)
     pretrained = pretraining(runs_dir, seeds) if any(v.pretrained for v in jobs) else []
+    if not pretrained and any(v.pretrained for v in kept):
+        pretrained = kept_pretrain
     knee_lines, knee_entry = knee_section(jobs)
+    acc_lines, acc_entry = accumulation_section(jobs)
     rows = choice_rows(jobs)
     total = sum(j.wall_s for runs in jobs.values() for j in runs)
     total += sum(p["wall_s"] for p in pretrained)
     count = sum(len(r) for r in jobs.values()) + len(pretrained)
+    by_source = _wall_by_source(jobs, sources, pretrained, kept_pretrain, meta)
     m = meta["machine"]
+    if len(by_source) > 1:
+        timing = f"Training time of the {count} jobs: {total / 60:.1f} min in all: " + "; ".join(
+            f"{s['jobs']} by `{s['command']}` on {_machine_text(s['machine'])}: "
+            f"{s['training_wall_s'] / 60:.1f} min" + (" (kept from the previous results file)"
+                                                     if s["kept"] else "")
+            for s in by_source
+        ) + "."  # fmt: skip
+    else:
+        timing = f"Training time of the {count} jobs: {total / 60:.1f} min."
     lines = [
         "# Small-batch detection experiment: results",
         "",
         f"Command: `{meta['command']}` (preset `{meta['preset']}`). "
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}, {m['gpu']}; "
-        f"Python {m['python']}, torch {m['torch']}, lightning {m['lightning']}. "
-        f"Training time of the {count} jobs: {total / 60:.1f} min.",
+        f"Machine: {_machine_text(m)}. {timing}",
         "",
         "mAP in points, mean ± sample std over seeds " + ", ".join(map(str, seeds)) + ".",
         "",
@@ -311,6 +427,7 @@ def write_report(
             else []
         ),
         *knee_lines,
+        *acc_lines,
         "## What each choice costs",
         "",
         choice_table(rows),
@@ -332,8 +449,11 @@ def write_report(
         **meta,
         "seeds": list(seeds),
         "training_wall_s": round(total, 1),
+        "training_wall_by_source": by_source,
+        "kept_variants": [v.name for v in jobs if v in kept],
         "goals": checked,
         "knee": knee_entry,
+        "accumulation": acc_entry,
         "choice": rows,
         "pretrain": pretrained,
         "variants": {
@@ -344,8 +464,15 @@ def write_report(
                 "family": v.family,
                 "global_batch": v.global_batch,
                 "pretrained": v.pretrained,
+                "source": sources[v.name],
                 "jobs": [
-                    {"seed": j.seed, "scores": j.scores, "wall_s": j.wall_s, "steps": j.steps}
+                    {
+                        "seed": j.seed,
+                        "scores": j.scores,
+                        "wall_s": j.wall_s,
+                        "steps": j.steps,
+                        **({"extra": j.extra} if j.extra else {}),
+                    }
                     for j in runs
                 ],
             }
@@ -354,3 +481,46 @@ def write_report(
     }
     (docs_dir / "results.json").write_text(json.dumps(raw, indent=1) + "\n")
     return text
+
+
+def _machine_text(m: Mapping[str, Any]) -> str:
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory')}, {m.get('gpu')}; "
+        f"Python {m.get('python')}, torch {m.get('torch')}, lightning {m.get('lightning')}"
+    )
+
+
+def _wall_by_source(
+    jobs: Mapping[Variant, Sequence[Job]],
+    sources: Mapping[str, Mapping[str, Any]],
+    pretrained: Sequence[Mapping[str, Any]],
+    kept_pretrain: Sequence[Mapping[str, Any]],
+    meta: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """The jobs' count and summed wall time per source (command and machine), in order of
+    appearance; the pretraining jobs count with the source of the first pretrained variant."""
+    out: dict[str, dict[str, Any]] = {}
+    now = json.dumps(_source(meta), sort_keys=True)
+
+    def add(source: Mapping[str, Any], n: int, wall: float) -> None:
+        key = json.dumps(source, sort_keys=True)
+        entry = out.setdefault(
+            key,
+            {
+                "command": source.get("command"),
+                "machine": source.get("machine", {}),
+                "kept": key != now,
+                "jobs": 0,
+                "training_wall_s": 0.0,
+            },
+        )
+        entry["jobs"] += n
+        entry["training_wall_s"] = round(entry["training_wall_s"] + wall, 1)
+
+    for v, runs in jobs.items():
+        add(sources[v.name], len(runs), sum(j.wall_s for j in runs))
+    if pretrained:
+        first = next(v for v in jobs if v.pretrained)
+        source = sources[first.name] if pretrained is kept_pretrain else _source(meta)
+        add(source, len(pretrained), sum(p["wall_s"] for p in pretrained))
+    return list(out.values())

@@ -27,6 +27,7 @@ from .jobs import Job, spread
 from .variants import FAMILIES, Variant
 
 __all__ = [
+    "CHOICE_FAMILIES",
     "KNEE_SIGMAS",
     "KNEE_TOLERANCE",
     "Point",
@@ -49,6 +50,11 @@ Point = tuple[float, float, int]
 
 SWEEP_FAMILIES = ("batchnorm", "sweep")
 """The families whose BatchNorm variants trained from scratch form the norm-batch sweep."""
+
+CHOICE_FAMILIES = ("batchnorm", "sweep", "groupnorm", "pretrained")
+"""The families of the choice table: which normalization to use. The gradient-accumulation
+family answers another question (how running statistics are updated over micro-batches) and has
+its own section (:mod:`.accumulation`)."""
 
 
 def _stats(runs: Sequence[Job], key: str = "ema") -> tuple[float, float]:
@@ -91,6 +97,8 @@ def knee(points: Mapping[int, Mapping[int, Point]]) -> int:
 
 def norm_batch_text(v: Variant) -> str:
     """The table's "norm. batch" cell of ``v``."""
+    if v.norm_label is not None:
+        return v.norm_label
     if v.norm_batch is None:
         return "per image (GN)"
     if v.norm_batch == 0:
@@ -99,14 +107,15 @@ def norm_batch_text(v: Variant) -> str:
 
 
 def choice_rows(jobs: Mapping[Variant, Sequence[Job]]) -> list[dict[str, Any]]:
-    """One row per variant with what a user weighs: mAP (EMA) mean ± std, wall time per job.
+    """One row per variant of :data:`CHOICE_FAMILIES` with what a user weighs: mAP (EMA)
+    mean ± std, wall time per job.
 
     The cells are the strings the docs print (``"41.8 ± 0.7"``), so a test can find each one in
     the page.
     """
     rows = []
     for v, runs in jobs.items():
-        if not runs:
+        if not runs or v.family not in CHOICE_FAMILIES:
             continue
         mean, std = _stats(runs)
         wall = sum(j.wall_s for j in runs) / len(runs)
@@ -132,6 +141,8 @@ def choice_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for family, title in FAMILIES.items():
+        if family not in CHOICE_FAMILIES:
+            continue
         for r in rows:
             if r["family"] == family:
                 lines.append(

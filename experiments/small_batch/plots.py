@@ -176,3 +176,69 @@ def norm_choice_figure(plt: Any, jobs: Mapping[Variant, Sequence[Job]]) -> Any:
     right.set_title("Cost: wall time per job, 2-core CPU, gloo", fontsize=9)
     left.legend(fontsize=6)
     return fig
+
+
+def accumulation_figure(jobs: Mapping[Variant, Sequence[Job]], path: Path) -> Path:
+    """The gradient-accumulation family's figure (``accumulation.png``): validation mAP (EMA)
+    over steps; final mAP EMA and the probe's running-statistics error per variant, each seed a
+    dot and the seeds joined across variants (paired); the train/test gap of the mean and of the
+    std over steps (averages over layers; seed mean, band min..max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {v: colors[i % len(colors)] for i, v in enumerate(jobs)}
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    (curve, final, error), (gap_mean, gap_std, drift) = axes
+
+    def paired(ax: Axes, value: Any, ylabel: str, title: str) -> None:
+        names = [v.name for v in jobs]
+        seeds = sorted({j.seed for runs in jobs.values() for j in runs})
+        for k, seed in enumerate(seeds):
+            ys = []
+            for runs in jobs.values():
+                match = [value(j) for j in runs if j.seed == seed]
+                ys.append(match[0] if match else math.nan)
+            ax.plot(range(len(names)), ys, "-", color="gray", alpha=0.5, linewidth=0.8,
+                    marker="o", markersize=4, label="one seed" if k == 0 else None)  # fmt: skip
+        for x, (v, runs) in enumerate(jobs.items()):
+            values = [value(j) for j in runs]
+            if values and all(map(math.isfinite, values)):
+                mean, std = spread(values)
+                ax.errorbar([x], [mean], [std], color=color[v], marker="s", markersize=8,
+                            capsize=4, linewidth=2)  # fmt: skip
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set(ylabel=ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+
+    for v, runs in jobs.items():
+        _band(curve, runs, "val/mAP", v.name, color[v], 100.0)
+    curve.set(xlabel="optimizer step", ylabel="val mAP (points)")
+    curve.set_title("val mAP with the running (EMA) statistics", fontsize=9)
+    curve.grid(alpha=0.3)
+    curve.legend(fontsize=7)
+    paired(final, lambda j: j.scores["ema"]["mAP"], "val mAP, EMA (points)",
+           "final mAP EMA (primary): seeds joined, square: mean ± std")  # fmt: skip
+    paired(error, lambda j: j.extra.get("stat_err_std_avg", math.nan), "|std ratio - 1|",
+           "EMA statistics vs population: std error (avg over layers)")  # fmt: skip
+    panels = (
+        (gap_mean, "bn/gap_mean_avg", "train/test gap: mean"),
+        (gap_std, "bn/gap_std_avg", "train/test gap: std"),
+        (drift, "bn/drift_var_avg", "EMA drift of the running var"),
+    )
+    for ax, metric, title in panels:
+        for v, runs in jobs.items():
+            _band(ax, runs, metric, v.name, color[v], 1.0)
+        ax.set_yscale("log")
+        ax.set(xlabel="optimizer step")
+        ax.set_title(f"{title} ({metric})", fontsize=9)
+        ax.grid(alpha=0.3)
+    gap_mean.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

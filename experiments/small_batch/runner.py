@@ -7,6 +7,10 @@ metrics, checkpoints, logs) and ``experiment.json`` (its overrides, wall time an
 statistics probe). A job whose ``experiment.json`` records the same overrides is reused, so an
 interrupted experiment resumes where it stopped; ``--force`` reruns everything (deleting the old
 job directories).
+
+The report keeps the published numbers of the variants whose job directories are not under
+``--runs-dir`` (``--only-runs``: it does not), so that running one family on another machine
+adds it to ``docs/small_batch/results.json`` without erasing the others (see :mod:`.analysis`).
 """
 
 from __future__ import annotations
@@ -78,8 +82,15 @@ SERVICE: tuple[str, ...] = (
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
     "evaluate=true",
+    # Every validation's checkpoint is kept, so that last.ckpt is saved at every validation and
+    # holds the final weights for the probe: Lightning 2.6 saves last.ckpt only at a validation
+    # that also saved a top-k checkpoint, i.e. with the service's save_top_k=1 at the best
+    # val/mAP so far, which need not be the last one.
+    "callbacks.model_checkpoint.save_top_k=-1",
 )
-"""Overrides every job gets: CSV metrics for the plots, quiet logs, the closing evaluation."""
+"""Overrides every job gets: CSV metrics for the plots, quiet logs, the closing evaluation, and
+``checkpoints/last.ckpt`` at the last validation (the final weights: 16 epochs, validation
+every 2)."""
 
 
 def job_overrides(
@@ -244,11 +255,13 @@ def running_stat_probe(run_dir: Path, root: Path, image_size: int) -> dict[str, 
     Returns:
         ``stat_err_{mean,std}_{avg,max}`` (average and maximum over layers) and
         ``num_batches_tracked_{min,max}`` over layers (running-statistics updates; torch counts
-        one per forward in training mode, ``step_statistics`` one per optimizer step);
-        ``{}`` for a model without BatchNorm running statistics.
+        one per forward in training mode, ``step_statistics`` one per optimizer step) and the
+        optimizer step the checkpoint was saved at (``checkpoint_step``; the job's last one
+        with :data:`SERVICE`); ``{}`` for a model without BatchNorm running statistics.
     """
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state = saved["state_dict"]
     tracked = [int(v) for k, v in state.items() if k.endswith("num_batches_tracked")]
     model = CenterNet.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True)
     layers = running_stat_layers(model)
@@ -278,7 +291,12 @@ def running_stat_probe(run_dir: Path, root: Path, image_size: int) -> dict[str, 
         for k, v in errors.items()
         for agg, fn in (("avg", lambda x: sum(x) / len(x)), ("max", max))
     }
-    return {**out, "num_batches_tracked_min": min(tracked), "num_batches_tracked_max": max(tracked)}
+    return {
+        **out,
+        "num_batches_tracked_min": min(tracked),
+        "num_batches_tracked_max": max(tracked),
+        "checkpoint_step": int(saved["global_step"]),
+    }
 
 
 class BatchStatistics(pl.Callback):
@@ -355,6 +373,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--override", action="append", default=[], help="extra train.py override, repeatable"
     )
+    parser.add_argument(
+        "--only-runs",
+        action="store_true",
+        help="report only the jobs under --runs-dir (default: also keep the numbers the docs "
+        "dir's results.json publishes for variants whose jobs are not there)",
+    )
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
         parser.error(f"--seeds must be distinct non-negative ints, got {args.seeds}")
@@ -420,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "jobs_run_now": ran,
             "session_wall_s": round(elapsed, 1),
         },
+        keep_published=not args.only_runs,
     )
     print(summary)
     return 0
