@@ -52,7 +52,7 @@ CURVES = (
     "bn/drift_var_avg",
     "bn/gap_mean_avg",
     "bn/gap_std_avg",
-    "lr-AdamW",
+    "lr-AdamW/pg1",
 )
 """The CSV metrics kept per job for the plots."""
 
@@ -109,8 +109,8 @@ def load_job(run_dir: Path, seed: int) -> Job:
     for key, metric in TAILS.items():
         if curves.get(metric):
             extra[key] = tail_mean(curves[metric], steps)
-    if curves.get("lr-AdamW"):
-        extra["lr_peak"] = max(v for _, v in curves["lr-AdamW"])
+    if curves.get("lr-AdamW/pg1"):  # LearningRateMonitor's, of the first parameter group
+        extra["lr_peak"] = max(v for _, v in curves["lr-AdamW/pg1"])
     return Job(seed, scores, float(record["wall_s"]), steps, curves, extra)
 
 
