@@ -140,23 +140,23 @@ def test_a_bad_config_is_refused_in_1_s_in_one_line_leaving_nothing_without_torc
 ) -> None:
     workdir = tmp_path / "cwd"
     workdir.mkdir()
+    floor = _hydra_floor(tmp_path)
+    second = max(1.0, floor.cpu / DEV_FLOOR_CPU)  # a second of the development machine
     run = _train(workdir, *args)
-    if run.cpu >= 1.0:  # once more: one slow run of a second is a hiccup of the machine
-        run = min(run, _train(workdir, *args), key=lambda r: r.cpu)
+    if max(run.cpu, run.wall) >= second:  # once more: one slow run is a hiccup of the machine
+        run = min(run, _train(workdir, *args), key=lambda r: max(r.cpu, r.wall))
     assert run.returncode == 2, run.stderr[-3000:]
     assert run.stdout == ""
     assert run.stderr.splitlines() == [run.stderr.rstrip("\n")], run.stderr  # one line
     assert run.stderr.startswith(f"error: {message}"), run.stderr
     assert list(workdir.iterdir()) == []  # no outputs/<date>/<time>/, no data
     assert not run.imported_torch
-    floor = _hydra_floor(tmp_path)
     times = (
         f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU; "
         f"one composition: {floor.cpu:.2f} s CPU"
     )
     assert run.cpu < FLOOR_FACTOR * floor.cpu, times
     if run.waited < 0.1 * run.wall:  # the CPUs were there to be had: the absolute bounds
-        second = max(1.0, floor.cpu / DEV_FLOOR_CPU)  # a second of the development machine
         assert run.cpu < second, f"{times}; bound {second:.2f} s"
         assert run.wall < second, f"{times}; bound {second:.2f} s"
 
