@@ -7,9 +7,10 @@ behind. The check imports neither torch, Lightning nor W&B (``syncbn_lightning.a
 the package root and the library modules it reads import lazily); the second includes the
 interpreter's start and Hydra's composition.
 
-Two bounds (on the faster of two runs where the first took a second). The wall time and the CPU
-time stay under 1 s whenever the command did not queue for a CPU that other processes held (its
-run-queue wait, from ``/proc/self/schedstat``, under a tenth of its wall time): on the idle 2-core
+Two bounds (on the best of up to three runs where the first took a second). The wall time and the
+CPU time stay under 1 s whenever the command did not wait for a CPU (its run-queue wait behind
+other processes, from ``/proc/self/schedstat``, plus the time the hypervisor took from the virtual
+CPUs, ``/proc/stat``'s steal, under a tenth of its wall time): on the idle 2-core
 development machine it takes about 0.6-0.8 s of CPU, where one composition takes 0.6 s. That second
 is a second of that machine: where one composition takes longer (CI's machines have been a quarter
 slower, 0.75-0.83 s, and the check 1.01-1.06 s), the bound grows in proportion. On a loaded machine
@@ -75,7 +76,22 @@ class Timed:
     wall: float
     cpu: float
     waited: float
+    stolen: float
     imported_torch: bool
+
+    @property
+    def cpu_was_there(self) -> bool:
+        """Whether the command had a CPU whenever it could run: its run-queue wait plus the time
+        the hypervisor took from the virtual CPUs under it, under a tenth of its wall time."""
+        return self.waited + self.stolen < 0.1 * self.wall
+
+
+def _steal_s() -> float:
+    """The machine's stolen time so far (``/proc/stat``'s steal column: time a virtual CPU was
+    runnable but the hypervisor ran something else), in seconds per CPU."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") / (os.cpu_count() or 1)
 
 
 def _run_timed(cwd: Path, script: Path, *args: str) -> Timed:
@@ -85,6 +101,7 @@ def _run_timed(cwd: Path, script: Path, *args: str) -> Timed:
     env.update(WANDB_SILENT="true", PYTHONPATH=str(ROOT))
     waited = cwd.parent / f"{cwd.name}.waited"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    steal_before = _steal_s()
     started = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _TIMED, str(waited), str(script), *args],
@@ -95,11 +112,19 @@ def _run_timed(cwd: Path, script: Path, *args: str) -> Timed:
         timeout=120,
     )
     wall = time.perf_counter() - started
+    stolen = _steal_s() - steal_before
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     ns, torch_flag = waited.read_text().split()
     return Timed(
-        proc.returncode, proc.stdout, proc.stderr, wall, cpu, int(ns) / 1e9, torch_flag == "torch"
+        proc.returncode,
+        proc.stdout,
+        proc.stderr,
+        wall,
+        cpu,
+        int(ns) / 1e9,
+        stolen,
+        torch_flag == "torch",
     )
 
 
@@ -154,11 +179,12 @@ def test_a_bad_config_is_refused_in_1_s_in_one_line_leaving_nothing_without_torc
     assert list(workdir.iterdir()) == []  # no outputs/<date>/<time>/, no data
     assert not run.imported_torch
     times = (
-        f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU; "
+        f"{run.wall:.2f} s wall, {run.cpu:.2f} s CPU, {run.waited:.2f} s waiting for a CPU, "
+        f"{run.stolen:.2f} s stolen by the hypervisor; "
         f"one composition: {floor.cpu:.2f} s CPU"
     )
     assert run.cpu < FLOOR_FACTOR * floor.cpu, times
-    if run.waited < 0.1 * run.wall:  # the CPUs were there to be had: the absolute bounds
+    if run.cpu_was_there:  # the absolute bounds
         assert run.cpu < second, f"{times}; bound {second:.2f} s"
         assert run.wall < second, f"{times}; bound {second:.2f} s"
 
