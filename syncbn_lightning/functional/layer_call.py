@@ -223,12 +223,17 @@ class PythonPath(NamedTuple):
 
 def python_path(layer: Any, device: str, world_size: int | None = None) -> PythonPath:
     """:class:`PythonPath` of ``layer`` for tensors of ``device`` (``world_size`` ``None``: its
-    group's, or its replicas')."""
+    group's, or its replicas'). A group of one rank that the layer does not force to synchronize
+    (a call that takes this path only to merge with the earlier calls of its optimizer step)
+    issues no collective: one rank has nothing to exchange."""
     replicas = layer.replica_group
     if world_size is None:
         world_size = replicas.size if replicas is not None else sync_group_size(layer.process_group)
-    group = replicas or group_name_of(layer.process_group)
     options = layer.sync_options
+    if replicas is None and world_size == 1 and not options.force_sync:
+        group = None
+    else:
+        group = replicas or group_name_of(layer.process_group)
     exchange = resolve_exchange(options.exchange, world_size, group, device)
     return PythonPath(
         group, world_size, exchange, exchange.uses_kernels and uses_extension(device, options.impl)
