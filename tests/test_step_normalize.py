@@ -180,24 +180,30 @@ def test_one_process_against_the_oracle(force_sync: bool, exchange: str, impl: s
     assert _against_the_oracle(layer) < 1e-10
 
 
-def _one_rank_world_step(rank: int, world: int, force_sync: bool) -> tuple[float, int]:
-    """:func:`_against_the_oracle` in a one-rank gloo world, and the collectives gloo ran."""
+def _one_rank_group_step(rank: int, world: int, force_sync: bool) -> tuple[float, int]:
+    """:func:`_against_the_oracle` with a group of this rank alone (the world's, in a world of
+    one), and the collectives gloo ran during it."""
     from torch.profiler import profile
 
-    layer = _layer(force_sync=force_sync)
+    from syncbn_lightning import new_sync_group
+
+    group = new_sync_group(1) if world > 1 else None
+    layer = _layer(force_sync=force_sync, process_group=group)
     with profile() as prof:
         worst = _against_the_oracle(layer)
     return worst, sum(event.name.startswith("gloo:") for event in prof.events())
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("force_sync", [False, True])
-def test_a_one_rank_group_exchanges_nothing_unless_forced(force_sync: bool) -> None:
-    """In a world of one rank a layer's calls merge with the step's earlier ones without a
-    collective (one rank has nothing to exchange); ``force_sync`` still runs its group's."""
-    ((worst, collectives),) = run_distributed(_one_rank_world_step, 1, force_sync)
-    assert worst < 1e-10
-    assert collectives == (8 if force_sync else 0)  # 4 calls, a forward and a backward each
+def test_a_one_rank_group_exchanges_nothing_unless_forced(force_sync: bool, world: int) -> None:
+    """A layer whose group is one rank (a world of one, or groups of one in a world of two)
+    merges its calls with the step's earlier ones without a collective: one rank has nothing to
+    exchange. ``force_sync`` still runs its group's."""
+    for worst, collectives in run_distributed(_one_rank_group_step, world, force_sync):
+        assert worst < 1e-10
+        assert collectives == (8 if force_sync else 0)  # 4 calls, a forward and a backward each
 
 
 def _commit_ops(layers: int) -> int:
