@@ -195,6 +195,7 @@ def _one_rank_group_step(rank: int, world: int, force_sync: bool) -> tuple[float
     return worst, sum(event.name.startswith("gloo:") for event in prof.events())
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("force_sync", [False, True])
