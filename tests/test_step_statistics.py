@@ -21,7 +21,6 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 from collections.abc import Callable
@@ -414,25 +413,43 @@ def test_pickles_and_copies_leave_the_merge_behind() -> None:
     assert int(layer.num_batches_tracked) == 1
 
 
-def _step_ops(layers: int, inside: bool) -> int:
+def _step_ops(layers: int) -> tuple[int, int, int]:
     """Dispatcher ops of a step of 4 forward calls of ``layers`` layers (half forced through the
-    synchronized call, half plain batch norm: both rules), inside ``step_statistics`` or not."""
+    synchronized call, half plain batch norm: both rules): the calls outside
+    ``step_statistics``, the same calls inside it, and the step's own (its entry, and its exit:
+    the merge of every pending call and the commit; 4 calls stay pending until the exit)."""
     net = nn.Sequential(*[_layer("cpp", force_sync=i % 2 == 0) for i in range(layers)])
     xs = _xs((2, 1, 3, 2))
     with torch.no_grad():
-        for counter in (None, OpCounter()):  # the first step makes the layers' counters
-            with counter or contextlib.nullcontext():
-                with step_statistics(net) if inside else contextlib.nullcontext():
-                    for x in xs:
-                        net(x)
-    return sum(counter.ops.values())
+        with step_statistics(net):  # the first step makes the layers' counters
+            for x in xs:
+                net(x)
+        outside, inside, own = OpCounter(), OpCounter(), OpCounter()
+        with outside:
+            for x in xs:
+                net(x)
+        step = step_statistics(net)
+        with own:
+            step.__enter__()
+        with inside:
+            for x in xs:
+                net(x)
+        with own:
+            step.__exit__(None, None, None)
+    return tuple(sum(c.ops.values()) for c in (outside, inside, own))  # type: ignore[return-value]
 
 
 def test_the_step_costs_a_fixed_number_of_ops_however_many_layers() -> None:
-    # The merge and the commit cover the layers that commit alike together: the step adds
-    # the same number of ops to 2 layers as to 8 (the calls themselves add none).
-    added = [_step_ops(n, True) - _step_ops(n, False) for n in (2, 8)]
-    assert added[0] == added[1] > 0, added
+    # The merge and the commit cover the layers that commit alike together: the step's own ops
+    # are as many for 2 layers as for 8, and the calls inside run no more ops than outside.
+    (outside_2, inside_2, own_2), (outside_8, inside_8, own_8) = _step_ops(2), _step_ops(8)
+    assert own_2 == own_8 > 0, (own_2, own_8)
+    assert inside_2 <= outside_2 and inside_8 <= outside_8, (
+        inside_2,
+        outside_2,
+        inside_8,
+        outside_8,
+    )
 
 
 def test_a_call_or_a_layer_on_another_device_than_the_step_is_refused_by_name() -> None:
