@@ -31,14 +31,12 @@ def package_calls(fn: Callable[[], Any]) -> list[str]:
 
 
 #: The package's Python a training forward on the C++ path runs, its plan made: the layer's
-#: forward, the plan's checks (and whether a step normalizes over its earlier calls), the kind
-#: of call, one operator call and the batch's record.
+#: forward, the plan's checks, the kind of call, one operator call and the batch's record.
 PLAN_CALLS = frozenset(
     {
         "batchnorm.py:forward",
         "batchnorm.py:_forward",
         "layer_call.py:synchronizes",
-        "layer_call.py:_stepwise",
         "layer_call.py:plan_of",
         "layer_call.py:_impl_env",
         "layer_call.py:sync_forward",

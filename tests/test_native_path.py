@@ -270,11 +270,15 @@ def test_the_operators_pass_opcheck() -> None:
         "equal_rank_weights": False,
         "num_features": 4,
     }
-    # The call's tensors, its activation, then its kind: no kept statistics, none to keep.
-    args = (x, weight, bias, *state, *counters, None, 0, 0.0, None, -1, False)
-    keeping = (*args[:-1], True)  # a checkpoint's forward: it returns what it keeps
+    # The call's tensors, its activation, then its kind: no kept statistics, none to keep, no
+    # earlier statistics of a step.
+    args = (x, weight, bias, *state, *counters, None, 0, 0.0, None, -1, False, None)
+    keeping = (*args[:-2], True, None)  # a checkpoint's forward: it returns what it keeps
+    # Inside step_statistics(normalize="step"): a prior row, which the call overwrites.
+    prior = torch.cat([torch.tensor([5.0, 2.0, 0.0, 0.0]), torch.randn(8), torch.rand(4)])
+    stepwise = (*args[:-1], prior.double())
     calls = [("sync_batch_norm", args), ("sync_batch_norm_forward", args)]
-    for name, call in [*calls, ("sync_batch_norm", keeping)]:
+    for name, call in [*calls, ("sync_batch_norm", keeping), ("sync_batch_norm", stepwise)]:
         torch.library.opcheck(
             getattr(torch.ops.syncbn, name).default,
             call,
@@ -296,7 +300,7 @@ def test_the_operators_pass_opcheck() -> None:
     recompute = (x, weight, bias, None, None, None, None, counters[0].clone(), None, 0, 0.0)
     torch.library.opcheck(
         torch.ops.syncbn.sync_batch_norm.default,
-        (*recompute, kept, -1, False),
+        (*recompute, kept, -1, False, None),
         settings,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )

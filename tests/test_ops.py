@@ -312,7 +312,7 @@ def test_the_layer_backwards_fake_gives_no_input_gradient_where_the_kernel_gives
         **group,
         **{"reduce": False, "momentum": 0.1, "eps": 1e-5, "unbiased": True},
         **{"equal_rank_weights": False, "act": 0, "act_param": 0.0, "num_features": 4},
-        **{"kept": None, "kept_call": -1, "keep": False},  # a plain call
+        **{"kept": None, "kept_call": -1, "keep": False, "prior": None},  # a plain call
     }
     out = ops.sync_batch_norm_forward.default(x, w, b, *state, *counters, None, **settings)
     for residual in (None, torch.randn_like(x)):

@@ -3,8 +3,8 @@ statistics merged with those of the layer's earlier calls in the optimizer step 
 of the exchange's merge), and the step's running statistics are those of ``"micro"``.
 
 * On 2 gloo ranks in float64, K = 4 uneven micro-batches with an empty one on one rank, both
-  exchanges, the C++ path's layers (which take the Python path in this mode), the Python path
-  and the reference twin, under DDP with ``no_sync``: outputs, input gradients and parameter
+  exchanges, the C++ path (its operator merges the step's earlier statistics too), the Python
+  path and the reference twin, under DDP with ``no_sync``: outputs, input gradients and parameter
   gradients equal a float64 autograd oracle that normalizes micro-batch k over every rank's
   micro-batches 1..k (the earlier ones detached), within 1e-10; one running-statistics update
   from every input (1e-12).
@@ -45,6 +45,7 @@ from syncbn_lightning import (
     step_statistics,
 )
 from syncbn_lightning._compat import NON_REENTRANT_KEEPS
+from syncbn_lightning.functional.layer_call import plan_of
 from syncbn_lightning.nn.residual import FUSED_FROM
 
 
@@ -112,7 +113,7 @@ def test_each_micro_batch_is_normalized_over_the_step_so_far_on_two_ranks(
     ]
     want = _oracle(_net(exchange, path), [_micro_batches(r) for r in range(2)])
     for r, rank in enumerate(ranks):
-        assert rank["nodes"] == {NODES["python"]}  # the operator takes no prior: not the C++ one
+        assert rank["nodes"] == {NODES[path]}  # each path keeps its own: the C++ one too
         got = rank["outputs"] + rank["grads"]  # the input's gradients, then the parameters'
         expected = want["outputs"][r] + want["grads"][r] + want["params"]
         for a, b in zip(got, expected, strict=True):
@@ -177,8 +178,39 @@ def _against_the_oracle(
 @pytest.mark.parametrize("force_sync", [False, True])
 @pytest.mark.parametrize("impl", [None, "ref"])
 def test_one_process_against_the_oracle(force_sync: bool, exchange: str, impl: str | None) -> None:
+    """Also the path each call took: the C++ operator with the extension's kernels, also for
+    a layer without a group (whose calls synchronize only to merge with the step's), the Python
+    Function with the reference steps."""
     layer = _layer(force_sync=force_sync, exchange=exchange, impl=impl)
     assert _against_the_oracle(layer) < 1e-10
+    with step_statistics(layer, normalize="step"):
+        node = type(layer(_xs()[0].requires_grad_()).grad_fn).__name__
+    assert node == NODES["python" if impl == "ref" else "cpp"]
+
+
+def _step_results(exchange: str, path: str) -> list[torch.Tensor]:
+    """A step of 4 micro-batches through a forced layer on ``path`` (the C++ operator, or the
+    Python Function with the same kernels): its outputs, input and parameter gradients, running
+    statistics and count."""
+    layer = _layer(force_sync=True, exchange=exchange)
+    plan = plan_of(layer, "cpu")
+    assert plan.native
+    plan.native = path == "cpp"
+    xs = [x.requires_grad_() for x in _xs()]
+    with step_statistics(layer, normalize="step"):
+        outputs = [layer(x) for x in xs]
+        sum(o.pow(2).sum() for o in outputs).backward()
+    assert {type(o.grad_fn).__name__ for o in outputs} == {NODES[path]}
+    grads = [x.grad for x in xs] + [layer.weight.grad, layer.bias.grad]
+    buffers = [layer.running_mean, layer.running_var, layer.num_batches_tracked]
+    return [o.detach() for o in outputs] + grads + buffers
+
+
+@pytest.mark.parametrize("exchange", ["gather", "reduce"])
+def test_the_cpp_path_merges_the_step_as_the_python_path_does_bitwise(exchange: str) -> None:
+    cpp, python = _step_results(exchange, "cpp"), _step_results(exchange, "python")
+    for a, b in zip(cpp, python, strict=True):
+        assert torch.equal(a, b)
 
 
 def _one_rank_group_step(rank: int, world: int, force_sync: bool) -> tuple[float, int]:

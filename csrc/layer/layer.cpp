@@ -12,11 +12,12 @@
 // call-order flags are read: CPU kernels raise a mismatch at once, CUDA calls queue their flags in
 // C++ (queue_order_flag, order_flags.cpp), read before later calls' collectives
 // (check_before_collective). The whole call runs on the input's device (a device guard). Which
-// layers take this path on CUDA is the Python plan's choice (functional/sync.py, as
+// layers take this path on CUDA is the Python plan's choice (functional/layer_call.py, as
 // ops/dispatch.py answers: on a recorded pass of benchmarks/gpu_check.sh native, or opted in).
 #include "layer.h"
 
 #include <ATen/ops/cat.h>
+#include <ATen/ops/mul.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -63,9 +64,60 @@ MergeArgs merge_args(
   return {input, weight, bias, running, s.merge, residual};
 }
 
+// normalize="step" (functional/accumulate.py): the layer's earlier calls in the optimizer step,
+// merged (`prior`, a row [count, samples, 0, 0, mean[C], mean_lo[C], m2[C]]), are one more part
+// of the group's statistics: a row beside the gathered ones, with this call's tags (the merge
+// weighs it by its count as it weighs a rank, and its tags pass the call-order check)...
+at::Tensor gathered_with_prior(
+    const at::Tensor& rows, const at::Tensor& row, const at::Tensor& prior) {
+  const int64_t gathered = rows.numel();
+  at::Tensor all = at::cat({rows, prior.to(row.scalar_type())});
+  all.narrow(0, gathered + 2, 2).copy_(row.narrow(0, 2, 2));
+  return all;
+}
+
+// ... or, for the reduce exchange, their sums shifted by the K this call's sums were (`shift`,
+// the running mean), added to the first rank's part of `total`: no tags (0 keeps the ranks'
+// check), no rank counted.
+at::Tensor summed_with_prior(
+    const at::Tensor& total, const at::Tensor& sent, const at::Tensor& prior,
+    const OptTensor& shift) {
+  const int64_t C = (prior.numel() - 4) / 3;
+  const at::Tensor stats = prior.narrow(0, 4, 3 * C).to(at::kDouble);
+  const at::Tensor n = prior.narrow(0, 0, 1).to(at::kDouble);
+  at::Tensor offset = stats.narrow(0, 0, C) + stats.narrow(0, C, C);
+  if (shift.has_value() && shift->defined()) offset = offset - shift->to(at::kDouble);
+  const at::Tensor s1 = n * offset;
+  const at::Tensor s2 = stats.narrow(0, 2 * C, C) + s1 * offset;
+  const at::Tensor header =
+      at::cat({prior.narrow(0, 0, 2).to(at::kDouble), sent.new_zeros({kReduceHeader - 2})});
+  const int64_t own = sent.numel();
+  return at::cat(
+      {total.narrow(0, 0, own) + at::cat({header, s1, s2}),
+       total.narrow(0, own, total.numel() - own)});
+}
+
+// What the next call of the step takes as `prior` (written into it): this call's merge, as a
+// row of the same layout, M2 back from the variance by its divisor (count - 1 when unbiased, or
+// count; at least 1).
+void write_prior(const at::Tensor& prior, const MergedOutputs& merged, bool unbiased) {
+  const at::Tensor &mean = std::get<1>(merged), &mean_lo = std::get<2>(merged);
+  const at::Tensor &var = std::get<4>(merged), &info = std::get<5>(merged);
+  const int64_t C = mean.numel();
+  prior.narrow(0, 0, 2).copy_(info.narrow(0, 0, 2));  // count, samples (the tags stay 0)
+  prior.narrow(0, 4, C).copy_(mean);
+  prior.narrow(0, 4 + C, C).copy_(mean_lo);
+  // max(count, 2) - 1 == max(count - 1, 1), without a scalar operand (each costs a tensor).
+  at::Tensor divisor = info.narrow(0, 0, 1).clamp_min(unbiased ? 2 : 1);
+  if (unbiased) divisor.sub_(1);
+  at::Tensor m2 = prior.narrow(0, 4 + 2 * C, C);
+  at::mul_out(m2, var, divisor);
+}
+
 Forward forward_steps(
     const StepKernels& k, const at::Tensor& input, const OptTensor& weight, const OptTensor& bias,
-    const State& st, const OptTensor& residual, const Settings& s) {
+    const State& st, const OptTensor& residual, const OptTensor& prior, const Settings& s) {
+  const bool stepwise = prior.has_value() && prior->defined();
   Forward f;
   check_before_collective(s);
   f.flight_call = forward_call(s);
@@ -81,15 +133,18 @@ Forward forward_steps(
       const at::Tensor row = k.stats_row(input, s.layer_tag, st.calls);
       const at::Tensor rows = all_gather(row, s, note);
       std::tie(kind, data, width) = std::make_tuple(Mismatch::kGatheredRows, rows, row.numel());
-      merged = k.merge_normalize(merge_args(input, weight, bias, st, residual, s), rows);
+      const at::Tensor all = stepwise ? gathered_with_prior(rows, row, *prior) : rows;
+      merged = k.merge_normalize(merge_args(input, weight, bias, st, residual, s), all);
     } else {
       const at::Tensor sent = k.reduce_sums(
           input, st.running_mean, s.layer_tag, st.calls, s.merge.equal_rank_weights);
       const at::Tensor total = sum_over_group(sent, s, note, Summed::kIntoCopy);
       std::tie(kind, data, aux, width) =
           std::make_tuple(Mismatch::kReduceSums, sent, total, sent.numel());
+      const at::Tensor all =
+          stepwise ? summed_with_prior(total, sent, *prior, st.running_mean) : total;
       merged = k.reduce_merge_normalize(
-          merge_args(input, weight, bias, st, residual, s), total, sent, s.world_size);
+          merge_args(input, weight, bias, st, residual, s), all, sent, s.world_size);
     }
   } catch (const c10::Error& error) {
     if (data.defined() && is_call_order_error(error)) {
@@ -99,6 +154,7 @@ Forward forward_steps(
     }
     throw;
   }
+  if (stepwise) write_prior(*prior, merged, s.merge.unbiased);
   std::tie(f.output, f.mean, f.mean_lo, f.invstd, f.var, f.info, f.grad_info) = merged;
   if (s.queue_order_flags) {
     queue_order_flag(f.info, 2, kind, data, aux, width, s, tiny(input));
@@ -157,7 +213,7 @@ ForwardOutputs forward_kernel(SYNCBN_LAYER_ARGS) {
   }
   const State state{running_mean, running_var, num_batches_tracked, nonfinite, calls};
   const Settings s = forward_settings(SYNCBN_LAYER_PASS);
-  Forward f = forward_steps(K, input, weight, bias, state, residual, s);
+  Forward f = forward_steps(K, input, weight, bias, state, residual, prior, s);
   return {f.output, f.mean, f.var, f.info, f.mean_lo, f.invstd, f.grad_info, f.flight_call};
 }
 

@@ -53,9 +53,11 @@ Settings group_settings(
 // The arguments of `sync_batch_norm` and `sync_batch_norm_forward`, listed once: NEXT(C++ type,
 // name, schema type) each, the first through FIRST. The call's tensors, its fused activation and
 // what kind of call it is (`kept`, `kept_call`: a checkpoint's recompute from what its forward
-// kept; `keep`: a checkpointed forward, which returns that), then (from `group` on) the layer's
-// settings, which Python builds by name once per plan and passes in the schema's order, read from
-// the schema (functional/sync.py); forward_settings gathers them into one Settings. The kernels' parameter
+// kept; `keep`: a checkpointed forward, which returns that), the step's earlier statistics
+// (`prior`: inside step_statistics(normalize="step"), merged into this call's and overwritten with
+// the result; none otherwise), then (from `group` on) the layer's settings, which Python builds by
+// name once per plan and passes in the schema's order, read from the schema
+// (functional/layer_call.py); forward_settings gathers them into one Settings. The kernels' parameter
 // lists (SYNCBN_LAYER_ARGS), the calls that pass them on (SYNCBN_LAYER_PASS) and the schema
 // (SYNCBN_LAYER_SCHEMA_ARGS) are made from this one list, so they cannot disagree. Macros, not a
 // struct: the dispatcher's unboxed kernels take the schema's arguments one by one.
@@ -74,6 +76,7 @@ Settings group_settings(
   NEXT(const OptTensor&, kept, "Tensor?")                         \
   NEXT(int64_t, kept_call, "int")                                 \
   NEXT(bool, keep, "bool")                                        \
+  NEXT(const OptTensor&, prior, "Tensor(f!)?")                    \
   NEXT(const c10::optional<c10::string_view>&, group, "str?")     \
   NEXT(int64_t, world_size, "int")                                \
   NEXT(int64_t, layer_tag, "int")                                 \

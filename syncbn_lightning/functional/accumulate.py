@@ -277,8 +277,12 @@ class StepGroup:
             for index in range(len(buffers))
         ]
         if normalize == "step":  # before a first call: rows of zeros, whose count adds nothing
+            # In the dtype of the calls' statistics (float32 for a float32 or half layer), so
+            # the row keeps its dtype: the C++ path writes its merge into it, the Python path
+            # replaces it with its merge (a compiled call would recompile on another dtype).
+            dtype = torch.promote_types(buffers[0][0].dtype, torch.float32)
             widths = [4 + 3 * size for size in self.sizes]
-            rows = torch.zeros(sum(widths), dtype=buffers[0][0].dtype, device=device).split(widths)
+            rows = torch.zeros(sum(widths), dtype=dtype, device=device).split(widths)
             for layer, row in zip(self.layers, rows, strict=True):
                 layer.prior = row
 

@@ -11,7 +11,9 @@ call) or :func:`plain_forward` (plain BatchNorm: eval, or training without a gro
    default group, its name, ``SYNCBN_IMPL``);
 2. asks what **kind of call** it is (:func:`~.recompute.call_kind`: plain, a checkpoint's
    forward, or its recompute), which fixes what the call updates (:func:`_state`: the running
-   statistics and the call counter, or nothing in a recompute) and what it keeps;
+   statistics and the call counter, or nothing in a recompute), what it keeps, and, inside
+   ``step_statistics(normalize="step")``, the step's earlier statistics it merges with
+   (:func:`_step_of_call`, on either path);
 3. makes **one call**: the C++ operator ``syncbn::sync_batch_norm`` (eager CPU tensors, and CUDA
    ones where :func:`~syncbn_lightning.ops.dispatch.cpp_path` says so: one operator per
    direction, its autograd node in C++), or the Python
@@ -129,6 +131,30 @@ def _stepwise(layer: Any) -> StepStatistics | None:
     return step if step is not None and step.normalize == "step" else None
 
 
+def _step_of_call(layer: Any, kind: CallKind) -> StepStatistics | None:
+    """The step whose earlier statistics (its :attr:`~.accumulate.StepStatistics.prior`) this
+    call of ``layer`` merges with its group's, on either path: inside
+    ``step_statistics(normalize="step")``, except for a checkpoint's recompute, which
+    renormalizes from what its forward kept; else ``None``.
+
+    Raises:
+        RuntimeError: for a recompute whose forward kept nothing (torch 2.4's non-reentrant
+            checkpoint): exchanging again would normalize it over other samples.
+    """
+    step = _stepwise(layer)
+    if step is None or not kind.recompute:
+        return step
+    if kind.kept is None:
+        raise RuntimeError(
+            f"step_statistics(normalize='step'): the checkpoint's recompute of layer "
+            f"{layer.sync_name or type(layer).__name__!r} found nothing its forward kept (a "
+            f"non-reentrant checkpoint on a torch release whose forward cannot be found), and "
+            f"exchanging again would normalize it over other samples than its forward: use "
+            f"checkpoint(..., use_reentrant=True), or normalize='micro'"
+        )
+    return None
+
+
 def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
     """Plain BatchNorm of ``input`` (torch's own forward: eval with the running statistics, or
     training with the local batch's), after the layer's input checks. A checkpoint's recompute
@@ -180,13 +206,13 @@ def sync_forward(
     if functorch_active():  # a transform's wrapped tensors pass the layer's type check
         raise functorch_error()
     plan: SyncPlan = layer._sync_plan  # the one synchronizes() made for this call
+    if not plan.synchronizes:  # it synchronizes only to merge with its step's earlier calls
+        plan = plan.merge_only(layer)
     kind = call_kind(layer, input)
     # A CUDA graph's capture takes the Python path (its functional collectives, as capture on
     # NCCL needs; a replay runs no host code, so its host cost is moot). A tensor subclass, or an
     # input on another device than the plan's, takes it too (its checks name the fix).
-    # Inside step_statistics(normalize="step") too: the operator takes no earlier statistics
-    # (asked only where the plan is native; forward_function asks again for the prior).
-    native = plan.native and type(input) is torch.Tensor and _stepwise(layer) is None
+    native = plan.native and type(input) is torch.Tensor
     if native and (plan.cpu or not torch.cuda.is_current_stream_capturing()):
         return _native_call(layer, plan, input, activation, residual, kind)
     return forward_function(layer, input, None, activation, residual, kind, plan)
@@ -270,6 +296,8 @@ class SyncPlan:
             :data:`~syncbn_lightning.distributed.call_order.watcher.watch_epoch` at which it had
             the job's watcher watch the group (a later one makes a new plan: the watchers were
             stopped since, a fit's teardown); else ``None``.
+        merging: for a plan that does not synchronize, the one its calls take inside
+            ``step_statistics(normalize="step")`` (:meth:`merge_only`; ``None`` until one asks).
     """
 
     __slots__ = (
@@ -281,6 +309,7 @@ class SyncPlan:
         "fused",
         "group",
         "impl",
+        "merging",
         "name",
         "native",
         "op",
@@ -294,7 +323,9 @@ class SyncPlan:
         "world_size",
     )
 
-    def __init__(self, layer: Any, world: Any, impl: Any, device: str) -> None:
+    def __init__(
+        self, layer: Any, world: Any, impl: Any, device: str, merge_only: bool = False
+    ) -> None:
         options = layer.sync_options
         self.options, self.process_group, self.world = options, layer.process_group, world
         self.name, self.impl = layer.sync_name, impl
@@ -307,7 +338,8 @@ class SyncPlan:
         self.settings: dict[str, Any] = {}
         self.args: tuple[Any, ...] = ()
         self.watched: int | None = None
-        if not self.synchronizes:
+        self.merging: SyncPlan | None = None
+        if not (self.synchronizes or merge_only):
             return
         self.python = python_path(layer, device, self.world_size)
         if isinstance(self.python.group, str) and queues_order_flags_on(torch.device(device)):
@@ -320,6 +352,16 @@ class SyncPlan:
         # (cpp_path first: off the CPU it checks SYNCBN_NATIVE_CUDA, whatever the kernels)
         if builtin and cpp_path(device, options.impl) and self.python.fused:
             self._use_cpp(layer)
+
+    def merge_only(self, layer: Any) -> SyncPlan:
+        """The plan of this (non-synchronizing) plan's calls inside
+        ``step_statistics(normalize="step")``: the synchronized call, which merges the step's
+        earlier statistics, on either path, without a collective (a group of one rank that the
+        layer does not force has nothing to exchange: :func:`python_path`). Made at the first
+        such call and kept with this plan."""
+        if self.merging is None:
+            self.merging = SyncPlan(layer, self.world, self.impl, self.device, merge_only=True)
+        return self.merging
 
     def _use_cpp(self, layer: Any) -> None:
         """Take the C++ path: its operator, its settings in the schema's order, the hand-offs'
@@ -457,13 +499,16 @@ def _native_call(
     kind: CallKind,
 ) -> tuple[torch.Tensor, bool]:
     """The C++ path: one operator call (its input checks included) with the kind's state,
-    what a recompute takes (``kind.kept``) or whether to keep (``kind.keep``)."""
+    what a recompute takes (``kind.kept``) or whether to keep (``kind.keep``), and the step's
+    earlier statistics (which the operator overwrites with this call's merge)."""
     weight, bias = affine_of(layer)
     if plan.checks_first:  # else the operator's own checks (the same messages) do
         _check_call_input(layer, input, weight)
     act, act_param = activation or _NO_ACT
     kept = kind.kept
     stats, call = (kept.stats, kept.flight_call) if kept is not None else (None, -1)
+    step = None if layer._step_stats is None else _step_of_call(layer, kind)
+    prior = None if step is None else step.prior
     output, mean, var, info, stats, flight_call = plan.op(
         input,
         weight,
@@ -475,8 +520,11 @@ def _native_call(
         stats,
         call,
         kind.keep is not None,
+        prior,
         *plan.args,
     )
+    if step is not None:
+        step.set_prior(prior)  # (written in place: this call's merge, the step's so far)
     _record(layer, input, kind, mean, var, info, stats, flight_call)
     return output, activation is not None
 
@@ -516,17 +564,7 @@ def forward_function(
         activation = residual = None  # the caller adds and activates
     act, act_param = activation or _NO_ACT
     keeps: list[Any] | None = [] if kind.keep is not None and path.exchange.keeps else None
-    step = _stepwise(layer)
-    if step is not None and kind.recompute and kind.kept is None:
-        raise RuntimeError(
-            f"step_statistics(normalize='step'): the checkpoint's recompute of layer "
-            f"{layer.sync_name or type(layer).__name__!r} found nothing its forward kept (a "
-            f"non-reentrant checkpoint on a torch release whose forward cannot be found), and "
-            f"exchanging again would normalize it over other samples than its forward: use "
-            f"checkpoint(..., use_reentrant=True), or normalize='micro'"
-        )
-    if kind.recompute:
-        step = None  # it renormalizes from what its forward kept
+    step = _step_of_call(layer, kind)
     prior, merges = (step.prior, []) if step is not None else (None, None)
     call = SyncCall(
         path.group,

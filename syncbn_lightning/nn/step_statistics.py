@@ -52,7 +52,7 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
             statistics, as without the context (outputs and gradients unchanged). ``"step"``:
             with those merged with the layer's earlier calls in the step (micro-batch k over
             every sample of micro-batches 1..k on every rank of its group; the earlier ones
-            are constants in the backward). The layers then take the Python path. In the
+            are constants in the backward), on the layer's own path. In the
             small-batch experiment's detector ``"step"`` trained far worse than ``"micro"``
             (docs/gradient-accumulation.md, "What it did to a detector"): prefer ``"micro"``.
 
