@@ -16,7 +16,8 @@ Each of ``ext`` (``ours_native`` on a GPU) and ``nogroup`` (``SyncBatchNorm`` wi
 ``force_sync``: plain BatchNorm's maths) also runs as ``<name>_in_step`` and
 ``<name>_in_step_norm``: the micro-batches of optimizer steps inside ``step_statistics``, with
 ``normalize="micro"`` and ``"step"`` (4 calls and the commit, timed per call), against the same
-layer outside it.
+layer outside it; then, without a group, where such a step's time goes (the context's entry,
+the calls, its end: timed apart).
 
 Two settings: no process group (the layer's own cost: no collective is issued) and a one-rank
 group (gloo on the CPU, NCCL on a GPU: the sync layer really issues two collectives; on the CPU
@@ -420,6 +421,69 @@ def in_step_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _step_parts(
+    layer: nn.Module, mode: str, x: torch.Tensor, grad: torch.Tensor, count: int
+) -> tuple[float, float, float]:
+    """Microseconds of ``count`` optimizer steps of ``layer`` inside ``step_statistics(layer,
+    normalize=mode)``, each part timed on its own: the context's entry per step, the
+    :data:`MICRO_BATCHES` calls per call, and its end (the merge and the commit) per step (the
+    device synchronized around each part)."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    entry = calls = end = 0.0
+    for _ in range(count):
+        sync()
+        start = time.perf_counter()
+        context = step_statistics(layer, normalize=mode)
+        context.__enter__()
+        sync()
+        entered = time.perf_counter()
+        for _ in range(MICRO_BATCHES):
+            layer(x).backward(grad)
+        sync()
+        called = time.perf_counter()
+        context.__exit__(None, None, None)
+        sync()
+        entry, calls = entry + entered - start, calls + called - entered
+        end += time.perf_counter() - called
+    return entry / count * 1e6, calls / count / MICRO_BATCHES * 1e6, end / count * 1e6
+
+
+def step_split(rounds: int, steps: int, device: torch.device) -> list[str]:
+    """Where an optimizer step's time goes, for each run in steps (:func:`_step_parts`), beside
+    the same layer's call outside the context, interleaved round by round (median of the
+    rounds). Explains the in-step ratios: a single small layer pays the step's fixed share
+    alone, which a network's layers share (one group commits them all)."""
+    layers = _layers(device)
+    x = torch.randn(*SHAPE, device=device, requires_grad=True)
+    grad = torch.ones_like(x)
+    count = max(1, steps // MICRO_BATCHES)
+    names = [name for name in layers if in_step_mode(name)[1] is not None]
+    parts: dict[str, list[list[float]]] = {name: [[], [], [], []] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            outside, mode = in_step_mode(name)
+            env, layer = layers[name]
+            _apply_env(env)
+            entry, call, end = _step_parts(layer, str(mode), x, grad, count)
+            for part, value in zip(parts[name], (entry, call, end), strict=False):
+                part.append(value)  # (the fourth, outside, follows)
+            run = _step(outside, layers[outside][1], x, grad)
+            parts[name][3].append(_time(run, count * MICRO_BATCHES, device))
+    _apply_env({})
+    lines = [
+        "| run | entry us / step | us / call inside | end us / step | us / call outside | "
+        "calls inside / outside |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        entry, inside, end, outside = (statistics.median(part) for part in parts[name])
+        lines.append(
+            f"| {name} | {entry:.1f} | {inside:.1f} | {end:.1f} | {outside:.1f} | "
+            f"{inside / outside:.2f} |"
+        )
+    return lines
+
+
 def goal_line(results: dict[str, dict[str, Any]], name: str, gate: bool = True) -> str:
     """PASS or FAIL of ``name``'s step over the floor's against :data:`GOAL`; with ``gate``
     false, the figure beside the goal (on a GPU: the goal was calibrated on gloo, whose
@@ -449,6 +513,8 @@ def main() -> None:
     alone = measure(args.rounds, args.steps, device)
     print("\n".join(_table(alone)))
     print("\n" + "\n".join(in_step_lines(alone)))
+    print(f"\nWhere a step of {MICRO_BATCHES} calls goes (no process group):\n")
+    print("\n".join(step_split(args.rounds, args.steps, device)))
     if not cuda:
         costs = flight_cost(args.rounds, args.steps)
         print(
