@@ -20,6 +20,7 @@ import pytest
 import torch
 from _convert_models import residual_net
 from _dist import run_distributed
+from _host_sync import run_without_host_sync
 from _kernel_matrix import (
     BAND_KERNELS,
     DTYPES,
@@ -33,7 +34,7 @@ from _kernel_matrix import (
 from _numerics import rel_err
 from torch import nn
 
-from syncbn_lightning import SyncBatchNorm
+from syncbn_lightning import SyncBatchNorm, convert_sync_batchnorm, step_statistics
 from syncbn_lightning.ops import build as ops_build
 
 pytestmark = pytest.mark.gpu
@@ -174,18 +175,56 @@ def test_cuda_eager_train_steps_of_a_converted_model_never_sync_the_host(
             optimizer.step()
 
         step()  # warm-up: communicators, allocator pools and the optimizer's state exist first
-        torch.cuda.synchronize()
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                step()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.synchronize()
+        run_without_host_sync(step)
         assert all(torch.isfinite(p).all() for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_accumulated_steps_never_sync_the_host(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Optimizer steps of 4 micro-batches inside ``step_statistics``, in both modes and on both
+    exchanges, issue no host-device sync: the context's entry, the calls (each merging with the
+    step's earlier statistics in ``"step"``), their merges and the one commit, with a one-rank
+    NCCL group (made once: each costs NCCL's setup), half the layers forced to synchronize and
+    the others taking the call of a layer without a group. Each step counts once in
+    ``num_batches_tracked``."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("SYNCBN_IMPL", "ext")
+    dist.init_process_group("nccl", init_method=f"file://{_store_path()}", rank=0, world_size=1)
+    try:
+        for exchange in EXCHANGES:
+            for normalize in ("micro", "step"):
+                _accumulated_steps_without_a_sync(exchange, normalize)
+    finally:
+        dist.destroy_process_group()
+
+
+def _accumulated_steps_without_a_sync(exchange: str, normalize: str) -> None:
+    """3 checked steps of :func:`test_cuda_accumulated_steps_never_sync_the_host` after one
+    warm-up step (communicators, allocator pools, the optimizer's state, cached indices)."""
+    model = convert_sync_batchnorm(residual_net(), exchange=exchange).cuda().train()
+    layers = [m for m in model.modules() if isinstance(m, SyncBatchNorm)]
+    for layer in layers[::2]:
+        layer.force_sync = True
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    xs = [torch.randn(2, 3, 16, 16, device="cuda") for _ in range(4)]
+    ys = [torch.randint(0, 10, (2,), device="cuda") for _ in range(4)]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with step_statistics(model, normalize=normalize):
+            for x, y in zip(xs, ys, strict=True):
+                nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    step()
+    torch.cuda.synchronize()
+    before = [int(layer.num_batches_tracked) for layer in layers]
+    run_without_host_sync(step)
+    after = [int(layer.num_batches_tracked) for layer in layers]
+    assert after == [n + 3 for n in before], (exchange, normalize)
+    assert all(torch.isfinite(layer.running_var).all() for layer in layers), (exchange, normalize)
 
 
 def _store_path() -> str:
