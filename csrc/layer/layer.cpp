@@ -107,7 +107,7 @@ void write_prior(const at::Tensor& prior, const MergedOutputs& merged, bool unbi
   prior.narrow(0, 0, 2).copy_(info.narrow(0, 0, 2));  // count, samples (the tags stay 0)
   prior.narrow(0, 4, C).copy_(mean);
   prior.narrow(0, 4 + C, C).copy_(mean_lo);
-  // max(count, 2) - 1 == max(count - 1, 1), without a scalar operand (each costs a tensor).
+  // The divisor, max(count - 1, 1) when unbiased (as max(count, 2) - 1), else max(count, 1).
   at::Tensor divisor = info.narrow(0, 0, 1).clamp_min(unbiased ? 2 : 1);
   if (unbiased) divisor.sub_(1);
   at::Tensor m2 = prior.narrow(0, 4 + 2 * C, C);
