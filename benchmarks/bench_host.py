@@ -464,11 +464,11 @@ def step_split(rounds: int, steps: int, device: torch.device) -> list[str]:
             outside, mode = in_step_mode(name)
             env, layer = layers[name]
             _apply_env(env)
-            entry, call, end = _step_parts(layer, str(mode), x, grad, count)
-            for part, value in zip(parts[name], (entry, call, end), strict=False):
-                part.append(value)  # (the fourth, outside, follows)
+            inside = _step_parts(layer, str(mode), x, grad, count)
             run = _step(outside, layers[outside][1], x, grad)
-            parts[name][3].append(_time(run, count * MICRO_BATCHES, device))
+            alone = _time(run, count * MICRO_BATCHES, device)
+            for part, value in zip(parts[name], (*inside, alone), strict=True):
+                part.append(value)
     _apply_env({})
     lines = [
         "| run | entry us / step | us / call inside | end us / step | us / call outside | "

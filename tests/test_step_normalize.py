@@ -32,6 +32,7 @@ from test_step_statistics import (
     _one_update,
     _steps_rank,
     _sync_layers,
+    _take_path,
     compiled_twins,
 )
 from torch import nn
@@ -45,7 +46,6 @@ from syncbn_lightning import (
     step_statistics,
 )
 from syncbn_lightning._compat import NON_REENTRANT_KEEPS
-from syncbn_lightning.functional.layer_call import plan_of
 from syncbn_lightning.nn.residual import FUSED_FROM
 
 
@@ -193,9 +193,7 @@ def _step_results(exchange: str, path: str) -> list[torch.Tensor]:
     Python Function with the same kernels): its outputs, input and parameter gradients, running
     statistics and count."""
     layer = _layer(force_sync=True, exchange=exchange)
-    plan = plan_of(layer, "cpu")
-    assert plan.native
-    plan.native = path == "cpp"
+    _take_path(layer, path)
     xs = [x.requires_grad_() for x in _xs()]
     with step_statistics(layer, normalize="step"):
         outputs = [layer(x) for x in xs]
