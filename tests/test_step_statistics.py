@@ -15,6 +15,8 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
 * The rules: ``momentum=None``, ``unbiased_running_var=False``, a non-finite step (skipped and
   counted), a layer not called, eval calls, an exception (nothing committed), a checkpoint's
   recompute (adds nothing), pickles and copies (the merge is left behind).
+* The groups kept between steps: the next step takes its layers' group again and starts it
+  clean (after a failed step too), and two models alike whose steps overlap keep their own.
 * Nested contexts leave the outer one whole; plain BatchNorm layers get one warning. (The
   refusals' messages: ``docs/errors.md``, section 6, and ``tests/test_errors_layers.py``.)
 """
@@ -450,6 +452,57 @@ def test_the_step_costs_a_fixed_number_of_ops_however_many_layers() -> None:
         inside_8,
         outside_8,
     )
+
+
+@pytest.mark.parametrize("normalize", ["micro", "step"])
+def test_the_next_step_takes_the_same_group_again_and_starts_clean(normalize: str) -> None:
+    # A step that fails half way leaves its group with pending calls (micro) or written rows
+    # (step); the next step of the same layers takes that group again (its entry: 3 ops at
+    # most, no new memory) and must start it as new: its update is a fresh twin's.
+    layers = [_layer("cpp", force_sync=True), _layer("cpp")]
+    net, twin = nn.Sequential(*layers), copy.deepcopy(nn.Sequential(*layers))
+    xs = _xs((2, 1, 3, 2))
+    with pytest.raises(KeyError):
+        with step_statistics(net, normalize=normalize):
+            net(xs[0] * 4 + 1), net(xs[1] * 4 + 1)
+            first = layers[0]._step_stats.group
+            raise KeyError("a failing micro-batch")
+    counter = OpCounter()
+    step = step_statistics(net, normalize=normalize)
+    with counter:
+        step.__enter__()
+    assert layers[0]._step_stats.group is first
+    assert sum(counter.ops.values()) <= 3, counter.ops
+    for x in xs:
+        net(x)
+    step.__exit__(None, None, None)
+    with step_statistics(twin, normalize=normalize):
+        for x in xs:
+            twin(x)
+    for got, want in zip(net.buffers(), twin.buffers(), strict=True):
+        assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("normalize", ["micro", "step"])
+def test_two_models_alike_in_steps_at_once_keep_their_own_merges(normalize: str) -> None:
+    # Two models of one kind (a GAN's generator and its copy, say) whose steps overlap: each
+    # takes a group of its own, and each updates as it would alone.
+    nets = [nn.Sequential(_layer("cpp", force_sync=True), _layer("cpp")) for _ in range(4)]
+    xs = _xs((2, 1, 3, 2))
+    for net in (nets[0], nets[2]):  # a step before: its group waits, idle, for the next
+        with step_statistics(net, normalize=normalize):
+            net(xs[2] - 5)
+    with step_statistics(nets[0], normalize=normalize):
+        with step_statistics(nets[1], normalize=normalize):
+            for x in xs:
+                nets[0](x), nets[1](x * 3 - 1)
+    for net, scale, shift in ((nets[2], 1, 0), (nets[3], 3, -1)):
+        with step_statistics(net, normalize=normalize):
+            for x in xs:
+                net(x * scale + shift)
+    for together, alone in ((nets[0], nets[2]), (nets[1], nets[3])):
+        for got, want in zip(together.buffers(), alone.buffers(), strict=True):
+            assert torch.equal(got, want), (got, want)
 
 
 def test_a_call_or_a_layer_on_another_device_than_the_step_is_refused_by_name() -> None:

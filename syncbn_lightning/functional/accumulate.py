@@ -20,7 +20,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["NORMALIZE_MODES", "StatsAccumulator", "StepGroup", "StepStatistics", "merge_into"]
+__all__ = [
+    "NORMALIZE_MODES",
+    "StatsAccumulator",
+    "StepGroup",
+    "StepStatistics",
+    "merge_into",
+    "take_group",
+]
 
 #: The ``normalize=`` modes of :func:`syncbn_lightning.step_statistics`.
 NORMALIZE_MODES = ("micro", "step")
@@ -132,16 +139,17 @@ class StepStatistics:
     Attributes:
         normalize: ``"micro"`` or ``"step"``.
         prior: with ``"step"``, the merged statistics of the layer's calls so far, as the
-            exchanges take them (:meth:`~.exchange.Exchange.prior_of`; before the first call a
-            row of zeros, which adds nothing: a compiled call sees a tensor either way).
+            exchanges take them (:meth:`~.exchange.Exchange.prior_of`), in the layer's row of
+            its group's :attr:`~StepGroup.rows`, which every call overwrites in place (before
+            the first call zeros, which add nothing: a compiled call sees a tensor either way).
         group: the layers it commits with.
         index: its place in them.
         pending: calls added and not merged yet (their results as they came, at most
             :data:`PENDING_CALLS`): eager calls merge in batches, compiled ones at once.
         scratch: what the kernels update in place of the layer's running mean, variance and
-            ``num_batches_tracked``: copies made at the step's start, which move as the
+            ``num_batches_tracked``: copies taken at the step's start, which move as the
             layer's would without the context (so the reduce exchange's shift, the running
-            mean, is the one it would read there) and are dropped at its end.
+            mean, is the one it would read there); the buffers never see them.
         called: whether a call added to it (a layer not called in the step is left alone).
     """
 
@@ -155,10 +163,13 @@ class StepStatistics:
         self.prior: torch.Tensor | None = None
         self.called = False
 
-    def set_prior(self, row: torch.Tensor) -> None:
+    def write_prior(self, merged: torch.Tensor | None = None) -> None:
         """``normalize="step"``: a call's merged statistics (the step's so far), which the next
-        call merges with its group's and the commit takes as the step's."""
-        self.prior, self.called = row, True
+        call merges with its group's and the commit takes as the step's, written into
+        :attr:`prior` in place (``None``: the C++ operator has written them there)."""
+        if merged is not None:
+            self.prior.copy_(merged.detach())  # type: ignore[union-attr]  (a constant)
+        self.called = True
 
     def add_group(
         self, info: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, unbiased: bool
@@ -220,11 +231,11 @@ def _channel_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.
 
 
 @functools.lru_cache(maxsize=64)
-def _row_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+def _row_index(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """For layers of ``sizes`` channels whose step rows (:attr:`StepStatistics.prior`, ``[count,
-    samples, tags[2], mean[C], mean_lo[C], m2[C]]``) lie end to end: per channel of every layer,
-    where its layer's count, and its own mean, mean's low part and M2, are (int64, on
-    ``device``; kept, as :func:`_channel_index`)."""
+    samples, tags[2], mean[C], mean_lo[C], m2[C]]``) lie end to end: where, per channel of every
+    layer, its layer's count is, then its own mean, mean's low part and M2 (four runs of
+    ``sum(sizes)`` places, int64, on ``device``; kept, as :func:`_channel_index`)."""
     places: list[list[int]] = [[], [], [], []]
     starts = itertools.accumulate((4 + 3 * size for size in sizes), initial=0)
     for start, size in zip(starts, sizes, strict=False):  # (one start more than layers)
@@ -232,17 +243,48 @@ def _row_index(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tens
         for part, first in enumerate((4, 4 + size, 4 + 2 * size), 1):
             places[part] += range(start + first, start + first + size)
     host = torch.tensor([place for part in places for place in part])
-    return host.to(device, non_blocking=True).split(sum(sizes))
+    return host.to(device, non_blocking=True)
+
+
+#: What makes two groups alike (:func:`take_group`): the layers' channels, their running
+#: statistics' device and dtype, their momentum and variance rule, and the ``normalize`` mode.
+GroupKind = tuple[tuple[int, ...], torch.device, torch.dtype, "float | None", bool, str]
+
+#: Groups kept between steps, at most this many kinds (a model's step takes one per kind of its
+#: layers, and the next step takes the same ones back).
+KEPT_GROUPS = 8
+_IDLE: dict[GroupKind, StepGroup] = {}
+
+
+def take_group(
+    buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    momentum: float | None,
+    unbiased: bool,
+    normalize: str,
+) -> StepGroup:
+    """A :class:`StepGroup` for the layers holding ``buffers`` (each ``(running_mean,
+    running_var, num_batches_tracked)``; one device and dtype), started (:meth:`StepGroup.start`):
+    an idle one of the same kind, as the model's previous step left it (:meth:`StepGroup.release`),
+    else a new one. Its memory is made once, not at every step: a step starts with 3 ops."""
+    running_mean = buffers[0][0]
+    sizes = tuple(layer[0].shape[0] for layer in buffers)
+    kind = (sizes, running_mean.device, running_mean.dtype, momentum, unbiased, normalize)
+    group = _IDLE.pop(kind, None) or StepGroup(*kind)
+    group.start(buffers)
+    return group
 
 
 class StepGroup:
     """The layers of one step that commit together (same device, running-statistics dtype,
     momentum and variance rule), their merges side by side in one float64 buffer: per channel
     of every layer a count, a mean and an M2. Merging and committing cost a fixed number of ops
-    for the whole group, however many layers and calls.
+    for the whole group, however many layers and calls. Made once per :data:`GroupKind`
+    (:func:`take_group`), started at each step's start and released at its end.
 
     Args:
-        buffers: each layer's ``(running_mean, running_var, num_batches_tracked)``.
+        sizes: each layer's channels.
+        device: where the layers' running statistics are.
+        dtype: their dtype.
         momentum: the layers' momentum (``None``: the cumulative average).
         unbiased: whether ``running_var`` takes the unbiased variance.
         normalize: what the layers' calls normalize with (:class:`StepStatistics`).
@@ -250,41 +292,61 @@ class StepGroup:
 
     def __init__(
         self,
-        buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        sizes: tuple[int, ...],
+        device: torch.device,
+        dtype: torch.dtype,
         momentum: float | None,
         unbiased: bool,
         normalize: str = "micro",
     ) -> None:
-        self.momentum, self.unbiased = momentum, unbiased
-        self.sizes = [running_mean.shape[0] for running_mean, _, _ in buffers]
-        self.device = device = buffers[0][0].device
-        total = sum(self.sizes)
-        state = torch.zeros(4 * total + 1, dtype=_F64, device=device)
-        self.counts, self.means, self.m2s, zeros, _ = state.split([total] * 4 + [1])
-        self.no_count = state[-1:]  # the count of a layer's empty place in a merge
-        self.mean_views = list(self.means.split(self.sizes))
+        self.kind: GroupKind = (sizes, device, dtype, momentum, unbiased, normalize)
+        self.momentum, self.unbiased, self.device = momentum, unbiased, device
+        self.sizes = list(sizes)
+        total = sum(sizes)
+        self.state = torch.zeros(4 * total + 1, dtype=_F64, device=device)
+        self.counts, self.means, self.m2s, zeros, _ = self.state.split([total] * 4 + [1])
+        self.no_count = self.state[-1:]  # the count of a layer's empty place in a merge
         self.no_values = list(zeros.split(self.sizes))  # its mean and M2
-        self.layer_of_channel, self.first_channel = _channel_index(tuple(self.sizes), device)
-        # The copies, laid side by side: a few ops for all layers.
-        runnings = torch.cat([t for layer in buffers for t in layer[:2]]).split(
-            [size for size in self.sizes for _ in range(2)]
-        )
-        tracked = torch.stack([layer[2] for layer in buffers]).unbind()
+        self.layer_of_channel, self.first_channel = _channel_index(sizes, device)
+        # Per value of a commit (every layer's means, then every layer's variances): its layer.
+        self.layer_of_value = self.layer_of_channel.repeat(2)
+        # The copies the calls update, laid side by side; each step's start refreshes them.
+        runnings = torch.zeros(2 * total, dtype=dtype, device=device).split(self.sizes * 2)
+        tracked = torch.zeros(len(sizes), dtype=torch.long, device=device).unbind()
+        scratch = [(runnings[i], runnings[len(sizes) + i], tracked[i]) for i in range(len(sizes))]
+        self.scratch = [t for layer in scratch for t in layer]
         self.layers = [
-            StepStatistics(
-                self, index, (*runnings[2 * index : 2 * index + 2], tracked[index]), normalize
-            )
-            for index in range(len(buffers))
+            StepStatistics(self, index, copies, normalize) for index, copies in enumerate(scratch)
         ]
-        if normalize == "step":  # before a first call: rows of zeros, whose count adds nothing
-            # In the dtype of the calls' statistics (float32 for a float32 or half layer), so
-            # the row keeps its dtype: the C++ path writes its merge into it, the Python path
-            # replaces it with its merge (a compiled call would recompile on another dtype).
-            dtype = torch.promote_types(buffers[0][0].dtype, torch.float32)
-            widths = [4 + 3 * size for size in self.sizes]
-            rows = torch.zeros(sum(widths), dtype=dtype, device=device).split(widths)
-            for layer, row in zip(self.layers, rows, strict=True):
+        self.rows: torch.Tensor | None = None
+        if normalize == "step":
+            # In the dtype of the calls' statistics (float32 for a float32 or half layer): both
+            # paths write a call's merge into its layer's row, which keeps its dtype (a compiled
+            # call would recompile on another).
+            widths = [4 + 3 * size for size in sizes]
+            row_dtype = torch.promote_types(dtype, torch.float32)
+            self.rows = torch.zeros(sum(widths), dtype=row_dtype, device=device)
+            for layer, row in zip(self.layers, self.rows.split(widths), strict=True):
                 layer.prior = row
+
+    def start(self, buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Ready the group for a step of the layers holding ``buffers``: no merge yet (with
+        ``"step"``, rows of zeros, whose count adds nothing), the copies taken from their running
+        statistics now, no layer called."""
+        self.state.zero_()
+        if self.rows is not None:
+            self.rows.zero_()
+        torch._foreach_copy_(self.scratch, [t for layer in buffers for t in layer])
+        for layer in self.layers:
+            layer.pending.clear()
+            layer.called = False
+
+    def release(self) -> None:
+        """The step has ended: keep the group for the next step of its kind (the most recent
+        :data:`KEPT_GROUPS` kinds)."""
+        _IDLE[self.kind] = self
+        while len(_IDLE) > KEPT_GROUPS:
+            del _IDLE[next(iter(_IDLE))]
 
     def _check_device(self, tensor: torch.Tensor, what: str) -> None:
         """Refuse ``tensor`` (``what`` it is) on another device than the step's."""
@@ -325,15 +387,16 @@ class StepGroup:
         for layer in self.layers:
             layer.pending.clear()
 
-    def _take_priors(self) -> None:
-        """``normalize="step"``: each layer's last call merged the step's calls (its prior), so
-        that row is the layer's merge; the group's is empty until now (such calls add nothing
-        else) and takes every layer's row at once (a layer not called: zeros)."""
-        rows = torch.cat([layer.prior for layer in self.layers]).to(_F64)
-        count_at, mean_at, mean_lo_at, m2_at = _row_index(tuple(self.sizes), self.device)
-        self.counts.copy_(rows.index_select(0, count_at))
-        self.means.copy_(rows.index_select(0, mean_at) + rows.index_select(0, mean_lo_at))
-        self.m2s.copy_(rows.index_select(0, m2_at))
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's count, mean and M2 per channel of every layer (float64): the merge of the
+        calls added (``"micro"``); with ``"step"``, the rows the layers' last calls wrote, each
+        the merge of its layer's calls in the step (a layer not called: zeros)."""
+        if self.rows is None:
+            self.merge_pending()
+            return self.counts, self.means, self.m2s
+        places = _row_index(tuple(self.sizes), self.device)
+        count, mean, mean_lo, m2 = self.rows.to(_F64).index_select(0, places).view(4, -1).unbind()
+        return count, mean + mean_lo, m2
 
     def commit(
         self,
@@ -346,35 +409,36 @@ class StepGroup:
         statistics are finite (its ``nonfinite`` counter where not), and the running statistics
         move by the momentum (``None``: the cumulative average, ``1 / num_batches_tracked``)
         towards the step's mean and variance, unless those are not finite or the step saw no
-        value. No host sync."""
+        value. No host sync; a fixed number of ops (about 30) for the whole group."""
         called = [layer.index for layer in self.layers if layer.called]
         if not called:
             return
         for running_mean, _, _ in buffers:
             self._check_device(running_mean, "a layer's running statistics are")
-        if self.layers[0].normalize == "step":
-            self._take_priors()
-        self.merge_pending()
-        var = self.m2s / (self.counts - 1 if self.unbiased else self.counts).clamp_min(1)
-        # A sum of |values| is finite exactly when every value is (float64 does not overflow),
-        # and x * 0 == 0 exactly when x is finite.
-        sums = torch._foreach_norm(self.mean_views + list(var.split(self.sizes)), 1)
-        finite = torch.stack(sums).mul(0).eq(0).view(2, -1).all(0)
-        tracked, skipped = finite.unbind(), finite.logical_not().unbind()
-        torch._foreach_add_([buffers[i][2] for i in called], [tracked[i] for i in called])
-        torch._foreach_add_([nonfinite[i] for i in called], [skipped[i] for i in called])
+        counts, means, m2s = self.merged()
+        var = m2s / (counts - 1 if self.unbiased else counts).clamp_min(1)
+        values = torch.cat([means, var])  # every layer's means, then every layer's variances
+        # A sum of values is finite exactly when every value is (float64 does not overflow on
+        # statistics of float32 or half values), and x * 0 == 0 exactly when x is finite.
+        sums = self.no_count.new_zeros(len(self.sizes)).index_add_(0, self.layer_of_value, values)
+        finite = sums.mul(0).eq(0)
+        flags = torch.cat([finite, finite.logical_not()]).unbind()  # counted, then skipped
+        skipped_at = len(self.sizes)
+        torch._foreach_add_(
+            [buffers[i][2] for i in called] + [nonfinite[i] for i in called],
+            [flags[i] for i in called] + [flags[skipped_at + i] for i in called],
+        )
         # False for a layer not called: its count is 0.
-        update = finite & self.counts.index_select(0, self.first_channel).gt(0)
+        update = finite & counts.index_select(0, self.first_channel).gt(0)
         if self.momentum is None:
             steps = torch.stack([layer[2] for layer in buffers]).clamp_min(1)
             factors = update / steps.to(_F64)
         else:
-            factors = update.to(_F64) * self.momentum
-        runnings = [layer[0] for layer in buffers] + [layer[1] for layer in buffers]
-        flat = torch.cat(runnings)
-        weights = factors.index_select(0, self.layer_of_channel).to(flat.dtype).repeat(2)
+            factors = update.to(_F64).mul_(self.momentum)
+        dtype = buffers[0][0].dtype
+        weights = factors.index_select(0, self.layer_of_value).to(dtype)
         # Where not updated the weight is 0 and the target 0, not inf or nan (whose product with
         # 0 is nan): the value stays, exactly.
-        targets = torch.cat([self.means, var]).nan_to_num_(0.0, 0.0, 0.0).to(flat.dtype)
-        flat.lerp_(targets, weights)
-        torch._foreach_copy_(runnings, flat.split(self.sizes * 2))
+        targets = values.nan_to_num_(0.0, 0.0, 0.0).to(dtype)
+        runnings = [layer[0] for layer in buffers] + [layer[1] for layer in buffers]
+        torch._foreach_lerp_(runnings, targets.split(self.sizes * 2), weights.split(self.sizes * 2))

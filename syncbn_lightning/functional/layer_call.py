@@ -524,7 +524,7 @@ def _native_call(
         *plan.args,
     )
     if step is not None:
-        step.set_prior(prior)  # (written in place: this call's merge, the step's so far)
+        step.write_prior()  # (the operator wrote this call's merge into the row)
     _record(layer, input, kind, mean, var, info, stats, flight_call)
     return output, activation is not None
 
@@ -583,7 +583,7 @@ def forward_function(
     args = (input, weight, bias, state, call) + (() if residual is None else (residual,))
     output, mean, var, info = SyncBatchNormFunction.apply(*args)
     if step is not None and merges:
-        step.set_prior(merges[0].detach())  # (a constant: no graph reaches the next call)
+        step.write_prior(merges[0])
     stats, flight_call = None, -1
     if keeps:
         mean_lo, invstd, grad_info, flight_call = keeps
