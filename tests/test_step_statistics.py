@@ -16,7 +16,9 @@ accumulation (``nn/step_statistics.py``, the policy in ``functional/accumulate.p
   counted), a layer not called, eval calls, an exception (nothing committed), a checkpoint's
   recompute (adds nothing), pickles and copies (the merge is left behind).
 * The groups kept between steps: the next step takes its layers' group again and starts it
-  clean (after a failed step too), and two models alike whose steps overlap keep their own.
+  clean (after a failed step too), two models alike whose steps overlap keep their own, a step
+  under ``torch.inference_mode`` leaves nothing the next steps cannot write, and a step that
+  fails to start leaves no layer inside it.
 * Nested contexts leave the outer one whole; plain BatchNorm layers get one warning. (The
   refusals' messages: ``docs/errors.md``, section 6, and ``tests/test_errors_layers.py``.)
 """
@@ -41,6 +43,7 @@ from syncbn_lightning import (
     convert_sync_batchnorm,
     step_statistics,
 )
+from syncbn_lightning.functional import accumulate
 from syncbn_lightning.functional.layer_call import plan_of
 from syncbn_lightning.nn.residual import FUSED_FROM
 
@@ -503,6 +506,45 @@ def test_two_models_alike_in_steps_at_once_keep_their_own_merges(normalize: str)
     for together, alone in ((nets[0], nets[2]), (nets[1], nets[3])):
         for got, want in zip(together.buffers(), alone.buffers(), strict=True):
             assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("normalize", ["micro", "step"])
+def test_a_step_under_inference_mode_leaves_the_next_steps_whole(normalize: str) -> None:
+    # Tensors made under torch.inference_mode cannot be written outside it: neither the group
+    # that step used nor the layer's counters made there may reach the next step.
+    layer, twin = _layer("cpp", force_sync=True), _layer("cpp", force_sync=True)
+    xs = _xs((2, 3))
+    for net, inference in ((layer, True), (twin, False)):
+        with torch.inference_mode(inference), step_statistics(net, normalize=normalize):
+            net(xs[0])
+        with step_statistics(net, normalize=normalize):
+            net(xs[1])
+    assert int(layer.num_batches_tracked) == 2
+    for got, want in zip(layer.buffers(), twin.buffers(), strict=True):
+        assert torch.equal(got, want), (got, want)
+
+
+def test_a_step_that_fails_to_start_leaves_no_layer_inside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two kinds of layers (two groups); the second fails to start: the first group's layers
+    # must leave the step, or every later step would refuse them as nested.
+    net = nn.Sequential(_layer("cpp", force_sync=True), _layer("cpp", force_sync=True).float())
+    original = accumulate.StepGroup.start
+
+    def fails_for_float32(group: Any, buffers: Any) -> None:
+        if buffers[0][0].dtype == torch.float32:
+            raise MemoryError("no memory for the second group")
+        original(group, buffers)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(accumulate.StepGroup, "start", fails_for_float32)
+        with pytest.raises(MemoryError), step_statistics(net):
+            pass
+    assert all(layer._step_stats is None for layer in net)
+    with step_statistics(net):
+        net[0](_xs()[0]), net[1](_xs()[0].float())
+    assert [int(layer.num_batches_tracked) for layer in net] == [1, 1]
 
 
 def test_a_call_or_a_layer_on_another_device_than_the_step_is_refused_by_name() -> None:

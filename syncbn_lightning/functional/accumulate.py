@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from typing import Any
 
 import torch
@@ -250,10 +251,18 @@ def _row_index(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
 #: statistics' device and dtype, their momentum and variance rule, and the ``normalize`` mode.
 GroupKind = tuple[tuple[int, ...], torch.device, torch.dtype, "float | None", bool, str]
 
-#: Groups kept between steps, at most this many kinds (a model's step takes one per kind of its
-#: layers, and the next step takes the same ones back).
+#: Groups kept between steps, at most this many (process-wide, not per model: a model's step
+#: takes one per kind of its layers, and its next step takes the same ones back).
 KEPT_GROUPS = 8
-_IDLE: dict[GroupKind, StepGroup] = {}
+# Idle groups by kind and by the CUDA stream their ops ran on (None off CUDA): a group is taken
+# again only on its stream, whose order puts its next start after its last commit.
+_IDLE: dict[tuple[GroupKind, Any], StepGroup] = {}
+_IDLE_LOCK = threading.Lock()
+
+
+def _stream_of(device: torch.device) -> Any:
+    """The stream a step's ops on ``device`` run on now (``None`` off CUDA)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def take_group(
@@ -264,13 +273,19 @@ def take_group(
 ) -> StepGroup:
     """A :class:`StepGroup` for the layers holding ``buffers`` (each ``(running_mean,
     running_var, num_batches_tracked)``; one device and dtype), started (:meth:`StepGroup.start`):
-    an idle one of the same kind, as the model's previous step left it (:meth:`StepGroup.release`),
-    else a new one. Its memory is made once, not at every step: a step starts with 3 ops."""
+    an idle one of the same kind on the same stream, as an earlier step left it (that of the same
+    layers, or of any alike: :meth:`StepGroup.release`), else a new one. A step that takes idle
+    groups makes no memory and starts with 2 ops (``"micro"``) or 3 (``"step"``)."""
     running_mean = buffers[0][0]
     sizes = tuple(layer[0].shape[0] for layer in buffers)
     kind = (sizes, running_mean.device, running_mean.dtype, momentum, unbiased, normalize)
-    group = _IDLE.pop(kind, None) or StepGroup(*kind)
+    key = (kind, _stream_of(running_mean.device))
+    with _IDLE_LOCK:
+        group = _IDLE.pop(key, None)
+    if group is None:
+        group = StepGroup(*kind)
     group.start(buffers)
+    group.key = key
     return group
 
 
@@ -278,8 +293,9 @@ class StepGroup:
     """The layers of one step that commit together (same device, running-statistics dtype,
     momentum and variance rule), their merges side by side in one float64 buffer: per channel
     of every layer a count, a mean and an M2. Merging and committing cost a fixed number of ops
-    for the whole group, however many layers and calls. Made once per :data:`GroupKind`
-    (:func:`take_group`), started at each step's start and released at its end.
+    for the whole group, however many layers and calls. Taken at a step's start
+    (:func:`take_group`: an idle one of its :data:`GroupKind`, else a new one) and released at
+    its end, for the next step alike.
 
     Args:
         sizes: each layer's channels.
@@ -299,7 +315,7 @@ class StepGroup:
         unbiased: bool,
         normalize: str = "micro",
     ) -> None:
-        self.kind: GroupKind = (sizes, device, dtype, momentum, unbiased, normalize)
+        self.key: tuple[GroupKind, Any] | None = None  # where it waits when idle (take_group)
         self.momentum, self.unbiased, self.device = momentum, unbiased, device
         self.sizes = list(sizes)
         total = sum(sizes)
@@ -342,11 +358,15 @@ class StepGroup:
             layer.called = False
 
     def release(self) -> None:
-        """The step has ended: keep the group for the next step of its kind (the most recent
-        :data:`KEPT_GROUPS` kinds)."""
-        _IDLE[self.kind] = self
-        while len(_IDLE) > KEPT_GROUPS:
-            del _IDLE[next(iter(_IDLE))]
+        """The step has ended: keep the group for the next step of its kind on its stream (the
+        most recent :data:`KEPT_GROUPS`; one made under ``torch.inference_mode`` is not kept, as
+        its tensors could not be written outside it)."""
+        if self.key is None or self.state.is_inference():
+            return
+        with _IDLE_LOCK:
+            _IDLE[self.key] = self
+            while len(_IDLE) > KEPT_GROUPS:
+                del _IDLE[next(iter(_IDLE))]
 
     def _check_device(self, tensor: torch.Tensor, what: str) -> None:
         """Refuse ``tensor`` (``what`` it is) on another device than the step's."""
@@ -418,10 +438,11 @@ class StepGroup:
         counts, means, m2s = self.merged()
         var = m2s / (counts - 1 if self.unbiased else counts).clamp_min(1)
         values = torch.cat([means, var])  # every layer's means, then every layer's variances
-        # A sum of values is finite exactly when every value is (float64 does not overflow on
-        # statistics of float32 or half values), and x * 0 == 0 exactly when x is finite.
-        sums = self.no_count.new_zeros(len(self.sizes)).index_add_(0, self.layer_of_value, values)
-        finite = sums.mul(0).eq(0)
+        # A sum of |values| is finite exactly when every value is (float64 does not overflow on
+        # statistics of float32 or half values), and x * 0 == 0 exactly when x is finite. (Not
+        # index_add_: on CUDA its deterministic mode takes another kernel; these sums have one.)
+        sums = torch._foreach_norm(values.split(self.sizes * 2), 1)
+        finite = torch.stack(sums).mul(0).eq(0).view(2, -1).all(0)
         flags = torch.cat([finite, finite.logical_not()]).unbind()  # counted, then skipped
         skipped_at = len(self.sizes)
         torch._foreach_add_(

@@ -484,10 +484,13 @@ def _counters(layer: Any, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _counter_on(counter: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0."""
-    if counter is None:
-        return torch.zeros(1, dtype=torch.long, device=device)
-    return counter.reshape(1).to(device)
+    """A one-element int64 counter on ``device``: ``counter`` moved there, or a new one at 0.
+    A normal tensor also when made under ``torch.inference_mode`` (an inference tensor could not
+    be counted on outside it)."""
+    with torch.inference_mode(False):
+        if counter is None:
+            return torch.zeros(1, dtype=torch.long, device=device)
+        return counter.reshape(1).to(device)
 
 
 def _native_call(

@@ -80,10 +80,10 @@ def step_statistics(model: nn.Module, normalize: str = "micro") -> Iterator[None
         statistics. Plain BatchNorm layers (a model not converted) are beyond the context's
         reach: a warning names them, and they update at every micro-batch. The update reads
         each layer's ``momentum`` and ``unbiased_running_var`` as they were at the step's start.
-        The step's memory (the merges, the copies of the running statistics) is made at the
-        first step of a kind of layers and kept for the next (the
-        :data:`~syncbn_lightning.functional.accumulate.KEPT_GROUPS` most recent kinds: a few
-        float64 values per channel each), so that a step starts with 3 ops.
+        The step's memory (the merges, the copies of the running statistics: about 52 bytes
+        per channel) is made at the first step of a kind of layers and kept, process-wide, for
+        the next (at most :data:`~syncbn_lightning.functional.accumulate.KEPT_GROUPS` groups),
+        so that a step starts with 2 or 3 ops.
     """
     step = open_step(model, normalize)
     try:
@@ -115,11 +115,15 @@ class OpenStep:
             )
             alike.setdefault(key, []).append(layer)
         self.groups: list[tuple[StepGroup, list[SyncBatchNorm]]] = []
-        for (_, _, momentum, unbiased), members in alike.items():
-            buffers = [running_buffers(layer) for layer in members]
-            group = take_group(buffers, momentum, unbiased, normalize)
-            start_step(group, members)
-            self.groups.append((group, members))
+        try:
+            for (_, _, momentum, unbiased), members in alike.items():
+                buffers = [running_buffers(layer) for layer in members]
+                group = take_group(buffers, momentum, unbiased, normalize)
+                self.groups.append((group, members))
+                start_step(group, members)
+        except BaseException:
+            self.close()  # the layers started so far leave the step: a later one may start
+            raise
 
     def commit(self) -> None:
         """The step's one update of every layer called in it (its end, at a normal exit), then
