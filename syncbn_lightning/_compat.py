@@ -125,9 +125,17 @@ def store_connection(store: Any, timeout: timedelta | None = None) -> Any:
     return connection
 
 
+_RELEASE = tuple(int(p) for p in torch.__version__.split(".")[:2])
+
 #: Whether torch names gloo's threads (``pt_gloo_runloop``, ``gloo_tcp_loop``): 2.13.0 and 2.14.1
 #: do, 2.4.1 and 2.8.0 do not (the exit drain finds them by elimination there).
-GLOO_THREADS_NAMED = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+GLOO_THREADS_NAMED = _RELEASE >= (2, 13)
+
+#: Whether dynamo traces an autograd Function's ``ctx.needs_input_grad`` right where its input
+#: is another Function's output: 2.8.0 and later do; 2.4.1 reads it False there, and a compiled
+#: model of two synchronized layers lost the gradient of the first's input (2.5 to 2.7 are not
+#: checked: they are treated as 2.4).
+TRACED_NEEDS_INPUT_GRAD = _RELEASE >= (2, 8)
 
 
 def made_process_group() -> bool:

@@ -40,6 +40,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
+def inline_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For a test that compiles a module holding SyncBN whole: dynamo's switch that torch 2.4
+    needs to set the attributes of a compiled module's submodules, on for the test, in this
+    process and (by its environment variable) in the processes it starts; the default of the
+    later releases, a no-op there (docs/kernels.md gives it to users)."""
+    monkeypatch.setenv("TORCHDYNAMO_INLINE_INBUILT_NN_MODULES", "1")
+    with torch._dynamo.config.patch(inline_inbuilt_nn_modules=True):
+        yield
+
+
+@pytest.fixture
 def queued_flags() -> Iterator[None]:
     """CPU calls leave their call-order flags for later, as CUDA calls do (the device path's
     logic on CPU tensors); the queue is emptied after the test."""

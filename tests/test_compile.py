@@ -9,6 +9,7 @@ one layer's forward + backward is guarded here too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections import Counter
@@ -26,7 +27,8 @@ from syncbn_lightning import SyncBatchNorm, SyncBNCallback, convert_sync_batchno
 from syncbn_lightning.distributed.flight import recorder as flight
 
 # inductor compiles on gloo processes: outside the fast check.
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# (inline_modules: torch 2.4 compiles a module holding SyncBN whole only with it)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.usefixtures("inline_modules")]
 
 # Both exchanges, both stats modes, eager CPU (the C++ path): 2 syncbn ops, 3 AccumulateGrad.
 MAX_OPS_PER_LAYER = 5
@@ -189,6 +191,40 @@ def test_explain_one_graph_without_torch_distributed(monkeypatch: pytest.MonkeyP
         model = convert_sync_batchnorm(resnet_style(), force_sync=True)
         graphs, breaks, reasons = _explain(model, torch.randn(4, 3, 6, 6))
         assert (graphs, breaks) == (1, 0), (impl, reasons)
+
+
+@pytest.mark.parametrize("normalize", [None, "step"])
+def test_chained_layers_compiled_whole_give_every_gradient_eager_gives(
+    normalize: str | None,
+) -> None:
+    """Two synchronized layers in one compiled graph, the second on the first's output: the
+    input's and every parameter's gradient as eager (on torch 2.4 the trace read the second's
+    ``needs_input_grad`` as False: the first layer's input got zeros); outside a step and inside
+    ``step_statistics(normalize="step")`` over 2 micro-batches."""
+    from syncbn_lightning import step_statistics
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        SyncBatchNorm(4, force_sync=True), nn.ReLU(), SyncBatchNorm(4, force_sync=True)
+    )
+    eager, twin = net.double(), copy.deepcopy(net).double()
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 4, 3, 3, dtype=torch.float64, generator=g) for _ in range(2)]
+    weights = torch.randn(2, 4, 3, 3, dtype=torch.float64, generator=g)  # not BN's invariant sum
+    grads = []
+    for run, model in ((eager, eager), (compiled, twin)):
+        context = (
+            step_statistics(run, normalize=normalize) if normalize else contextlib.nullcontext()
+        )
+        inputs = [x.clone().requires_grad_() for x in xs]
+        with context:
+            for x in inputs:
+                (run(x) * weights).sum().backward()
+        grads.append([x.grad for x in inputs] + [p.grad for p in model.parameters()])
+    assert grads[0][0].abs().max() > 0.1  # (the case has a gradient to lose)
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
 def _call_order_worker(rank: int, world: int) -> str:

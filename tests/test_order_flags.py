@@ -226,6 +226,7 @@ def _compiled_unused_head(rank: int, world: int, errors: str) -> str:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.usefixtures("inline_modules")
 def test_a_compiled_backward_keeps_its_order_flag(tmp_path: Path) -> None:
     """The compiled backward notes its flag on the layer's status (a mutating operator, which the
     compiled graph keeps); ``check_call_order`` reads it on rank 1, whose backward ran one

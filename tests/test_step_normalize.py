@@ -303,6 +303,7 @@ def test_a_checkpoint_recompute_renormalizes_from_its_forward(use_reentrant: boo
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("inline_modules")
 @pytest.mark.parametrize("force_sync", [False, True])
 def test_a_compiled_model_normalizes_and_counts_as_eager(force_sync: bool) -> None:
     """fullgraph compile, outside then inside the context (twice) then outside again: the

@@ -586,6 +586,7 @@ def compiled_twins(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("inline_modules")
 @pytest.mark.parametrize("force_sync", [False, True])
 def test_a_compiled_model_counts_and_merges_as_eager_in_one_graph(force_sync: bool) -> None:
     """fullgraph compile, outside then inside the context then outside again: the values and

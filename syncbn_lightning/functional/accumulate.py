@@ -14,6 +14,7 @@ costs a fixed number of dispatcher ops (kernels on a GPU) however many layers it
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -100,9 +101,9 @@ def _batches(calls: list[_Call]) -> tuple[list[torch.Tensor], ...]:
     divisors: list[Any] = [None] * len(calls)
     means: list[Any] = [call[2] for call in calls]
     variances: list[Any] = [call[3] for call in calls]
-    rules: dict[Any, list[int]] = {}
+    rules: collections.defaultdict[Any, list[int]] = collections.defaultdict(list)
     for index, call in enumerate(calls):
-        rules.setdefault(call[0], []).append(index)
+        rules[call[0]].append(index)
     for rule, indices in rules.items():
         if isinstance(rule, float):  # plain batches: var = invstd ** -2 - eps, rounded as var + eps
             device = calls[indices[0]][2].device
@@ -154,8 +155,6 @@ class StepStatistics:
         called: whether a call added to it (a layer not called in the step is left alone).
     """
 
-    __slots__ = ("called", "group", "index", "normalize", "pending", "prior", "scratch")
-
     def __init__(
         self, group: StepGroup, index: int, scratch: tuple[torch.Tensor, ...], normalize: str
     ) -> None:
@@ -164,12 +163,11 @@ class StepStatistics:
         self.prior: torch.Tensor | None = None
         self.called = False
 
-    def write_prior(self, merged: torch.Tensor | None = None) -> None:
-        """``normalize="step"``: a call's merged statistics (the step's so far), which the next
-        call merges with its group's and the commit takes as the step's, written into
-        :attr:`prior` in place (``None``: the C++ operator has written them there)."""
-        if merged is not None:
-            self.prior.copy_(merged.detach())  # type: ignore[union-attr]  (a constant)
+    def wrote_prior(self) -> None:
+        """``normalize="step"``: a call has written its merged statistics (the step's so far)
+        into :attr:`prior` in place (the C++ operator, or the Function from
+        :meth:`~.exchange.Exchange.prior_of`); the next call merges them with its group's and
+        the commit takes the last as the step's."""
         self.called = True
 
     def add_group(
@@ -177,8 +175,10 @@ class StepStatistics:
     ) -> None:
         """Add a synchronized call's result: its group's ``mean`` and ``var`` per channel
         (unbiased, ``M2 / (count - 1)``, or not, ``M2 / count``) over ``info[0]`` values per
-        channel (0: an empty group, which adds nothing)."""
-        self._add((_GROUP_UNBIASED if unbiased else _GROUP_BIASED, info, mean, var))
+        channel (0: an empty group, which adds nothing); constants of the merge
+        (:func:`_constant`)."""
+        rule = _GROUP_UNBIASED if unbiased else _GROUP_BIASED
+        self._add((rule, _constant(info), _constant(mean), _constant(var)))
 
     def batch_norm(
         self,
@@ -215,10 +215,14 @@ class StepStatistics:
 
 
 def _constant(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a constant of the step's merge: detached where autograd tracks it. (Not
-    detached otherwise: a detach is a dispatcher op even then, 2 per call of a plain layer on
-    torch 2.13 and 4 on 2.4 and 2.8.)"""
-    return tensor.detach() if tensor.requires_grad else tensor
+    """``tensor`` as a constant of the step's merge: detached where autograd tracks it, and
+    always in compiled code, where it costs nothing at run time (torch 2.4's trace sees a
+    Function's statistics as untracked, and its compiled merge failed on them undetached). (Not
+    detached otherwise in eager code: a detach is a dispatcher op even then, 2 per call of a
+    plain layer on torch 2.13 and 4 on 2.4 and 2.8.)"""
+    if tensor.requires_grad or torch.compiler.is_compiling():
+        return tensor.detach()
+    return tensor
 
 
 @functools.lru_cache(maxsize=64)

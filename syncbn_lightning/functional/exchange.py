@@ -79,6 +79,19 @@ class LayerState(NamedTuple):
     #: compiled calls on devices that queue their order flags: the layer's status, where the
     #: forward and the backward note their flags (``distributed.call_order.note_order_flag``).
     order: torch.Tensor | None = None
+    #: ``step_statistics(normalize="step")``: the statistics of the layer's earlier calls in the
+    #: optimizer step (a row of :meth:`Exchange.prior_of`; zeros before the first), one more
+    #: input of the merge (:meth:`Exchange.with_prior`), which the Function then overwrites in
+    #: place with this call's merge, the next call's, as the C++ operator does. (Not a Python
+    #: list the Function appends to, which compiled code on torch 2.8 cannot mutate inside a
+    #: Function.)
+    prior: torch.Tensor | None = None
+
+    def merge_updates(self) -> tuple[Any, Any, Any, Any]:
+        """The four tensors the merge kernels update in place, in their order: ``running_mean``,
+        ``running_var``, ``num_batches_tracked``, ``nonfinite``. (Named, not a slice: dynamo
+        2.8 fails on a slice of a named tuple, an internal error.)"""
+        return self.running_mean, self.running_var, self.num_batches_tracked, self.nonfinite
 
 
 class SyncCall(NamedTuple):
@@ -105,13 +118,6 @@ class SyncCall(NamedTuple):
     #: a checkpointed forward's list, which the Function extends with what the strategy keeps
     #: (:meth:`Exchange.kept_stats`) and the call's flight-recorder number.
     keep: list[Any] | None = None
-    #: ``step_statistics(normalize="step")``: the statistics of the layer's earlier calls in the
-    #: optimizer step (a row of :meth:`Exchange.prior_of`; ``None``: none yet), one more input
-    #: of the merge (:meth:`Exchange.with_prior`).
-    prior: torch.Tensor | None = None
-    #: with ``normalize="step"``, a list the Function appends the next call's ``prior`` to: this
-    #: call's merged statistics.
-    step: list[Any] | None = None
 
 
 class Inputs(NamedTuple):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from .._compat import TRACED_NEEDS_INPUT_GRAD
 from .._shared import CALL_ORDER_MARK, SHIFT_MARK
 from ..distributed.call_order.checks import note_order_flag, poll_order_checks, queue_order_check
 from ..distributed.call_order.policy import queues_order_flag
@@ -91,8 +92,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             else:  # all-reduced, or gathered for the merge to sum (sum_over_group says where)
                 received = sum_over_group(sent, call.group, call.world_size, note)
             check = exchange.order_check(sent, received, call)
-            if call.prior is not None:  # normalize="step": the step's earlier statistics too
-                received = exchange.with_prior(inputs, sent, received, call.prior)
+            if state.prior is not None:  # normalize="step": the step's earlier statistics too
+                received = exchange.with_prior(inputs, sent, received, state.prior)
             try:
                 if residual is None:
                     merged = exchange.merge(inputs, sent, received, call)
@@ -105,8 +106,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 _check_order(merged.info, 2, check, call, state.order, input, False)
             if call.keep is not None:  # a checkpoint's forward: what its recompute takes
                 call.keep.extend((*exchange.kept_stats(merged), note[2]))
-            if call.step is not None:  # normalize="step": the next call's earlier statistics
-                call.step.append(exchange.prior_of(merged, call))
+            if state.prior is not None:  # normalize="step": this merge, the next call's prior
+                state.prior.copy_(exchange.prior_of(merged, call))
         if state.order is None:
             ctx.save_for_backward(*merged.saved)
         else:  # compiled: the backward notes its order flag there (a graph input it may mutate)
@@ -141,6 +142,8 @@ def _backward(ctx: Any, grad_output: torch.Tensor | None) -> tuple[torch.Tensor 
     if ctx.notes_order:
         saved, order = saved[:-1], saved[-1]
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if not TRACED_NEEDS_INPUT_GRAD and torch.compiler.is_compiling():
+        need_input = True  # (a trace there may read it False: _compat says where)
     exchange = call.exchange
     local = exchange.local_grads(grad_output, saved, call)
     grad_input = None

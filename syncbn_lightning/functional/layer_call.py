@@ -527,7 +527,7 @@ def _native_call(
         *plan.args,
     )
     if step is not None:
-        step.write_prior()  # (the operator wrote this call's merge into the row)
+        step.wrote_prior()  # (the operator wrote this call's merge into the row)
     _record(layer, input, kind, mean, var, info, stats, flight_call)
     return output, activation is not None
 
@@ -556,19 +556,20 @@ def forward_function(
         path = plan.python
     else:  # compiled code, DataParallel replicas, a direct call
         path = python_path(layer, input.device.type, world_size)
-    state = LayerState(*_state(layer, input, kind))
     # Compiled code cannot queue flags at run time: it notes them on the layer's status instead
     # (made where the layer was placed, only on devices whose calls queue their flags).
     order = layer._order if torch.compiler.is_compiling() else None
     if order is not None and order.device == input.device:
         mark_status_used()
-        state = state._replace(order=order)
+    else:
+        order = None
+    step = _step_of_call(layer, kind)
+    prior = step.prior if step is not None else None
+    state = LayerState(*_state(layer, input, kind), order=order, prior=prior)
     if residual is not None and not path.exchange.fuses_residual:
         activation = residual = None  # the caller adds and activates
     act, act_param = activation or _NO_ACT
     keeps: list[Any] | None = [] if kind.keep is not None and path.exchange.keeps else None
-    step = _step_of_call(layer, kind)
-    prior, merges = (step.prior, []) if step is not None else (None, None)
     call = SyncCall(
         path.group,
         path.world_size,
@@ -580,13 +581,11 @@ def forward_function(
         act_param,
         kind.kept,
         keeps,
-        prior,
-        merges,
     )
     args = (input, weight, bias, state, call) + (() if residual is None else (residual,))
     output, mean, var, info = SyncBatchNormFunction.apply(*args)
-    if step is not None and merges:
-        step.write_prior(merges[0])
+    if step is not None:
+        step.wrote_prior()  # (the Function wrote this call's merge into the row)
     stats, flight_call = None, -1
     if keeps:
         mean_lo, invstd, grad_info, flight_call = keeps
@@ -607,14 +606,14 @@ def _record(
 ) -> None:
     """After the call: a checkpointed forward keeps ``stats`` (:attr:`~.recompute.Kept.stats`)
     and its ``flight_call`` on its checkpoint; every call but a recompute records the batch
-    (``last_batch``, a plain attribute: ``Module.__setattr__`` costs ~2 us of host time per
-    call) and, inside :func:`~syncbn_lightning.step_statistics`, adds its statistics to the
-    step's."""
+    (``last_batch``, a plain attribute set past ``Module.__setattr__``, which costs ~2 us of host
+    time per call; dynamo traces ``object.__setattr__``, not a write into ``__dict__``) and,
+    inside :func:`~syncbn_lightning.step_statistics`, adds its statistics to the step's."""
     if kind.recompute:
         return
     if stats is not None:
         keep(kind.keep, layer, input, stats, flight_call)
-    layer.__dict__["last_batch"] = BatchRecord(input.shape[0], mean, var, info)
+    object.__setattr__(layer, "last_batch", BatchRecord(input.shape[0], mean, var, info))
     step: StepStatistics | None = layer._step_stats
     if step is not None and step.normalize == "micro":  # ("step": the call set its prior)
         step.add_group(info, mean, var, layer.sync_options.unbiased_running_var)

@@ -106,7 +106,7 @@ class ReduceExchange(SplitMeanBackward):
             sent,
             weight,
             bias,
-            *state[:4],  # running_mean, running_var, num_batches_tracked, nonfinite
+            *state.merge_updates(),
             options.momentum,
             options.eps,
             options.unbiased_running_var,
