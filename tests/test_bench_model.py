@@ -128,3 +128,25 @@ def test_bench_step_statistics_prints_the_cost_by_layers() -> None:
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
     cells = {row[0].strip(): row[1].strip() for row in rows[1:]}
     assert set(cells) == {"1", "3"} and cells["1"] == cells["3"] and int(cells["1"]) > 0, cells
+
+
+@pytest.mark.slow
+def test_bench_before_after_prints_each_side_and_the_paired_ratios() -> None:
+    """benchmarks/bench_before_after.py, this checkout on both sides: the four rows, each with
+    both sides' medians and one paired ratio with its range."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_before_after.py", str(ROOT), str(ROOT),
+         "--pairs", "2", "--rounds", "1", "--steps", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert [row[0].strip() for row in rows[1:]] == [
+        "no group, ext us",
+        "one-rank gloo group, ext us",
+        "one-rank gloo group, ext / floor",
+        "no group, ext / bn",
+    ], rows
+    for row in rows[1:]:
+        assert len(row) == 4 and float(row[1]) > 0 and float(row[2]) > 0, row
+        assert row[3].strip().count("(") == 1, row  # the paired median, then its range
