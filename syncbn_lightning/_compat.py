@@ -52,6 +52,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _checkpoint
 
+from ._torch import release
+
 __all__ = [
     "GLOO_THREADS_NAMED",
     "NON_REENTRANT_KEEPS",
@@ -125,7 +127,7 @@ def store_connection(store: Any, timeout: timedelta | None = None) -> Any:
     return connection
 
 
-_RELEASE = tuple(int(p) for p in torch.__version__.split(".")[:2])
+_RELEASE = release(torch.__version__)[:2]
 
 #: Whether torch names gloo's threads (``pt_gloo_runloop``, ``gloo_tcp_loop``): 2.13.0 and 2.14.1
 #: do, 2.4.1 and 2.8.0 do not (the exit drain finds them by elimination there).

@@ -46,7 +46,9 @@ def inline_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     process and (by its environment variable) in the processes it starts; the default of the
     later releases, left alone there (2.13 deprecates it: always on; docs/kernels.md gives it to
     users)."""
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 8):
+    from syncbn_lightning._torch import release
+
+    if release(torch.__version__)[:2] >= (2, 8):
         yield
         return
     monkeypatch.setenv("TORCHDYNAMO_INLINE_INBUILT_NN_MODULES", "1")

@@ -223,6 +223,8 @@ def test_chained_layers_compiled_whole_give_every_gradient_eager_gives(
                 (run(x) * weights).sum().backward()
         grads.append([x.grad for x in inputs] + [p.grad for p in model.parameters()])
     assert grads[0][0].abs().max() > 0.1  # (the case has a gradient to lose)
+    # Eager took the C++ path, the compiled twin the Python Function (all compiled code does).
+    assert all(layer._sync_plan.native for layer in eager if isinstance(layer, SyncBatchNorm))
     for ours, theirs in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
