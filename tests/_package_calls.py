@@ -36,7 +36,7 @@ PLAN_CALLS = frozenset(
     {
         "batchnorm.py:forward",
         "batchnorm.py:_forward",
-        "layer_call.py:synchronizes",
+        "layer_call.py:call_plan",
         "layer_call.py:plan_of",
         "layer_call.py:_impl_env",
         "layer_call.py:sync_forward",
@@ -44,7 +44,6 @@ PLAN_CALLS = frozenset(
         "layer_call.py:_native_call",
         "layer_call.py:affine_of",
         "layer_call.py:_state",
-        "layer_call.py:_counters",
         "layer_call.py:_record",
     }
 )

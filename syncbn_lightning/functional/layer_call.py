@@ -2,13 +2,14 @@
 call) or :func:`plain_forward` (plain BatchNorm: eval, or training without a group).
 
 :class:`~syncbn_lightning.SyncBatchNorm` decides whether a training call synchronizes
-(:func:`synchronizes`) and makes one of these two calls. A synchronized call:
+(:func:`call_plan`: the call's plan, or ``None``) and makes one of these two calls. A
+synchronized call:
 
-1. takes the layer's **plan** (:func:`plan_of`): what does not change from call to call (the
-   group's name and size, the exchange, whether the C++ operator runs, the operator's settings
-   in its schema's order), made once and kept on the layer while the objects it came from are
-   the layer's current ones (its :class:`~.options.SyncOptions`, its process group, torch's
-   default group, its name, ``SYNCBN_IMPL``);
+1. takes the layer's **plan** (:func:`plan_of`, through :func:`call_plan`): what does not
+   change from call to call (the group's name and size, the exchange, whether the C++ operator
+   runs, the operator's settings in its schema's order), made once and kept on the layer while
+   the objects it came from are the layer's current ones (its :class:`~.options.SyncOptions`,
+   its process group, torch's default group, its name, ``SYNCBN_IMPL``);
 2. asks what **kind of call** it is (:func:`~.recompute.call_kind`: plain, a checkpoint's
    forward, or its recompute), which fixes what the call updates (:func:`_state`: the running
    statistics and the call counter, or nothing in a recompute), what it keeps, and, inside
@@ -57,6 +58,7 @@ __all__ = [
     "functorch_error",
     "SyncPlan",
     "affine_of",
+    "call_plan",
     "forward_function",
     "plain_forward",
     "plan_of",
@@ -110,19 +112,34 @@ class BatchRecord(NamedTuple):
 
 
 def synchronizes(layer: Any, device: str) -> bool:
-    """Whether ``layer``'s training calls on tensors of ``device`` (a device type) synchronize:
-    DataParallel replicas, a group of more than one rank, ``force_sync``, or inside
-    ``step_statistics(normalize="step")`` (a call's statistics merge with the step's earlier
-    ones: the synchronized call, also without a group). Read from the layer's plan for
-    ``device`` (made once; :func:`sync_forward` then takes it), or, while ``torch.compile``
-    traces, from the group itself."""
+    """Whether ``layer``'s training calls on tensors of ``device`` (a device type) synchronize
+    (:func:`call_plan` gives them a plan)."""
+    return call_plan(layer, device) is not None
+
+
+#: The plan :func:`call_plan` gives a synchronized call in compiled code and in DataParallel
+#: replicas: the Python path, which finds its own per call (:func:`python_path`).
+PER_CALL: Any = object()
+
+
+def call_plan(layer: Any, device: str) -> Any:
+    """How ``layer``'s training call on tensors of ``device`` (a device type) runs: ``None``,
+    plain BatchNorm (:func:`plain_forward`); else the plan of its synchronized call
+    (:func:`sync_forward`): DataParallel replicas, a group of more than one rank, ``force_sync``,
+    or inside ``step_statistics(normalize="step")`` (a call's statistics merge with the step's
+    earlier ones: the synchronized call, also without a group, :meth:`SyncPlan.merge_only`).
+    The layer's :class:`SyncPlan` for ``device`` (made once, :func:`plan_of`), or
+    :data:`PER_CALL` for replicas and while ``torch.compile`` traces (which reads the group
+    itself). The one place a call asks whether it is compiled."""
     if layer.replica_group is not None:
-        return True
+        return PER_CALL
     if torch.compiler.is_compiling():
         group = layer.sync_options.force_sync or sync_group_size(layer.process_group) > 1
-    else:
-        group = plan_of(layer, device).synchronizes
-    return group or _stepwise(layer) is not None
+        return PER_CALL if group or _stepwise(layer) is not None else None
+    plan = plan_of(layer, device)
+    if plan.synchronizes:
+        return plan
+    return None if _stepwise(layer) is None else plan.merge_only(layer)
 
 
 def _stepwise(layer: Any) -> StepStatistics | None:
@@ -187,27 +204,25 @@ def plain_forward(layer: Any, input: torch.Tensor) -> torch.Tensor:
 
 def sync_forward(
     layer: Any,
+    plan: Any,
     input: torch.Tensor,
     activation: tuple[int, float] | None,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool]:
-    """The synchronized training call of ``layer`` on ``input`` (the module docstring):
-    ``act(bn(input) + residual)`` with the fused ``activation`` (a code and parameter of
-    :mod:`syncbn_lightning.ops.activations`; ``None``: none) and ``residual`` (``None``: none);
-    returns the output and whether the activation (and residual) were applied, which a custom
-    exchange that fuses no residual leaves to the caller.
+    """The synchronized training call of ``layer`` on ``input`` (the module docstring), with
+    the ``plan`` :func:`call_plan` gave it: ``act(bn(input) + residual)`` with the fused
+    ``activation`` (a code and parameter of :mod:`syncbn_lightning.ops.activations`; ``None``:
+    none) and ``residual`` (``None``: none); returns the output and whether the activation (and
+    residual) were applied, which a custom exchange that fuses no residual leaves to the caller.
 
     Raises:
         RuntimeError: inside a ``torch.func`` transform, which no synchronized call can run in.
         TypeError / ValueError: on an input the layer cannot take (the layer's checks).
     """
-    if torch.compiler.is_compiling() or layer.replica_group is not None:
+    if plan is PER_CALL:
         return forward_function(layer, input, None, activation, residual)
     if functorch_active():  # a transform's wrapped tensors pass the layer's type check
         raise functorch_error()
-    plan: SyncPlan = layer._sync_plan  # the one synchronizes() made for this call
-    if not plan.synchronizes:  # it synchronizes only to merge with its step's earlier calls
-        plan = plan.merge_only(layer)
     kind = call_kind(layer, input)
     # A CUDA graph's capture takes the Python path (its functional collectives, as capture on
     # NCCL needs; a replay runs no host code, so its host cost is moot). A tensor subclass, or an
@@ -282,6 +297,7 @@ class SyncPlan:
         device: the device type of the inputs the plan is for (``"cpu"``, ``"cuda"``, ...).
         cpu: whether that is the CPU.
         op: the C++ path's operator (``None`` on the Python path).
+        call: what a call calls to run ``op``: its C++ callable (:func:`_callable_of`).
         world_size: ranks in the layer's sync group (1: the call is plain BatchNorm unless the
             layer forces synchronization).
         settings: the C++ operator's settings by name (its schema's: ``csrc/layer/layer.cpp``),
@@ -302,6 +318,7 @@ class SyncPlan:
 
     __slots__ = (
         "args",
+        "call",
         "checks_first",
         "cpu",
         "device",
@@ -334,6 +351,7 @@ class SyncPlan:
         self.synchronizes = self.world_size > 1 or options.force_sync
         self.native = self.checks_first = False
         self.op: Any = None
+        self.call: Any = None
         self.python: PythonPath | None = None
         self.settings: dict[str, Any] = {}
         self.args: tuple[Any, ...] = ()
@@ -370,6 +388,7 @@ class SyncPlan:
         register_python_kernels()
         flight.flight_recorder()  # a new job's recorder (the C++ writer follows it)
         self.native, self.op = True, native_op()
+        self.call = _callable_of(self.op)
         self.checks_first = python_checks_first()
         assert self.python is not None
         self.settings = {
@@ -387,6 +406,15 @@ class SyncPlan:
         self.args = settings_in_schema_order(self.op, self.settings)
 
 
+def _callable_of(op: Any) -> Any:
+    """The C++ callable behind ``op`` (an ``OpOverload``), which its ``__call__`` calls with the
+    same arguments: one of the two micro-optimizations the layer call keeps (benchmarks/RESULTS.md,
+    "The layer call's host cost, folded"), as that Python frame repacks the call's 25 arguments
+    (3 K of the forward's ~150 K instructions). ``op`` itself where a release has no such
+    attribute."""
+    return getattr(op, "_op", op)
+
+
 def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ...]:
     """``settings`` (the trailing arguments of ``op``, by name) in the order ``op``'s schema
     declares them, read from the schema.
@@ -399,7 +427,7 @@ def settings_in_schema_order(op: Any, settings: dict[str, Any]) -> tuple[Any, ..
     return tuple(settings[name] for name in names[first:])
 
 
-# The one micro-optimization the layer call keeps (benchmarks/RESULTS.md, "One forward a newcomer
+# The other micro-optimization the layer call keeps (benchmarks/RESULTS.md, "One forward a newcomer
 # can follow: host cost"): os.environ.get encodes the key on every call (0.6 us of a ~20 us
 # forward); the dict of encoded keys, which os.environ's assignments update, is read directly
 # where CPython has one.
@@ -447,7 +475,15 @@ def _state(layer: Any, input: torch.Tensor, kind: CallKind) -> tuple[Any, ...]:
     counted); inside :func:`~syncbn_lightning.step_statistics` (the layer's
     :class:`~.accumulate.StepStatistics`), the step's copies of the running statistics and no
     counter of skips: the step's end updates the buffers once (:func:`commit_step`)."""
-    calls, nonfinite = _counters(layer, input)
+    # The counters, tested in place on the CPU (a torch.device per comparison costs more than
+    # the test); elsewhere, or before the first call, _counters finds or makes them.
+    calls, nonfinite = layer._calls, layer._nonfinite
+    if (
+        calls is None
+        or nonfinite is None
+        or not (input.is_cpu and calls.is_cpu and nonfinite.is_cpu)
+    ):
+        calls, nonfinite = _counters(layer, input)
     buffers = layer._buffers
     if kind.recompute:
         return (*_NO_RUNNING, calls.clone())
@@ -469,13 +505,10 @@ def _counters(layer: Any, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """The layer's call and non-finite counters on ``input``'s device (one int64 each, not
     state: made at the first call, moved there with their values when the layer moves)."""
     calls, nonfinite = layer._calls, layer._nonfinite
-    if calls is not None and nonfinite is not None:
-        if input.is_cpu:  # (a torch.device per comparison costs more than the call's checks)
-            if calls.is_cpu and nonfinite.is_cpu:
-                return calls, nonfinite
-        elif calls.device == input.device and nonfinite.device == input.device:
-            return calls, nonfinite
     device = input.device
+    if calls is not None and nonfinite is not None:
+        if calls.device == device and nonfinite.device == device:
+            return calls, nonfinite
     if calls is None or calls.device != device:
         calls = layer._calls = _counter_on(calls, device)
     if nonfinite is None or nonfinite.device != device:
@@ -512,7 +545,7 @@ def _native_call(
     stats, call = (kept.stats, kept.flight_call) if kept is not None else (None, -1)
     step = None if layer._step_stats is None else _step_of_call(layer, kind)
     prior = None if step is None else step.prior
-    output, mean, var, info, stats, flight_call = plan.op(
+    output, mean, var, info, stats, flight_call = plan.call(
         input,
         weight,
         bias,

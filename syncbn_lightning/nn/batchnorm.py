@@ -33,10 +33,10 @@ from ..distributed.groups import check_process_group
 from ..functional.layer_call import (
     BatchRecord,  # noqa: F401  (pickles of 0.1 name it here)
     SyncPlan,
+    call_plan,
     check_dims,
     plain_forward,
     sync_forward,
-    synchronizes,
 )
 from ..functional.options import SyncOptions
 from ..ops.activations import fused_activation
@@ -276,12 +276,13 @@ class SyncBatchNorm(SyncCallState, _BatchNorm):
         """The normalized ``input``, and whether ``activation`` (a code and parameter of
         :mod:`syncbn_lightning.ops.activations`) was applied too, after adding ``residual`` when
         one is given: by the synchronized call, never by plain BatchNorm, which leaves both to
-        the caller. A training call synchronizes where :func:`synchronizes` says; every other
-        call is plain BatchNorm."""
+        the caller. A training call synchronizes where :func:`call_plan` gives it a plan; every
+        other call is plain BatchNorm."""
         # (is_cpu first: reading input.device makes a torch.device, 0.4 us of the call)
         device = "cpu" if not isinstance(input, torch.Tensor) or input.is_cpu else input.device.type
-        if self.training and synchronizes(self, device):
-            return sync_forward(self, input, activation, residual)
+        plan = call_plan(self, device) if self.training else None
+        if plan is not None:
+            return sync_forward(self, plan, input, activation, residual)
         return plain_forward(self, input), False
 
     def _load_from_state_dict(
