@@ -66,7 +66,6 @@ __all__ = [
     "running_buffers",
     "settings_in_schema_order",
     "sync_forward",
-    "synchronizes",
 ]
 
 _GROUPS: Any = dist.distributed_c10d.GroupMember if dist.is_available() else None
@@ -109,12 +108,6 @@ class BatchRecord(NamedTuple):
 # ------------------------------------------------------------------------------------------------
 # The two calls a module ends in
 # ------------------------------------------------------------------------------------------------
-
-
-def synchronizes(layer: Any, device: str) -> bool:
-    """Whether ``layer``'s training calls on tensors of ``device`` (a device type) synchronize
-    (:func:`call_plan` gives them a plan)."""
-    return call_plan(layer, device) is not None
 
 
 #: The plan :func:`call_plan` gives a synchronized call in compiled code and in DataParallel
