@@ -305,6 +305,9 @@ class SyncPlan:
             :data:`~syncbn_lightning.distributed.call_order.watcher.watch_epoch` at which it had
             the job's watcher watch the group (a later one makes a new plan: the watchers were
             stopped since, a fit's teardown); else ``None``.
+        key: what the plan was made from (the layer's options, its process group, torch's
+            default group, the layer's name, ``SYNCBN_IMPL``, the device type): it holds while
+            the layer's are the same (:func:`plan_of`).
         merging: for a plan that does not synchronize, the one its calls take inside
             ``step_statistics(normalize="step")`` (:meth:`merge_only`; ``None`` until one asks).
     """
@@ -319,6 +322,7 @@ class SyncPlan:
         "fused",
         "group",
         "impl",
+        "key",
         "merging",
         "name",
         "native",
@@ -340,6 +344,7 @@ class SyncPlan:
         self.options, self.process_group, self.world = options, layer.process_group, world
         self.name, self.impl = layer.sync_name, impl
         self.device, self.cpu = device, device == "cpu"
+        self.key = (options, self.process_group, world, self.name, impl, device)
         self.world_size = sync_group_size(layer.process_group)
         self.synchronizes = self.world_size > 1 or options.force_sync
         self.native = self.checks_first = False
@@ -439,15 +444,12 @@ def plan_of(layer: Any, device: str = "cpu") -> SyncPlan:
     than the layer's tensors gets a plan too; the layer's input checks then refuse it."""
     plan: SyncPlan | None = layer._sync_plan
     world = _GROUPS.WORLD if _GROUPS is not None else None
-    impl = _impl_env() if layer.sync_options.impl is None else None
+    options = layer.sync_options
+    impl = _impl_env() if options.impl is None else None
+    key = (options, layer.process_group, world, layer.sync_name, impl, device)
     if (
         plan is None
-        or plan.options is not layer.sync_options
-        or plan.process_group is not layer.process_group
-        or plan.world is not world
-        or plan.name is not layer.sync_name
-        or plan.impl != impl
-        or plan.device != device
+        or plan.key != key
         or (plan.watched is not None and plan.watched != watcher.watch_epoch)
     ):
         plan = layer._sync_plan = SyncPlan(layer, world, impl, device)
