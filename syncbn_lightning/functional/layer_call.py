@@ -8,8 +8,8 @@ synchronized call:
 1. takes the layer's **plan** (:func:`plan_of`, through :func:`call_plan`): what does not
    change from call to call (the group's name and size, the exchange, whether the C++ operator
    runs, the operator's settings in its schema's order), made once and kept on the layer while
-   the objects it came from are the layer's current ones (its :class:`~.options.SyncOptions`,
-   its process group, torch's default group, its name, ``SYNCBN_IMPL``);
+   what it came from is the layer's still (its :class:`~.options.SyncOptions`, its process
+   group, torch's default group, its name, ``SYNCBN_IMPL``, the device type: the plan's key);
 2. asks what **kind of call** it is (:func:`~.recompute.call_kind`: plain, a checkpoint's
    forward, or its recompute), which fixes what the call updates (:func:`_state`: the running
    statistics and the call counter, or nothing in a recompute), what it keeps, and, inside
@@ -324,10 +324,8 @@ class SyncPlan:
         "impl",
         "key",
         "merging",
-        "name",
         "native",
         "op",
-        "options",
         "process_group",
         "python",
         "settings",
@@ -341,10 +339,9 @@ class SyncPlan:
         self, layer: Any, world: Any, impl: Any, device: str, merge_only: bool = False
     ) -> None:
         options = layer.sync_options
-        self.options, self.process_group, self.world = options, layer.process_group, world
-        self.name, self.impl = layer.sync_name, impl
+        self.process_group, self.world, self.impl = layer.process_group, world, impl
         self.device, self.cpu = device, device == "cpu"
-        self.key = (options, self.process_group, world, self.name, impl, device)
+        self.key = (options, layer.process_group, world, layer.sync_name, impl, device)
         self.world_size = sync_group_size(layer.process_group)
         self.synchronizes = self.world_size > 1 or options.force_sync
         self.native = self.checks_first = False
